@@ -1,0 +1,40 @@
+"""Pydantic models shared by every component. Imports no other lorafn package."""
+
+from lorafn.api.specs import (
+    API_VERSION,
+    GROUP,
+    SLO,
+    VERSION,
+    AdapterRef,
+    Auth,
+    BackboneSpec,
+    FunctionRef,
+    GenerationDefaults,
+    LoRAFunctionSpec,
+    ModelRef,
+    Placement,
+    Scaling,
+    SecretKeyRef,
+    WarmPool,
+)
+from lorafn.api.uris import ArtifactURI, parse_uri
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "SLO",
+    "VERSION",
+    "AdapterRef",
+    "ArtifactURI",
+    "Auth",
+    "BackboneSpec",
+    "FunctionRef",
+    "GenerationDefaults",
+    "LoRAFunctionSpec",
+    "ModelRef",
+    "Placement",
+    "Scaling",
+    "SecretKeyRef",
+    "WarmPool",
+    "parse_uri",
+]

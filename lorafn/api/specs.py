@@ -1,0 +1,167 @@
+"""The resource specs every component shares: `Backbone` and `LoRAFunction` (group lorafn.io/v1alpha1).
+
+Field names follow the Kubernetes (camelCase) spelling through aliases; Python code uses snake_case.
+Validation lives here once: the CRD schemas, the operator and `lorafn apply` all refuse the same input.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from lorafn.api.uris import parse_uri
+
+GROUP = "lorafn.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Kubernetes object names (DNS-1123 labels for namespaces and function names).
+_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def check_dns_label(value: str, what: str) -> str:
+    """Return `value` when it is a DNS-1123 label, else raise ValueError naming `what`."""
+    if not isinstance(value, str) or not _DNS_LABEL_RE.match(value):
+        raise ValueError(
+            f"{what} {value!r} must be a DNS-1123 label: lower-case letters, digits and '-', "
+            "at most 63 characters, starting and ending with a letter or digit"
+        )
+    return value
+
+
+class _Spec(BaseModel):
+    """Base: camelCase aliases, snake_case attributes, unknown fields refused."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def to_k8s(self) -> dict[str, Any]:
+        """The Kubernetes (camelCase) form, without unset optional fields."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _check_uri(value: str) -> str:
+    parse_uri(value)
+    return value
+
+
+class ModelRef(_Spec):
+    uri: str = Field(description="file:///path or pvc://<claim>/<path> of a model directory")
+
+    _uri = field_validator("uri")(_check_uri)
+
+
+class Placement(_Spec):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    gpus: int = Field(default=1, ge=1, le=64, description="GPUs per selected node that hold a copy")
+
+
+class WarmPool(_Spec):
+    min_standby: int = Field(default=1, ge=0, le=64, description="standby workers kept per GPU")
+    max_standby: int = Field(default=4, ge=0, le=256, description="upper bound the planner may raise to")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> WarmPool:
+        if self.min_standby > self.max_standby:
+            raise ValueError(
+                f"warmPool.minStandby ({self.min_standby}) must be <= "
+                f"warmPool.maxStandby ({self.max_standby})"
+            )
+        return self
+
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+
+
+class BackboneSpec(_Spec):
+    """`Backbone` (cluster-scoped): a base model loaded once per GPU and shared read-only."""
+
+    model: ModelRef
+    dtype: Dtype = "bfloat16"
+    placement: Placement = Field(default_factory=Placement)
+    warm_pool: WarmPool = Field(default_factory=WarmPool)
+
+
+class AdapterRef(_Spec):
+    uri: str = Field(description="file:///path or pvc://<claim>/<path> of a PEFT adapter directory")
+
+    _uri = field_validator("uri")(_check_uri)
+
+
+class SLO(_Spec):
+    ttft_ms: int = Field(default=1000, ge=1, le=600_000, description="time-to-first-token target")
+    tpot_ms: int | None = Field(default=None, ge=1, le=60_000, description="time-per-output-token target")
+
+
+class Scaling(_Spec):
+    min_replicas: int = Field(default=0, ge=0, le=1000)
+    max_replicas: int = Field(default=1, ge=1, le=1000)
+    keep_alive_seconds: int = Field(default=60, ge=0, le=86_400)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Scaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"scaling.minReplicas ({self.min_replicas}) must be <= scaling.maxReplicas "
+                f"({self.max_replicas})"
+            )
+        return self
+
+
+class GenerationDefaults(_Spec):
+    max_tokens: int = Field(default=256, ge=1, le=32_768)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=100_000, description="0 disables top-k")
+    stop: list[str] = Field(default_factory=list, max_length=16)
+
+
+class SecretKeyRef(_Spec):
+    name: str
+    key: str = "api-keys"
+
+    _name = field_validator("name")(lambda v: check_dns_label(v, "auth.apiKeySecretRef.name"))
+
+
+class Auth(_Spec):
+    api_key_secret_ref: SecretKeyRef | None = None
+
+
+class LoRAFunctionSpec(_Spec):
+    """`LoRAFunction` (namespaced): backbone + adapter + SLO + scaling; invoked as `namespace/name`."""
+
+    backbone: str
+    adapter: AdapterRef
+    slo: SLO = Field(default_factory=SLO)
+    scaling: Scaling = Field(default_factory=Scaling)
+    generation: GenerationDefaults = Field(default_factory=GenerationDefaults)
+    auth: Auth = Field(default_factory=Auth)
+
+    _backbone = field_validator("backbone")(lambda v: check_dns_label(v, "backbone"))
+
+
+class FunctionRef(BaseModel):
+    """`namespace/name`, the address of a function everywhere (HTTP `model`, Redis keys, CLI)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    namespace: str
+    name: str
+
+    @model_validator(mode="after")
+    def _labels(self) -> FunctionRef:
+        check_dns_label(self.namespace, "namespace")
+        check_dns_label(self.name, "function name")
+        return self
+
+    @classmethod
+    def parse(cls, text: str) -> FunctionRef:
+        namespace, sep, name = text.partition("/")
+        if not sep or "/" in name:
+            raise ValueError(f"function {text!r} must be written namespace/name")
+        return cls(namespace=namespace, name=name)
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"

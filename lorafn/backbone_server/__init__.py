@@ -1,0 +1,1 @@
+"""lorafn.backbone_server"""

@@ -1,0 +1,1 @@
+"""Pure policy of the controller: no torch, no Kubernetes, no Redis."""

@@ -1,0 +1,1 @@
+"""lorafn.operator"""

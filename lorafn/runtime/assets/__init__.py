@@ -1,0 +1,1 @@
+"""Model assets: pulling real models, writing random models of real shapes."""
