@@ -26,3 +26,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "cluster" in item.keywords and not has_cluster:
             item.add_marker(skip_cluster)
+
+
+# --- model assets (lorafn.runtime.assets) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random `tiny` Llama (seed 0, float32): config, safetensors shards, tokenizer; written once a run."""
+    from lorafn.runtime.assets.random_model import write_random_model
+
+    return write_random_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0, progress=False)
