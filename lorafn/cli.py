@@ -24,6 +24,8 @@ app = typer.Typer(
 # the module's commands on the root app through its `register(app)` function.
 _GROUPS: list[tuple[str, str, str | None]] = [
     ("lorafn.runtime.assets.cli", "app", "model"),
+    ("lorafn.gateway.cli", "app", "gateway"),
+    ("lorafn.runtime.worker_cli", "app", "worker"),
 ]
 _ROOT_REGISTRARS: list[str] = []
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,3 +39,27 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lorafn.runtime.assets.random_model import write_random_model
 
     return write_random_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0, progress=False)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[str]:
+    """A real `redis-server` process on a free port, data in a tmp dir; yields its URL, then kills it."""
+    from lorafn.local.redis_proc import RedisProcess
+
+    server = RedisProcess(data_dir=tmp_path / "redis").start()
+    try:
+        yield server.url
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def redis_process(tmp_path: Path) -> Iterator[Any]:
+    """Like `redis_server`, but yields the `RedisProcess` (tests that kill and restart Redis)."""
+    from lorafn.local.redis_proc import RedisProcess
+
+    server = RedisProcess(data_dir=tmp_path / "redis-proc").start()
+    try:
+        yield server
+    finally:
+        server.kill()

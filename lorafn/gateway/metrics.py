@@ -1,0 +1,159 @@
+"""Prometheus metrics of one gateway process (its own registry: several apps may share a process)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ENDPOINTS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/models": "models",
+    "/healthz": "healthz",
+    "/readyz": "readyz",
+    "/metrics": "metrics",
+    "/openapi.json": "openapi",
+}
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "lorafn_gateway_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "lorafn_gateway_request_duration_seconds",
+            "HTTP request duration (to the last byte)",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "lorafn_gateway_ttft_seconds",
+            "time from request arrival to the first generated text",
+            ["function"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "lorafn_gateway_errors",
+            "error answers by error code (also mid-stream errors)",
+            ["code"],
+            registry=self.registry,
+        )
+        self.cold_starts = Counter(
+            "lorafn_gateway_cold_starts",
+            "requests that found no live worker for their function",
+            ["function"],
+            registry=self.registry,
+        )
+        self.restarts = Counter(
+            "lorafn_gateway_restarts",
+            "requests restarted by another worker after theirs died",
+            ["function"],
+            registry=self.registry,
+        )
+
+
+def endpoint_of(path: str) -> str:
+    if path in ENDPOINTS:
+        return ENDPOINTS[path]
+    if path.startswith("/v1/functions/") and path.endswith(":invoke"):
+        return "invoke"
+    return "other"
+
+
+class MetricsMiddleware:
+    """Pure ASGI: status and duration of every HTTP request (to the last body byte of a stream)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            endpoint = endpoint_of(scope.get("path", ""))
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI: refuse bodies over `max_bytes` with 413 (by Content-Length, or while reading)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from lorafn.gateway.errors import APIError
+
+        too_large = APIError(413, f"the request body exceeds {self.max_bytes} bytes", code="body_too_large")
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    length = -1
+                if length > self.max_bytes or length < 0:
+                    await _send_json(
+                        send,
+                        413 if length > 0 else 400,
+                        too_large.body()
+                        if length > 0
+                        else APIError(400, "bad Content-Length", code="bad_content_length").body(),
+                    )
+                    return
+        seen = 0
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await _send_json(send, 413, too_large.body())
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
+    import json
+
+    data = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})

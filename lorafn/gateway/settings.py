@@ -1,0 +1,43 @@
+"""The gateway's one typed configuration (environment variables `LORAFN_*`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAFN_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "lorafn"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, description="larger request bodies get 413")
+    max_tokens_limit: int = Field(default=32_768, ge=1, description="hard cap on max_tokens")
+    default_max_context: int = Field(
+        default=2048, ge=16, description="when neither registry nor config.json says"
+    )
+
+    rate_limit_rps: float = Field(default=50.0, description="per function, token bucket; <= 0 disables")
+    rate_limit_burst: int = Field(default=100, ge=1)
+    max_queue: int = Field(default=1000, ge=0, description="queued requests per function before 503; 0: none")
+
+    queue_timeout_s: float = Field(default=30.0, gt=0, description="a live worker must accept within this")
+    cold_start_timeout_s: float = Field(
+        default=120.0, gt=0, description="... or, with none live, within this"
+    )
+    request_timeout_s: float = Field(default=600.0, gt=0, description="a whole request, first byte to last")
+    heartbeat_ttl_s: float = Field(
+        default=5.0, gt=0, description="a worker is live while its heartbeat is younger"
+    )
+    demand_guard_ms: int = Field(
+        default=2000, ge=1, description="at most one demand record per function per period"
+    )
+    registry_cache_s: float = Field(default=2.0, ge=0, description="how long a function record is reused")
+
+    max_connections: int = Field(
+        default=1024, ge=4, description="Redis connections (one per waiting request)"
+    )
+    log_level: str = "info"

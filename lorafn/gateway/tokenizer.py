@@ -1,0 +1,96 @@
+"""The backbone's tokenizer and chat template in the gateway, without torch or transformers.
+
+`tokenizer.json` is read with the `tokenizers` library; the chat template comes from
+`chat_template.jinja` or `tokenizer_config.json` and is rendered with a sandboxed jinja2 environment
+configured as transformers configures it (trim_blocks, lstrip_blocks, `raise_exception`, `tojson`).
+The gateway counts prompt tokens with it (limits) and sends the token ids to the worker, so the
+worker does not tokenize again.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+# When the model ships no chat template: ChatML, the most common format of instruct models.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return str(value or "")
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered with the model's template (e.g. roles it refuses)."""
+
+
+class GatewayTokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: the gateway needs the backbone's tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        config: dict[str, Any] = {}
+        if (model_dir / "tokenizer_config.json").is_file():
+            config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if (model_dir / "chat_template.jinja").is_file():
+            template = (model_dir / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        self.has_chat_template = bool(template)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.template = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
+        self.special = {
+            "bos_token": _token_text(config.get("bos_token")),
+            "eos_token": _token_text(config.get("eos_token")),
+            "pad_token": _token_text(config.get("pad_token")),
+            "unk_token": _token_text(config.get("unk_token")),
+        }
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.max_context = 0
+        if (model_dir / "config.json").is_file():
+            model_config = json.loads((model_dir / "config.json").read_text())
+            self.max_context = int(model_config.get("max_position_embeddings") or 0)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template refused the messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        """The rendered prompt and its ids. The template writes the special tokens itself (as in
+        transformers' apply_chat_template), so none are added on encoding."""
+        text = self.render_chat(messages)
+        return text, self.encode(text, add_special_tokens=False)
+
+
+@lru_cache(maxsize=32)
+def load_tokenizer(model_dir: str) -> GatewayTokenizer:
+    """One tokenizer per model directory per process."""
+    return GatewayTokenizer(model_dir)

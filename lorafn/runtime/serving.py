@@ -1,0 +1,481 @@
+"""The worker serving loop: one worker bound to one function, between its Redis streams and an Engine.
+
+Per iteration (one round trip to Redis while the batch runs):
+  engine.step() -> token deltas -> XADD to each reply stream, XACK+XDEL finished entries, and a
+  non-blocking XREADGROUP for new entries (up to the free batch slots) — all in one pipeline.
+When the batch is empty the worker blocks in XREADGROUP (`block_ms`), so a new request wakes it at once.
+
+Around it:
+- heartbeats (worker registry, expiring) every `heartbeat_s`, with a read of the worker's control
+  stream (`stop`/`drain`);
+- every `claim_interval_s`, entries pending for at least `claim_min_idle_ms` whose holder has no live
+  heartbeat are claimed (XCLAIM: of two claimers one wins) and restarted from scratch: the reply
+  stream gets a `restart` event first, so the gateway voids text it has not yet relayed and, for a
+  stream already sent to a client, either continues (the retry reproduced the sent text) or ends it
+  with an explicit error. An entry delivered more than `max_deliveries` times ends with an error
+  (a request that kills its workers must not kill them all);
+- SIGTERM (or a `drain`/`stop` command): stop reading, finish the running requests, ack, exit 0;
+- `keep_alive_s` without work: exit 0 (a bound worker never goes back to the pool);
+- Redis unreachable: abort the running requests (their clients already got an error from the gateway),
+  retry with backoff, and on return drop what this worker still held with an error event.
+
+The engine is anything with the `ServingEngine` methods; `EngineAdapter` wraps `lorafn.runtime.Engine`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import redis
+
+from lorafn.runtime.sampling_params import SamplingParams
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, combine, streams, workers
+from lorafn.store import stats as store_stats
+
+log = logging.getLogger("lorafn.worker")
+
+
+@dataclass
+class Delta:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    text: str
+    num_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ServingEngine(Protocol):
+    """The engine methods the loop uses (continuous batching: add while others run, step, abort)."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None: ...
+
+    def step(self) -> list[Delta]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+@dataclass
+class ServingConfig:
+    function: str
+    worker_id: str = field(default_factory=lambda: default_worker_id())
+    max_running: int = 64
+    block_ms: int = 500
+    heartbeat_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    claim_interval_s: float = 1.0
+    claim_min_idle_ms: int = 2000
+    max_deliveries: int = 3
+    keep_alive_s: float | None = None  # None: serve until stopped
+    reply_ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.heartbeat_ttl_s <= self.heartbeat_s:
+            raise ValueError(
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        if self.keep_alive_s is not None and self.keep_alive_s < 0:
+            raise ValueError(f"keep_alive_s must be >= 0, got {self.keep_alive_s}")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()[:40]}-{os.getpid()}-{os.urandom(2).hex()}".replace("_", "-")
+
+
+@dataclass
+class _Running:
+    request_id: str
+    entry_id: str
+    completion_tokens: int = 0
+
+
+def sampling_params(params: dict[str, Any]) -> SamplingParams:
+    """The request's sampling parameters (ValueError naming the field on bad input)."""
+    allowed = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"}
+    unknown = set(params) - allowed
+    if unknown:
+        raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+    return SamplingParams(**params)
+
+
+class Worker:
+    """The serving loop of one worker. `run()` returns the process exit code."""
+
+    def __init__(
+        self,
+        store: Store,
+        keys: Keys,
+        engine: ServingEngine,
+        config: ServingConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store, self.keys, self.engine, self.config, self.clock = store, keys, engine, config, clock
+        self.function = config.function
+        self.worker_id = config.worker_id
+        self.running: dict[str, _Running] = {}
+        self._events: list[tuple[str, dict[str, Any]]] = []
+        self._acks: list[str] = []
+        self._counters: dict[str, int] = {}
+        self._draining = False
+        self._control_cursor = "0"
+        self._started = time.time()
+        self.served = 0
+
+    # -- public ---------------------------------------------------------------------------------
+    def drain(self, *_: Any) -> None:
+        """Stop reading new requests; finish the running ones, then `run` returns 0 (SIGTERM handler)."""
+        if not self._draining:
+            log.info("worker %s draining (%d running)", self.worker_id, len(self.running))
+        self._draining = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.drain)
+        signal.signal(signal.SIGINT, self.drain)
+
+    def run(self) -> int:
+        cfg = self.config
+        self._ensure_group()
+        self._heartbeat()
+        now = self.clock()
+        next_heartbeat = now + cfg.heartbeat_s
+        next_claim = now
+        last_busy = now
+        outage_since: float | None = None
+        try:
+            while True:
+                try:
+                    now = self.clock()
+                    if now >= next_heartbeat:
+                        self._heartbeat()
+                        next_heartbeat = now + cfg.heartbeat_s
+                    if outage_since is not None:
+                        self._recover_after_outage()
+                        log.warning(
+                            "worker %s: Redis is back after %.1f s", self.worker_id, now - outage_since
+                        )
+                        outage_since = None
+                    if now >= next_claim and not self._draining:
+                        self._claim_dead()
+                        next_claim = now + cfg.claim_interval_s
+                    if self.running:
+                        self._step()
+                        last_busy = self.clock()
+                        continue
+                    if self._draining:
+                        self._flush()
+                        return 0
+                    got = self._read(block_ms=cfg.block_ms)
+                    if got or self.running:
+                        last_busy = self.clock()
+                    elif cfg.keep_alive_s is not None and self.clock() - last_busy >= cfg.keep_alive_s:
+                        log.info("worker %s: idle for %.0f s, exiting", self.worker_id, cfg.keep_alive_s)
+                        self._flush()
+                        return 0
+                except UNAVAILABLE_ERRORS as e:
+                    if outage_since is None:
+                        outage_since = self.clock()
+                        log.warning(
+                            "worker %s: Redis unreachable (%s); aborting %d running requests",
+                            self.worker_id,
+                            e,
+                            len(self.running),
+                        )
+                        for rid in list(self.running):
+                            self.engine.abort(rid)
+                        self.running.clear()
+                        self._events.clear()
+                        self._acks.clear()
+                    if self._draining:
+                        return 0
+                    time.sleep(min(2.0, 0.1 + (self.clock() - outage_since) / 4))
+                except redis.ResponseError as e:
+                    if "NOGROUP" not in str(e):
+                        raise
+                    log.warning("worker %s: request stream or group vanished; recreating", self.worker_id)
+                    self._ensure_group()
+        finally:
+            with contextlib.suppress(UNAVAILABLE_ERRORS):
+                self.store.run(workers.deregister(self.keys, self.worker_id, self.function))
+
+    # -- the loop's parts -----------------------------------------------------------------------
+    def _ensure_group(self) -> None:
+        try:
+            self.store.run(streams.create_group(self.keys, self.function))
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def _heartbeat(self) -> None:
+        fields = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "state": "draining" if self._draining else "serving",
+            "running": len(self.running),
+            "served": self.served,
+            "started": int(self._started),
+        }
+        ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
+        _, commands = self.store.run(
+            combine(
+                workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields),
+                workers.read_control(self.keys, self.worker_id, self._control_cursor),
+            )
+        )
+        for entry_id, body in commands:
+            self._control_cursor = entry_id
+            if body.get("cmd") in ("stop", "drain"):
+                self.drain()
+            else:
+                log.warning("worker %s: ignoring control command %r", self.worker_id, body)
+
+    def _free_slots(self) -> int:
+        return 0 if self._draining else max(0, self.config.max_running - len(self.running))
+
+    def _pending_ops(self) -> list[Op[Any]]:
+        ops: list[Op[Any]] = []
+        if self._events:
+            ops.append(streams.reply_events(self.keys, self._events, int(self.config.reply_ttl_s * 1000)))
+        if self._acks:
+            ops.append(streams.ack(self.keys, self.function, self._acks))
+        if self._counters:
+            ops.append(store_stats.add_counters(self.keys, self.function, **self._counters))
+        return ops
+
+    def _sent(self) -> None:
+        self._events, self._acks, self._counters = [], [], {}
+
+    def _flush(self) -> None:
+        ops = self._pending_ops()
+        if ops:
+            self.store.run(combine(*ops))
+        self._sent()
+
+    def _read(self, block_ms: int | None) -> int:
+        """Send queued events and read new entries, in one round trip; returns how many arrived."""
+        free = self._free_slots()
+        ops = self._pending_ops()
+        if free:
+            ops.append(streams.read_requests(self.keys, self.function, self.worker_id, free, block_ms))
+        if not ops:
+            return 0
+        results = self.store.run(combine(*ops))
+        self._sent()
+        entries = results[-1] if free else []
+        for entry_id, fields in entries:
+            self._admit(entry_id, fields, restart=False)
+        return len(entries)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception:
+            log.exception(
+                "worker %s: engine step failed; ending %d requests", self.worker_id, len(self.running)
+            )
+            for run in self.running.values():
+                self._end(
+                    run,
+                    {
+                        "type": streams.ERROR,
+                        "code": "engine_error",
+                        "message": "the worker's engine failed while generating this request",
+                    },
+                )
+            self.running.clear()
+            self._flush()
+            raise
+        for delta in deltas:
+            run = self.running.get(delta.request_id)
+            if run is None:
+                continue
+            if delta.text or delta.num_tokens:
+                run.completion_tokens += delta.num_tokens
+                self._events.append(
+                    (run.request_id, {"type": streams.DELTA, "text": delta.text, "tokens": delta.num_tokens})
+                )
+            if delta.finished:
+                completion = delta.completion_tokens or run.completion_tokens
+                self._end(
+                    run,
+                    {
+                        "type": streams.DONE,
+                        "finish_reason": delta.finish_reason or "stop",
+                        "prompt_tokens": delta.prompt_tokens,
+                        "completion_tokens": completion,
+                    },
+                )
+                self._counters["prompt_tokens"] = self._counters.get("prompt_tokens", 0) + delta.prompt_tokens
+                self._counters["completion_tokens"] = self._counters.get("completion_tokens", 0) + completion
+                del self.running[run.request_id]
+                self.served += 1
+        self._read(block_ms=None)
+
+    def _end(self, run: _Running, event: dict[str, Any]) -> None:
+        self._events.append((run.request_id, event))
+        self._acks.append(run.entry_id)
+        if event["type"] == streams.ERROR:
+            self._counters["errors"] = self._counters.get("errors", 0) + 1
+
+    def _admit(self, entry_id: str, fields: dict[str, str], restart: bool) -> None:
+        """Hand one stream entry to the engine, or end it with an error event."""
+        rid = fields.get("rid")
+        if not rid:  # deleted while pending (the gateway gave up on it): nothing to answer
+            self._acks.append(entry_id)
+            return
+        if rid in self.running:
+            return
+        run = _Running(rid, entry_id)
+        deadline = int(fields.get("deadline") or 0)
+        if deadline and time.time() * 1000 > deadline:
+            self._end(
+                run,
+                {
+                    "type": streams.ERROR,
+                    "code": "expired",
+                    "message": "the request waited past its deadline before a worker took it",
+                },
+            )
+            return
+        try:
+            body = json.loads(fields.get("body") or "{}")
+            params = sampling_params(body.get("params") or {})
+            prompt, token_ids = body.get("prompt"), body.get("prompt_token_ids")
+            if prompt is None and not token_ids:
+                raise ValueError("the request has neither prompt nor prompt_token_ids")
+        except (ValueError, TypeError) as e:
+            self._end(run, {"type": streams.ERROR, "code": "invalid_request", "message": str(e)})
+            return
+        if restart:
+            self._events.append(
+                (rid, {"type": streams.RESTART, "worker": self.worker_id, "reason": "previous worker died"})
+            )
+        self._events.append((rid, {"type": streams.ACCEPTED, "worker": self.worker_id}))
+        try:
+            self.engine.add_request(rid, prompt, params, prompt_token_ids=token_ids)
+        except ValueError as e:
+            self._end(run, {"type": streams.ERROR, "code": "invalid_request", "message": str(e)})
+            return
+        self.running[rid] = run
+
+    def _claim_dead(self) -> None:
+        """Take over entries held by workers without a live heartbeat; restart them from scratch."""
+        cfg = self.config
+        ttl_ms = int(cfg.heartbeat_ttl_s * 1000)
+        now_ms, stale = self.store.run(
+            combine(
+                workers.server_time_ms(), streams.pending(self.keys, self.function, cfg.claim_min_idle_ms)
+            )
+        )
+        if not stale:
+            return
+        live = set(self.store.run(workers.live_workers(self.keys, self.function, ttl_ms, now_ms)))
+        live.add(self.worker_id)
+        dead = [p for p in stale if p.consumer not in live]
+        if not dead:
+            return
+        room = max(1, self._free_slots())
+        take = dead[:room]
+        claimed = self.store.run(
+            streams.claim(
+                self.keys, self.function, self.worker_id, cfg.claim_min_idle_ms, [p.entry_id for p in take]
+            )
+        )
+        deliveries = {p.entry_id: p.deliveries for p in take}
+        for entry_id, fields in claimed:
+            log.warning("worker %s: claimed %s from a dead worker", self.worker_id, entry_id)
+            if deliveries.get(entry_id, 0) >= cfg.max_deliveries and fields.get("rid"):
+                self._end(
+                    _Running(fields["rid"], entry_id),
+                    {
+                        "type": streams.ERROR,
+                        "code": "worker_failures",
+                        "message": f"workers died {deliveries[entry_id]} times while serving this request",
+                    },
+                )
+                continue
+            self._admit(entry_id, fields, restart=True)
+        if len(take) == len(dead) and len(stale) < 100:
+            # every entry of those consumers is ours now: forget them in the group
+            for consumer in {p.consumer for p in dead}:
+                self.store.run(streams.delete_consumer(self.keys, self.function, consumer))
+        self._flush()
+
+    def _recover_after_outage(self) -> None:
+        """After Redis came back: what this worker still held was aborted; tell and ack (see module doc)."""
+        self._ensure_group()
+        held = self.store.run(
+            streams.read_requests(self.keys, self.function, self.worker_id, 1000, None, True)
+        )
+        for entry_id, fields in held:
+            rid = fields.get("rid")
+            if rid and rid not in self.running:
+                self._end(
+                    _Running(rid, entry_id),
+                    {
+                        "type": streams.ERROR,
+                        "code": "data_plane_interrupted",
+                        "message": "Redis was unreachable while this request ran; it was aborted",
+                    },
+                )
+            elif not rid:
+                self._acks.append(entry_id)
+        self._flush()
+
+
+class EngineAdapter:
+    """`ServingEngine` over `lorafn.runtime.Engine` (add_request(prompt, params, request_id), step, abort)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._prompt_tokens: dict[str, int] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        self.engine.add_request(
+            prompt_token_ids if prompt_token_ids else prompt, params, request_id=request_id
+        )
+        output = self.engine.get_output(request_id)
+        self._prompt_tokens[request_id] = len(output.prompt_token_ids) if output is not None else 0
+
+    def step(self) -> list[Delta]:
+        out = []
+        for d in self.engine.step():
+            prompt_tokens = self._prompt_tokens.pop(d.request_id, 0) if d.finished else 0
+            out.append(
+                Delta(d.request_id, d.text, len(d.token_ids), d.finished, d.finish_reason, prompt_tokens)
+            )
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self._prompt_tokens.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished())

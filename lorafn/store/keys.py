@@ -1,0 +1,108 @@
+"""The Redis key schema: one function per key, all under a deployment prefix.
+
+Nothing else in lorafn spells a Redis key. Functions are addressed as the plain string
+`namespace/name` (the store imports no other lorafn package; callers validate names with
+`lorafn.api.FunctionRef`). Every key of a deployment starts with `<prefix>:`, so one Redis can hold
+several deployments (tests use a random prefix each).
+"""
+
+from __future__ import annotations
+
+import re
+
+# The consumer group every request stream carries; each worker is one consumer of it.
+GROUP = "workers"
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_FUNCTION_RE = re.compile(r"^[^\s/:{}]+/[^\s/:{}]+$")
+_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def check_function(function: str) -> str:
+    """`function` when it is `namespace/name` without characters that would break the key schema."""
+    if not isinstance(function, str) or not _FUNCTION_RE.match(function):
+        raise ValueError(f"function {function!r} must be written namespace/name (no spaces, ':' or '{{}}')")
+    return function
+
+
+def check_id(value: str, what: str) -> str:
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ValueError(f"{what} {value!r} must be 1-128 characters of [A-Za-z0-9_.-]")
+    return value
+
+
+class Keys:
+    """Key names of one deployment. Cheap to build; holds only the prefix."""
+
+    def __init__(self, prefix: str = "lorafn") -> None:
+        if not _PREFIX_RE.match(prefix):
+            raise ValueError(f"key prefix {prefix!r} must be 1-64 characters of [A-Za-z0-9_.-]")
+        self.prefix = prefix
+
+    # -- registry ------------------------------------------------------------------------------
+    def salt(self) -> str:
+        """string: the per-deployment HMAC salt of API-key hashes (created once, SET NX)."""
+        return f"{self.prefix}:salt"
+
+    def functions(self) -> str:
+        """set: every registered function (`namespace/name`)."""
+        return f"{self.prefix}:functions"
+
+    def function(self, function: str) -> str:
+        """hash: the registration record of a function (spec JSON, model dir, limits)."""
+        return f"{self.prefix}:fn:{check_function(function)}"
+
+    def function_keys(self, function: str) -> str:
+        """set: the API-key hashes that open this function."""
+        return f"{self.function(function)}:keys"
+
+    def api_keys(self) -> str:
+        """hash: API-key hash -> the one function it opens."""
+        return f"{self.prefix}:apikeys"
+
+    # -- data plane ----------------------------------------------------------------------------
+    def requests(self, function: str) -> str:
+        """stream (consumer group `workers`): the function's pending invocations."""
+        return f"{self.function(function)}:requests"
+
+    def reply(self, request_id: str) -> str:
+        """stream: the events of one request (accepted, deltas, restart, done/error); expires."""
+        return f"{self.prefix}:reply:{check_id(request_id, 'request id')}"
+
+    # -- workers and control -------------------------------------------------------------------
+    def function_workers(self, function: str) -> str:
+        """sorted set: worker id -> last heartbeat (server ms) of the workers bound to the function."""
+        return f"{self.function(function)}:workers"
+
+    def workers(self) -> str:
+        """sorted set: worker id -> last heartbeat (server ms), every worker of the deployment."""
+        return f"{self.prefix}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        """hash: a worker's self-description (function, pid, host, state); expires without heartbeats."""
+        return f"{self.prefix}:worker:{check_id(worker_id, 'worker id')}"
+
+    def control(self, worker_id: str) -> str:
+        """stream: commands for one worker (`stop`, `drain`; `bind` is reserved for the warm pool)."""
+        return f"{self.prefix}:control:{check_id(worker_id, 'worker id')}"
+
+    def demand(self) -> str:
+        """stream: cold-start demand (a request found no live worker); the supervisor consumes it."""
+        return f"{self.prefix}:demand"
+
+    def demand_guard(self, function: str) -> str:
+        """string with expiry: set while a demand record for the function is fresh (deduplication)."""
+        return f"{self.function(function)}:demand"
+
+    # -- statistics and limits -----------------------------------------------------------------
+    def stats(self, function: str) -> str:
+        """hash: counters (requests, cold_starts, rate_limited, prompt_tokens, completion_tokens, errors)."""
+        return f"{self.function(function)}:stats"
+
+    def arrivals(self, function: str, bucket: int) -> str:
+        """integer with expiry: requests admitted in window `bucket` (= server seconds // bucket size)."""
+        return f"{self.function(function)}:arrivals:{int(bucket)}"
+
+    def rate_limit(self, function: str) -> str:
+        """hash: the function's token bucket (tokens, ts)."""
+        return f"{self.function(function)}:ratelimit"

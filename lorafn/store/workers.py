@@ -1,0 +1,87 @@
+"""The worker registry: heartbeats (expiring), liveness per function, and per-worker control streams."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorafn.store.client import Op, eval_script
+from lorafn.store.keys import Keys
+from lorafn.store.streams import stream_entries
+
+
+def heartbeat(
+    keys: Keys, worker_id: str, function: str | None, ttl_ms: int, fields: dict[str, Any]
+) -> Op[int]:
+    """Register or refresh a worker (lua/heartbeat.lua); returns the server time written (ms)."""
+    worker_keys = [keys.worker(worker_id), keys.workers()]
+    if function:
+        worker_keys.append(keys.function_workers(function))
+    args: list[Any] = [worker_id, int(ttl_ms)]
+    for k, v in {**fields, "function": function or ""}.items():
+        args += [k, str(v)]
+    return Op(lambda pipe: eval_script(pipe, "heartbeat", worker_keys, args), lambda r: int(r[0]))
+
+
+def deregister(keys: Keys, worker_id: str, function: str | None) -> Op[None]:
+    """A worker that exits removes itself, so the gateway sees at once that none is left."""
+
+    def build(pipe: Any) -> None:
+        pipe.delete(keys.worker(worker_id))
+        pipe.zrem(keys.workers(), worker_id)
+        if function:
+            pipe.zrem(keys.function_workers(function), worker_id)
+
+    return Op(build, lambda r: None)
+
+
+def server_time_ms() -> Op[int]:
+    return Op(lambda pipe: pipe.time(), lambda r: int(r[0][0]) * 1000 + int(r[0][1]) // 1000)
+
+
+def live_workers(keys: Keys, function: str, ttl_ms: int, now_ms: int) -> Op[list[str]]:
+    """Workers of `function` whose last heartbeat is younger than `ttl_ms` at server time `now_ms`."""
+    return Op(
+        lambda pipe: pipe.zrangebyscore(keys.function_workers(function), now_ms - ttl_ms, "+inf"),
+        lambda r: list(r[0]),
+    )
+
+
+def count_live_workers(keys: Keys, function: str, ttl_ms: int) -> Op[int]:
+    """Live workers of `function`, judged on the server's clock (one round trip)."""
+
+    def build(pipe: Any) -> None:
+        eval_script(pipe, "count_live", [keys.function_workers(function)], [int(ttl_ms)])
+
+    return Op(build, lambda r: int(r[0]))
+
+
+def worker_ids(keys: Keys) -> Op[list[str]]:
+    """Ids of the workers that heartbeated recently (silent ones drop out after ten periods)."""
+    return Op(lambda pipe: pipe.zrange(keys.workers(), 0, -1), lambda r: list(r[0]))
+
+
+def worker_info(keys: Keys, ids: list[str]) -> Op[dict[str, dict[str, str]]]:
+    """Each worker's self-description (for `lorafn status`); expired workers are left out."""
+
+    def build(pipe: Any) -> None:
+        for wid in ids:
+            pipe.hgetall(keys.worker(wid))
+
+    return Op(build, lambda r: {wid: h for wid, h in zip(ids, r, strict=True) if h})
+
+
+def send_control(keys: Keys, worker_id: str, command: str, **fields: Any) -> Op[str]:
+    """Append a command (`stop`, `drain`) to a worker's control stream."""
+    body = {"cmd": command, **{k: str(v) for k, v in fields.items()}}
+
+    def build(pipe: Any) -> None:
+        pipe.xadd(keys.control(worker_id), body, maxlen=100, approximate=True)
+        pipe.pexpire(keys.control(worker_id), 24 * 3600 * 1000)
+
+    return Op(build, lambda r: r[0])
+
+
+def read_control(keys: Keys, worker_id: str, last_id: str) -> Op[list[tuple[str, dict[str, str]]]]:
+    return Op(
+        lambda pipe: pipe.xread({keys.control(worker_id): last_id}, count=16), lambda r: stream_entries(r[0])
+    )
