@@ -356,20 +356,26 @@ class Gateway:
             return APIError(500, message, type="server_error", code=code)
         return unavailable(message, code=code)
 
-    async def texts(self, job: Job) -> AsyncIterator[tuple[str, dict[str, str] | None]]:
-        """(text delta, None) ... then ("", done event): restarts handled (see docs/gateway.md).
+    async def texts(
+        self, job: Job, streaming: bool
+    ) -> AsyncIterator[tuple[str | None, dict[str, str] | None]]:
+        """(text delta, None) ... then ("", done event), restarts handled (see docs/gateway.md).
 
-        After a restart the new text is held back until it passes what was already given out; if it
-        reproduces that text (greedy, or the same seed) the relay continues seamlessly, else it ends
-        with a `restart_diverged` error.
+        Not streaming: a restart yields (None, None): the caller drops the text it collected.
+        Streaming: after a restart the new text is held back until it passes what was already given
+        out; if it reproduces that text (greedy, or the same seed) the relay continues seamlessly, else
+        it ends with a `restart_diverged` error.
         """
         sent = ""  # text given to the caller
         replay: str | None = None  # text of the restarted attempt, while it is still behind `sent`
         try:
             async for event in self.events(job):
                 kind = event.get("type")
-                if kind == streams.RESTART:
-                    replay = ""
+                if kind == streams.RESTART and not streaming:
+                    sent = ""
+                    yield None, None
+                elif kind == streams.RESTART:
+                    replay = "" if sent else None
                 elif kind == streams.DELTA:
                     text = event.get("text", "")
                     if replay is None:
@@ -416,10 +422,13 @@ class Gateway:
 
     async def collect(self, job: Job) -> tuple[str, dict[str, str]]:
         parts: list[str] = []
-        async for text, done in self.texts(job):
+        async for text, done in self.texts(job, streaming=False):
             if done is not None:
                 return "".join(parts), done
-            parts.append(text)
+            if text is None:
+                parts.clear()
+            else:
+                parts.append(text)
         raise APIError(500, "the reply stream ended without a result", type="server_error", code="no_result")
 
 
@@ -582,7 +591,7 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
                 first["choices"][0]["delta"]["content"] = ""
                 yield _sse(first)
             try:
-                async for text, done in gw.texts(job):
+                async for text, done in gw.texts(job, streaming=True):
                     if done is None:
                         yield _sse(chunk(text, None))
                         continue

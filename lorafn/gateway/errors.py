@@ -48,15 +48,16 @@ def unavailable(message: str, code: str, retry_after_s: int = 1) -> APIError:
 def _param(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     # pydantic adds the union member's type name ("str", "list[int]") to locations: drop those
-    parts = [
-        p for p in parts if not (p.startswith(("list[", "dict[")) or p in ("str", "int", "float", "bool"))
-    ]
+    tags = ("str", "int", "float", "bool", "list", "dict")
+    parts = [p for p in parts if not ("[" in p or "-" in p or p in tags)]
     return ".".join(parts) or None
 
 
 def from_validation_error(err: ValidationError) -> APIError:
     """The first problem of a pydantic error as a 400 naming its field."""
     problems = err.errors(include_url=False)
+    # of a union's alternatives, the deepest location is the most specific complaint
+    problems.sort(key=lambda p: -len((_param(tuple(p.get("loc", ()))) or "").split(".")))
     first = problems[0] if problems else {"loc": (), "msg": str(err), "type": "value_error"}
     param = _param(tuple(first.get("loc", ())))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
