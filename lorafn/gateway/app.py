@@ -81,6 +81,8 @@ class Gateway:
         self.metrics = Metrics()
         self._functions: dict[str, FunctionInfo] = {}
         self._salt: str | None = None
+        # API-key hash -> (the function it opens or None, when read); reused for registry_cache_s
+        self._owners: dict[str, tuple[str | None, float]] = {}
 
     # -- registry, auth -------------------------------------------------------------------------
     async def _key_hash(self, api_key: str) -> str:
@@ -122,18 +124,30 @@ class Gateway:
         gone. Public functions (registered without auth) take any request.
         """
         api_key = _bearer(request)
+        now = time.monotonic()
+        ttl = self.settings.registry_cache_s
         cached = self._functions.get(function)
-        fresh = cached is not None and time.monotonic() - cached.fetched < self.settings.registry_cache_s
-        key_op = reg.lookup_api_key(self.keys, await self._key_hash(api_key)) if api_key else None
-        if fresh and key_op is None:
-            owner, info = None, cached
-        elif fresh:
-            owner, info = await self.store.run(key_op), cached
-        else:
-            ops = [reg.get_function(self.keys, function)] + ([key_op] if key_op else [])
-            results = await self.store.run(combine(*ops))
-            info = await self._info(function, results[0])
-            owner = results[1] if key_op else None
+        info = cached if cached is not None and now - cached.fetched < ttl else None
+        key_hash = await self._key_hash(api_key) if api_key else None
+        owner: str | None = None
+        known = self._owners.get(key_hash) if key_hash else None
+        key_fresh = known is not None and now - known[1] < ttl
+        if key_fresh:
+            owner = known[0]
+        ops: list[Any] = []
+        if info is None:
+            ops.append(reg.get_function(self.keys, function))
+        if key_hash and not key_fresh:
+            ops.append(reg.lookup_api_key(self.keys, key_hash))
+        if ops:  # one round trip for what the caches do not hold (both are fresh on a warm path)
+            results = list(await self.store.run(combine(*ops)))
+            if info is None:
+                info = await self._info(function, results.pop(0))
+            if key_hash and not key_fresh:
+                owner = results.pop(0)
+                if len(self._owners) >= 10_000:
+                    self._owners.clear()
+                self._owners[key_hash] = (owner, now)
         if info is not None and info.record.public:
             return info
         if not api_key:
@@ -399,11 +413,9 @@ class Gateway:
                 elif kind == streams.DONE:
                     if replay is not None and replay != sent:
                         raise self._diverged()
-                    await self.forget(job, finished=True)
                     yield "", event
                     return
                 elif kind == streams.ERROR:
-                    await self.forget(job, finished=True)
                     raise self._worker_error(event)
         except UNAVAILABLE_ERRORS:
             self.metrics.errors.labels("redis_unavailable").inc()

@@ -29,7 +29,7 @@ def serve(
         create_app(settings),
         host=settings.host,
         port=settings.port,
-        log_level=settings.log_level,
+        log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=5,
     )

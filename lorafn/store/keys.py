@@ -106,3 +106,12 @@ class Keys:
     def rate_limit(self, function: str) -> str:
         """hash: the function's token bucket (tokens, ts)."""
         return f"{self.function(function)}:ratelimit"
+
+    # -- backbones (local mode and the operator register them) ---------------------------------
+    def backbones(self) -> str:
+        """set: every registered backbone name."""
+        return f"{self.prefix}:backbones"
+
+    def backbone(self, name: str) -> str:
+        """hash: a backbone's record (model_dir, dtype, spec JSON)."""
+        return f"{self.prefix}:bb:{check_id(name, 'backbone name')}"

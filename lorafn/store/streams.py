@@ -12,7 +12,8 @@ Reply stream `<p>:reply:<rid>`, written by the worker that holds the entry, read
                                                 it died: generation starts over; text sent before is void
     type=done      finish_reason, prompt_tokens, completion_tokens
     type=error     code, message                the request ended without an answer
-A reply stream expires `reply_ttl_ms` after its request was accepted; the gateway deletes it once relayed.
+A reply stream expires `ttl` after its request was accepted and a minute after it ended; the gateway
+deletes it early only when its client went away.
 
 Entries are acknowledged (XACK) and deleted (XDEL) when their request ends, so the request stream
 holds only queued and running work.
@@ -183,15 +184,21 @@ def read_requests(
     )
 
 
-def reply_events(keys: Keys, events: list[tuple[str, dict[str, Any]]], ttl_ms: int) -> Op[None]:
-    """Append events to reply streams; events that open a reply (accepted, restart, error) set its expiry."""
+def reply_events(
+    keys: Keys, events: list[tuple[str, dict[str, Any]]], ttl_ms: int, finished_ttl_ms: int = 60_000
+) -> Op[None]:
+    """Append events to reply streams. `accepted`/`restart` set the stream's expiry to `ttl_ms`;
+    `done`/`error` shorten it to `finished_ttl_ms` (the gateway has read it by then, or never will)."""
 
     def build(pipe: Any) -> None:
         for request_id, fields in events:
             key = keys.reply(request_id)
             pipe.xadd(key, {k: str(v) for k, v in fields.items()})
-            if fields.get("type") in (ACCEPTED, RESTART, ERROR):
+            kind = fields.get("type")
+            if kind in (ACCEPTED, RESTART):
                 pipe.pexpire(key, ttl_ms)
+            elif kind in (DONE, ERROR):
+                pipe.pexpire(key, finished_ttl_ms)
 
     return Op(build, lambda r: None)
 
