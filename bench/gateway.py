@@ -63,6 +63,17 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def _server_mean_s(c) -> float:
+    """Mean duration of /v1/completions as the gateway's own histogram saw it."""
+    total = count = 0.0
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith('lorafn_gateway_request_duration_seconds_sum{endpoint="completions"}'):
+            total = float(line.split()[-1])
+        if line.startswith('lorafn_gateway_request_duration_seconds_count{endpoint="completions"}'):
+            count = float(line.split()[-1])
+    return total / max(count, 1.0)
+
+
 def direct_latency(n: int) -> list[float]:
     """The baseline: the same engine called in-process (add_request + step)."""
     from lorafn.runtime.sampling_params import SamplingParams
@@ -83,6 +94,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=16)
     args = ap.parse_args()
+    load = os.getloadavg()  # other work on the machine inflates every figure: report it
 
     import httpx
 
@@ -160,6 +172,7 @@ def main() -> None:
                     r = c.post("/v1/completions", json=body)
                     lat.append(time.perf_counter() - t)
                     assert r.status_code == 200, r.text
+                server_mean = _server_mean_s(c)  # inside the gateway process, first byte in to last byte out
             direct = direct_latency(args.requests)
 
             done, errors = [0], [0]
@@ -186,8 +199,8 @@ def main() -> None:
 
     ms = 1000.0
     print(
-        f"machine: {os.cpu_count()} CPUs; loopback; {args.requests} sequential requests; "
-        f"engine: InstantEngine (fake, benchmark only)"
+        f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} before the run; loopback; "
+        f"{args.requests} sequential requests; engine: InstantEngine (fake, benchmark only)"
     )
     row = "{:44s} {:8.3f} {:8.3f} {:8.3f}"
     print(f"{'path':44s} {'p50 ms':>8s} {'p99 ms':>8s} {'mean ms':>8s}")
@@ -197,6 +210,7 @@ def main() -> None:
         ("HTTP -> gateway -> Redis -> worker -> back", lat),
     ):
         print(row.format(label, _pct(xs, 0.5) * ms, _pct(xs, 0.99) * ms, statistics.mean(xs) * ms))
+    print(f"{'  of which inside the gateway process (mean)':44s} {'':8s} {'':8s} {server_mean * ms:8.3f}")
     added50 = (_pct(lat, 0.5) - _pct(direct, 0.5)) * ms
     added99 = (_pct(lat, 0.99) - _pct(direct, 0.99)) * ms
     print(

@@ -26,6 +26,7 @@ _GROUPS: list[tuple[str, str, str | None]] = [
     ("lorafn.runtime.assets.cli", "app", "model"),
     ("lorafn.gateway.cli", "app", "gateway"),
     ("lorafn.runtime.worker_cli", "app", "worker"),
+    ("lorafn.operator.cli", "app", "operator"),
 ]
 _ROOT_REGISTRARS: list[str] = []
 

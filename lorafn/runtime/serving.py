@@ -216,8 +216,10 @@ class Worker:
                     log.warning("worker %s: request stream or group vanished; recreating", self.worker_id)
                     self._ensure_group()
         finally:
-            with contextlib.suppress(UNAVAILABLE_ERRORS):
+            with contextlib.suppress(UNAVAILABLE_ERRORS, redis.ResponseError):
                 self.store.run(workers.deregister(self.keys, self.worker_id, self.function))
+                if not self.running:  # a clean exit holds nothing: leave the consumer group too
+                    self._forget_dead_consumers(only=self.worker_id)
 
     # -- the loop's parts -----------------------------------------------------------------------
     def _ensure_group(self) -> None:
@@ -416,11 +418,16 @@ class Worker:
                 )
                 continue
             self._admit(entry_id, fields, restart=True)
-        if len(take) == len(dead) and len(stale) < 100:
-            # every entry of those consumers is ours now: forget them in the group
-            for consumer in {p.consumer for p in dead}:
-                self.store.run(streams.delete_consumer(self.keys, self.function, consumer))
         self._flush()
+        self._forget_dead_consumers(live)
+
+    def _forget_dead_consumers(self, live: set[str] | None = None, only: str | None = None) -> None:
+        """Remove consumers of dead workers (not in `live`; or just `only`, this worker on exit) that hold
+        nothing any more — deleting one that still held entries would lose them — so the group does not
+        grow with every worker that ever ran. Dead workers receive nothing new, so no entry can slip in."""
+        for name, num_pending, _idle in self.store.run(streams.consumers(self.keys, self.function)):
+            if num_pending == 0 and (name == only if only else name not in (live or set())):
+                self.store.run(streams.delete_consumer(self.keys, self.function, name))
 
     def _recover_after_outage(self) -> None:
         """After Redis came back: what this worker still held was aborted; tell and ack (see module doc)."""

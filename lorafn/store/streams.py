@@ -251,5 +251,14 @@ def claim(
     )
 
 
+def consumers(keys: Keys, function: str) -> Op[list[tuple[str, int, int]]]:
+    """(name, pending entries, idle ms) of every consumer in the function's group."""
+    return Op(
+        lambda pipe: pipe.xinfo_consumers(keys.requests(function), GROUP),
+        lambda r: [(str(c["name"]), int(c["pending"]), int(c["idle"])) for c in r[0]],
+    )
+
+
 def delete_consumer(keys: Keys, function: str, consumer: str) -> Op[None]:
+    """XGROUP DELCONSUMER: also drops the consumer's pending entries, so only for one holding none."""
     return Op(lambda pipe: pipe.xgroup_delconsumer(keys.requests(function), GROUP, consumer), lambda r: None)

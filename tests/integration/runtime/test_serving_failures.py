@@ -103,8 +103,10 @@ def test_kill_9_mid_stream(redis_server: str, tiny_model_dir: Path, tmp_path: Pa
         if not divergent:
             assert all(status == "ok" for status, _ in results.values())
         assert sum(status == "ok" for status, _ in results.values()) >= 3  # every non-streamed one
-        # nothing is left pending in the group
+        # nothing is left pending in the group, and the dead worker's consumer is gone from it
         assert store.run(st.pending(keys, FN, 0)) == []
+        consumers = [name for name, _, _ in store.run(st.consumers(keys, FN))]
+        assert len(consumers) == 1 and f"-{victim}-" not in consumers[0], consumers
     finally:
         for p in procs:
             stop_process(p, signal.SIGKILL)
@@ -125,7 +127,9 @@ def test_sigterm_drains_and_keep_alive_exits(redis_server: str, tiny_model_dir: 
             for t in threads:
                 t.join(timeout=30)
             assert proc.wait(timeout=15) == 0
-        assert [s for s, _ in results.values()] == ["ok", "ok"], results
+            assert (
+                store.run(st.consumers(keys, FN)) == []
+            )  # it left the consumer group        assert [s for s, _ in results.values()] == ["ok", "ok"], results
         assert all(len(text.split()) == NUM_WORDS for _, text in results.values())
     finally:
         stop_process(proc, signal.SIGKILL)
