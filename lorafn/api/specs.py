@@ -19,7 +19,11 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 # Kubernetes object names (DNS-1123 labels for namespaces and function names).
-_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+_DNS_LABEL_RE = re.compile(DNS_LABEL_PATTERN)
+# For the generated CRD schema only (the validators above give the messages): the same rule as a
+# JSON-schema pattern, so that `kubectl apply` refuses a bad name before the operator sees it.
+_DNS_LABEL_SCHEMA = {"pattern": DNS_LABEL_PATTERN, "maxLength": 63}
 
 
 def check_dns_label(value: str, what: str) -> str:
@@ -53,9 +57,28 @@ class ModelRef(_Spec):
     _uri = field_validator("uri")(_check_uri)
 
 
+class GPUDevice(_Spec):
+    """One GPU named explicitly (instead of read off node annotations): where and which."""
+
+    node: str = Field(min_length=1, max_length=253, description="node name (kubernetes.io/hostname)")
+    uuid: str = Field(
+        pattern=r"^(GPU|MIG)-[0-9a-fA-F-]+$",
+        max_length=128,
+        description="GPU UUID as nvidia-smi -L prints it (GPU-... or MIG-...)",
+    )
+    memory_mib: int | None = Field(
+        default=None, ge=1, le=10_000_000, alias="memoryMiB", description="GPU memory in MiB, for status"
+    )
+
+
 class Placement(_Spec):
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict, description="nodes that hold a copy")
     gpus: int = Field(default=1, ge=1, le=64, description="GPUs per selected node that hold a copy")
+    devices: list[GPUDevice] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="explicit GPUs (node + UUID); when set, nodeSelector and gpus are not used",
+    )
 
 
 class WarmPool(_Spec):
@@ -78,10 +101,10 @@ Dtype = Literal["bfloat16", "float16", "float32"]
 class BackboneSpec(_Spec):
     """`Backbone` (cluster-scoped): a base model loaded once per GPU and shared read-only."""
 
-    model: ModelRef
-    dtype: Dtype = "bfloat16"
-    placement: Placement = Field(default_factory=Placement)
-    warm_pool: WarmPool = Field(default_factory=WarmPool)
+    model: ModelRef = Field(description="where the model directory (safetensors + config.json) lies")
+    dtype: Dtype = Field(default="bfloat16", description="dtype of the shared weights on the GPU")
+    placement: Placement = Field(default_factory=Placement, description="which GPUs hold a copy")
+    warm_pool: WarmPool = Field(default_factory=WarmPool, description="standby workers per GPU")
 
 
 class AdapterRef(_Spec):
@@ -96,9 +119,15 @@ class SLO(_Spec):
 
 
 class Scaling(_Spec):
-    min_replicas: int = Field(default=0, ge=0, le=1000)
-    max_replicas: int = Field(default=1, ge=1, le=1000)
-    keep_alive_seconds: int = Field(default=60, ge=0, le=86_400)
+    min_replicas: int = Field(
+        default=0, ge=0, le=1000, description="bound workers kept warm (0: scale to zero)"
+    )
+    max_replicas: int = Field(
+        default=1, ge=1, le=1000, description="most bound workers the controller may ask"
+    )
+    keep_alive_seconds: int = Field(
+        default=60, ge=0, le=86_400, description="idle seconds before a bound worker exits"
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> Scaling:
@@ -111,33 +140,44 @@ class Scaling(_Spec):
 
 
 class GenerationDefaults(_Spec):
-    max_tokens: int = Field(default=256, ge=1, le=32_768)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=256, ge=1, le=32_768, description="default max_tokens of a request")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="default sampling temperature")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="default nucleus sampling mass")
     top_k: int = Field(default=0, ge=0, le=100_000, description="0 disables top-k")
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[str] = Field(default_factory=list, max_length=16, description="default stop strings")
 
 
 class SecretKeyRef(_Spec):
-    name: str
-    key: str = "api-keys"
+    name: str = Field(json_schema_extra=_DNS_LABEL_SCHEMA, description="Secret in the function's namespace")
+    key: str = Field(
+        default="api-keys",
+        min_length=1,
+        max_length=253,
+        description="key of the Secret holding the API keys, one per line",
+    )
 
     _name = field_validator("name")(lambda v: check_dns_label(v, "auth.apiKeySecretRef.name"))
 
 
 class Auth(_Spec):
-    api_key_secret_ref: SecretKeyRef | None = None
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None, description="Secret (in the function's namespace) whose key holds the API keys"
+    )
 
 
 class LoRAFunctionSpec(_Spec):
     """`LoRAFunction` (namespaced): backbone + adapter + SLO + scaling; invoked as `namespace/name`."""
 
-    backbone: str
-    adapter: AdapterRef
-    slo: SLO = Field(default_factory=SLO)
-    scaling: Scaling = Field(default_factory=Scaling)
-    generation: GenerationDefaults = Field(default_factory=GenerationDefaults)
-    auth: Auth = Field(default_factory=Auth)
+    backbone: str = Field(
+        json_schema_extra=_DNS_LABEL_SCHEMA, description="name of the Backbone (cluster-scoped)"
+    )
+    adapter: AdapterRef = Field(description="where the PEFT LoRA adapter directory lies")
+    slo: SLO = Field(default_factory=SLO, description="latency targets")
+    scaling: Scaling = Field(default_factory=Scaling, description="bounds of the bound workers")
+    generation: GenerationDefaults = Field(
+        default_factory=GenerationDefaults, description="defaults for requests that leave them out"
+    )
+    auth: Auth = Field(default_factory=Auth, description="API keys; without them any caller is admitted")
 
     _backbone = field_validator("backbone")(lambda v: check_dns_label(v, "backbone"))
 

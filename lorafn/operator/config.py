@@ -1,0 +1,58 @@
+"""The operator's one typed config (environment variables `LORAFN_OPERATOR_*`, set by the Helm chart)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+GPUSharing = Literal["dra", "visibleDevices"]
+
+
+def _resources(cpu: str, memory: str, memory_limit: str) -> dict[str, Any]:
+    return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory_limit}}
+
+
+class OperatorConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAFN_OPERATOR_", extra="ignore")
+
+    namespace: str = Field(
+        default="lorafn-system",
+        description="namespace of the GPU pods (backbone servers, standby and bound workers) and DRA claims",
+    )
+    image: str = Field(default="ghcr.io/lorafn/lorafn:0.1.0", description="image of GPU pods")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    gpu_sharing: GPUSharing = Field(
+        default="visibleDevices",
+        description="how the pods of one GPU see the same device: a shared DRA ResourceClaim, or "
+        "NVIDIA_VISIBLE_DEVICES=<GPU UUID> on a node with the NVIDIA container runtime",
+    )
+    dra_device_class: str = "gpu.nvidia.com"
+    dra_api_version: str = "resource.k8s.io/v1"
+    runtime_class_name: str | None = Field(default=None, description="e.g. nvidia (visibleDevices mode)")
+    socket_host_dir: str = Field(default="/var/run/lorafn", description="hostPath root of the sockets")
+    gpu_uuids_annotation: str = "lorafn.io/gpu-uuids"
+    gpu_memory_label: str = "nvidia.com/gpu.memory"
+    gpu_product_label: str = "nvidia.com/gpu.product"
+    gpu_count_label: str = "nvidia.com/gpu.count"
+    redis_url: str = "redis://lorafn-redis:6379/0"
+    redis_prefix: str = Field(default="lorafn", description="key prefix of this deployment in Redis")
+    gateway_url: str = Field(
+        default="http://lorafn-gateway.lorafn-system.svc.cluster.local",
+        description="base URL of the gateway, for status.endpoint",
+    )
+    function_services: bool = Field(
+        default=True,
+        description="create an ExternalName Service lfn-<name> per function (alias of the gateway)",
+    )
+    pvc_root: str = Field(default="/mnt/pvc", description="where the operator pod mounts pvc:// claims")
+    reconcile_interval_s: float = Field(default=10.0, gt=0, description="level-based re-check period")
+    workload_service_account: str = "lorafn-workload"
+    server_resources: dict[str, Any] = Field(default_factory=lambda: _resources("1", "4Gi", "64Gi"))
+    worker_resources: dict[str, Any] = Field(default_factory=lambda: _resources("1", "2Gi", "16Gi"))
+    standby_resources: dict[str, Any] = Field(default_factory=lambda: _resources("500m", "2Gi", "16Gi"))
+    # Where the operator talks to the API server; empty: in-cluster service account, then kubeconfig.
+    kube_server: str = ""
+    kube_token: str = ""
+    kube_insecure: bool = False

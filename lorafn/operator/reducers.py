@@ -1,0 +1,296 @@
+"""Pure status reducers and reconcile plans: observed state in, status dict or plan out, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorafn.operator.builders import (
+    COMPONENT_SERVER,
+    COMPONENT_STANDBY,
+    LABEL_COMPONENT,
+    LABEL_REPLICA,
+    LABEL_SLOT,
+    GPUSlot,
+    SlotProblem,
+)
+
+TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
+
+
+def condition(
+    type_: str,
+    status: str,
+    reason: str,
+    message: str,
+    *,
+    generation: int | None,
+    now: str,
+    previous: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A Kubernetes condition; `lastTransitionTime` moves only when `status` changes."""
+    old = next((c for c in previous or [] if c.get("type") == type_), None)
+    since = (
+        old["lastTransitionTime"]
+        if old and old.get("status") == status and old.get("lastTransitionTime")
+        else now
+    )
+    out = {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message[:1024],
+        "lastTransitionTime": since,
+    }
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def pod_finished(pod: dict[str, Any]) -> bool:
+    """A pod that will not run again (restartPolicy Never): it is replaced, not waited for."""
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def pod_deleting(pod: dict[str, Any]) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def clamp_replicas(desired: int | None, min_replicas: int, max_replicas: int) -> int:
+    """What the controller asks (None when it has not said), held within [min, max]."""
+    if desired is None:
+        return min_replicas
+    return max(min_replicas, min(max_replicas, desired))
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    """Which pods to create (by name) and delete (by name) to reach the wanted set."""
+
+    create: list[str] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+
+
+def plan_pods(wanted: list[str], existing: list[dict[str, Any]]) -> PodPlan:
+    """Create wanted names that are absent; delete unwanted ones and finished ones (to be recreated).
+
+    A pod being deleted is left alone: its name is created again once it is gone.
+    """
+    by_name = {p["metadata"]["name"]: p for p in existing}
+    create = [n for n in wanted if n not in by_name]
+    delete = []
+    for name, pod in sorted(by_name.items()):
+        if pod_deleting(pod):
+            continue
+        if name not in wanted or pod_finished(pod):
+            delete.append(name)
+    return PodPlan(create=create, delete=delete)
+
+
+def backbone_status(
+    *,
+    slots: list[GPUSlot],
+    problems: list[SlotProblem],
+    pods: list[dict[str, Any]],
+    server_names: dict[str, str],
+    claim_names: dict[str, str],
+    generation: int | None,
+    now: str,
+    previous: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Status of a Backbone from its slots and the pods that exist (server + standby per slot)."""
+    previous = previous or {}
+    old_conditions = previous.get("conditions") or []
+    gpus = []
+    for slot in slots:
+        slot_pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_SLOT) == slot.slot_id]
+        server = [p for p in slot_pods if p["metadata"]["labels"].get(LABEL_COMPONENT) == COMPONENT_SERVER]
+        standby = [p for p in slot_pods if p["metadata"]["labels"].get(LABEL_COMPONENT) == COMPONENT_STANDBY]
+        entry: dict[str, Any] = {
+            "slot": slot.slot_id,
+            "node": slot.node,
+            "index": slot.index,
+            "server": server_names[slot.slot_id],
+            "ready": bool(server) and pod_ready(server[0]),
+            "standbyWorkers": len(standby),
+            "readyStandbyWorkers": sum(pod_ready(p) for p in standby),
+        }
+        if slot.uuid:
+            entry["uuid"] = slot.uuid
+        if slot.product:
+            entry["product"] = slot.product
+        if slot.memory_mib is not None:
+            entry["memoryMiB"] = slot.memory_mib
+        if slot.slot_id in claim_names:
+            entry["resourceClaim"] = claim_names[slot.slot_id]
+        gpus.append(entry)
+    ready = sum(1 for g in gpus if g["ready"])
+    conditions = []
+    if problems and not slots:
+        sel_status, sel_reason = FALSE, problems[0].reason
+    elif problems:
+        sel_status, sel_reason = TRUE, "PartiallySelected"
+    else:
+        sel_status, sel_reason = TRUE, "Selected"
+    sel_message = "; ".join(p.message for p in problems) or f"{len(slots)} GPU(s) selected"
+    conditions.append(
+        condition(
+            "GPUsSelected",
+            sel_status,
+            sel_reason,
+            sel_message,
+            generation=generation,
+            now=now,
+            previous=old_conditions,
+        )
+    )
+    if ready > 0:
+        ready_cond = (TRUE, "ServersReady", f"{ready}/{len(slots)} backbone server(s) ready")
+    elif slots:
+        ready_cond = (FALSE, "ServersStarting", f"0/{len(slots)} backbone server(s) ready")
+    else:
+        ready_cond = (FALSE, "NoGPUs", "no GPU holds this backbone")
+    conditions.append(
+        condition("Ready", *ready_cond, generation=generation, now=now, previous=old_conditions)
+    )
+    if not slots:
+        phase = "Failed" if problems else "Pending"
+    elif ready == len(slots):
+        phase = "Ready"
+    else:
+        phase = "Loading"
+    return {
+        "phase": phase,
+        "observedGeneration": generation,
+        "numGPUs": len(slots),
+        "readyGPUs": ready,
+        "gpus": gpus,
+        "conditions": conditions,
+    }
+
+
+def backbone_ready(backbone_body: dict[str, Any] | None) -> tuple[bool, str, str]:
+    """(ready, reason, message) of a Backbone as a LoRAFunction sees it."""
+    if backbone_body is None:
+        return False, "BackboneNotFound", "no Backbone of that name"
+    status = backbone_body.get("status") or {}
+    ready_gpus = status.get("readyGPUs") or 0
+    if ready_gpus > 0:
+        return True, "BackboneReady", f"loaded on {ready_gpus} GPU(s)"
+    cond = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if cond is not None:
+        return False, "BackboneNotReady", f"{cond.get('reason')}: {cond.get('message')}"
+    return False, "BackboneNotReady", "the Backbone has no ready GPU yet"
+
+
+def function_status(
+    *,
+    generation: int | None,
+    now: str,
+    previous: dict[str, Any] | None,
+    endpoint: str,
+    backbone: tuple[bool, str, str],
+    adapter: tuple[bool, str, str],
+    adapter_info: dict[str, Any] | None,
+    registered: bool,
+    registration: tuple[bool, str, str] = (True, "Registered", ""),
+    desired: int,
+    pods: list[dict[str, Any]],
+    last_cold_start_ms: int | None,
+) -> dict[str, Any]:
+    """Status of a LoRAFunction. Ready means invocable: a warm worker or a cold start can serve it."""
+    previous = previous or {}
+    old = previous.get("conditions") or []
+    live = [p for p in pods if not pod_deleting(p) and not pod_finished(p)]
+    ready_pods = sum(pod_ready(p) for p in live)
+    bb_ok, bb_reason, bb_msg = backbone
+    ad_ok, ad_reason, ad_msg = adapter
+    invocable = bb_ok and ad_ok and registered
+    if invocable:
+        ready = (TRUE, "Invocable", f"{ready_pods} warm replica(s); others start on demand")
+    elif not ad_ok:
+        ready = (FALSE, ad_reason, ad_msg)
+    elif not bb_ok:
+        ready = (FALSE, bb_reason, bb_msg)
+    elif not registration[0]:
+        ready = (FALSE, registration[1], registration[2])
+    else:
+        ready = (FALSE, "NotRegistered", "not yet registered with the gateway")
+    conditions = [
+        condition(
+            "BackboneReady",
+            TRUE if bb_ok else FALSE,
+            bb_reason,
+            bb_msg,
+            generation=generation,
+            now=now,
+            previous=old,
+        ),
+        condition(
+            "AdapterReady",
+            TRUE if ad_ok else FALSE,
+            ad_reason,
+            ad_msg,
+            generation=generation,
+            now=now,
+            previous=old,
+        ),
+        condition("Ready", *ready, generation=generation, now=now, previous=old),
+    ]
+    if not invocable:
+        phase = "Pending"
+    elif len(live) != desired or ready_pods < desired:
+        phase = "Scaling"
+    elif desired == 0:
+        phase = "Idle"
+    else:
+        phase = "Ready"
+    status: dict[str, Any] = {
+        "phase": phase,
+        "observedGeneration": generation,
+        "replicas": len(live),
+        "readyReplicas": ready_pods,
+        "desiredReplicas": desired,
+        "endpoint": endpoint,
+        "lastColdStartMs": last_cold_start_ms,
+        "conditions": conditions,
+    }
+    if adapter_info is not None:
+        status["adapter"] = adapter_info
+    return status
+
+
+def failed_function_status(
+    *,
+    generation: int | None,
+    now: str,
+    previous: dict[str, Any] | None,
+    condition_type: str,
+    reason: str,
+    message: str,
+) -> dict[str, Any]:
+    """Status for a spec that can never work until it is edited (InvalidSpec, bad URI scheme)."""
+    old = (previous or {}).get("conditions") or []
+    conditions = [c for c in old if c.get("type") not in (condition_type, "Ready")]
+    conditions.append(
+        condition(condition_type, FALSE, reason, message, generation=generation, now=now, previous=old)
+    )
+    if condition_type != "Ready":
+        conditions.append(
+            condition("Ready", FALSE, reason, message, generation=generation, now=now, previous=old)
+        )
+    return {"phase": "Failed", "observedGeneration": generation, "conditions": conditions}
+
+
+def replica_index(pod: dict[str, Any]) -> int | None:
+    try:
+        return int((pod["metadata"].get("labels") or {}).get(LABEL_REPLICA, ""))
+    except ValueError:
+        return None

@@ -1,0 +1,193 @@
+"""The Helm chart, rendered by the real `helm` (v4) binary; every object validated by kubernetes-validate."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "lorafn"
+HELM = shutil.which("helm", path=f"{ROOT / '.tools' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+
+VARIANTS = {
+    "defaults": [],
+    "dra-ingress-monitoring": [
+        "--set",
+        "gpu.sharing=dra",
+        "--set",
+        "gateway.ingress.enabled=true",
+        "--set",
+        "gateway.ingress.className=nginx",
+        "--set",
+        "gateway.ingress.tlsSecretName=lorafn-tls",
+        "--set",
+        "gateway.externalURL=https://lorafn.example.com",
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.serviceMonitor.labels.release=prom",
+        "--set",
+        "operator.pvcClaims={models,adapters}",
+        "--set",
+        "operator.watchNamespaces={team-a,team-b}",
+    ],
+    "external-redis": [
+        "--set",
+        "redis.enabled=false",
+        "--set",
+        "redis.externalURL=redis://redis.example:6379/0",
+        "--set",
+        "gpu.runtimeClassName=nvidia",
+        "--set",
+        "operator.verbose=true",
+        "--set",
+        "redis.persistence.enabled=false",
+    ],
+}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    if HELM is None:
+        pytest.fail("helm not found: scripts/install_helm.sh installs it into .tools/bin")
+    return subprocess.run([HELM, *args], capture_output=True, text=True, check=check)
+
+
+def render(extra: list[str]) -> list[dict[str, Any]]:
+    out = helm(
+        "template", "lorafn", str(CHART), "--namespace", "lorafn-system", "--include-crds", *extra
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_helm_is_v4() -> None:
+    assert helm("version", "--short").stdout.startswith("v4.")
+
+
+def test_helm_lint_strict() -> None:
+    result = helm("lint", "--strict", str(CHART), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    if obj["kind"] in ("Deployment", "StatefulSet"):
+        return [obj["spec"]["template"]["spec"]]
+    return []
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_rendered_object_is_valid(variant: str) -> None:
+    objs = render(VARIANTS[variant])
+    kinds = {o["kind"] for o in objs}
+    assert {"CustomResourceDefinition", "Deployment", "Service", "ClusterRole", "Role"} <= kinds
+    for obj in objs:
+        if obj["kind"] == "ServiceMonitor":  # a Prometheus Operator CRD: no schema in kubernetes-validate
+            assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+            assert obj["spec"]["endpoints"][0]["path"] == "/metrics"
+            continue
+        for version in ("1.30.0", "1.37.0"):
+            kubernetes_validate.validate(obj, version, strict=True)
+        for pod in _pod_specs(obj):
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            for container in pod["containers"]:
+                sc = container["securityContext"]
+                assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+                assert container["resources"]["requests"] and container["resources"]["limits"]
+            assert not pod.get("hostIPC") and not pod.get("hostPID") and not pod.get("hostNetwork")
+
+
+def test_variants_switch_what_they_should() -> None:
+    default = {(o["kind"], o["metadata"]["name"]) for o in render([])}
+    assert ("StatefulSet", "lorafn-redis") in default and ("Ingress", "lorafn-gateway") not in default
+    dra = render(VARIANTS["dra-ingress-monitoring"])
+    role = next(o for o in dra if o["kind"] == "Role")
+    assert any("resourceclaims" in r["resources"] for r in role["rules"])
+    operator = next(
+        o for o in dra if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-operator"
+    )
+    container = operator["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["LORAFN_OPERATOR_GPU_SHARING"] == "dra"
+    assert env["LORAFN_OPERATOR_GATEWAY_URL"] == "https://lorafn.example.com"
+    assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/mnt/pvc/models", "/mnt/pvc/adapters"}
+    assert container["args"].count("--namespace") == 2
+    ext = render(VARIANTS["external-redis"])
+    assert not any(o["kind"] == "StatefulSet" for o in ext)
+    op = next(o for o in ext if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-operator")
+    env = {e["name"]: e.get("value") for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["LORAFN_OPERATOR_REDIS_URL"] == "redis://redis.example:6379/0"
+    assert env["LORAFN_OPERATOR_RUNTIME_CLASS_NAME"] == "nvidia"
+
+
+def test_operator_config_reads_the_chart_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The env the chart sets is exactly what OperatorConfig parses (no silently ignored names)."""
+    from lorafn.operator.config import OperatorConfig
+
+    op = next(
+        o
+        for o in render(VARIANTS["dra-ingress-monitoring"])
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-operator"
+    )
+    env = {e["name"]: e["value"] for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+    fields = {f"LORAFN_OPERATOR_{name.upper()}" for name in OperatorConfig.model_fields}
+    assert set(env) <= fields, set(env) - fields
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = OperatorConfig()
+    assert config.namespace == "lorafn-system" and config.gpu_sharing == "dra"
+    assert config.server_resources["limits"]["memory"] == "64Gi"
+    assert config.workload_service_account == "lorafn-workload"
+
+
+def test_rbac_is_least_privilege() -> None:
+    objs = render([])
+    cluster_role = next(o for o in objs if o["kind"] == "ClusterRole")
+    for rule in cluster_role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+        assert "pods" not in rule["resources"]  # pods only in the release namespace (Role)
+        if "secrets" in rule["resources"]:
+            assert rule["verbs"] == ["get"]
+    role = next(o for o in objs if o["kind"] == "Role")
+    assert role["metadata"]["namespace"] == "lorafn-system"
+    workload = next(
+        o for o in objs if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == "lorafn-workload"
+    )
+    assert workload["automountServiceAccountToken"] is False
+
+
+def test_values_schema_rejects_bad_values() -> None:
+    bad = helm("template", "x", str(CHART), "--set", "gpu.sharing=mps", check=False)
+    assert bad.returncode != 0 and "sharing" in bad.stderr
+    bad = helm("template", "x", str(CHART), "--set", "redis.enabled=false", check=False)
+    assert bad.returncode != 0 and "redis.externalURL is required" in bad.stderr
+
+
+def test_every_value_is_documented() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "render_manifests", ROOT / "scripts" / "render_manifests.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    documented = {key for key, _, _ in module.documented_values((CHART / "values.yaml").read_text())}
+
+    def leaves(node: Any, prefix: str = "") -> list[str]:
+        if prefix and prefix in documented:
+            return []
+        if isinstance(node, dict) and node:
+            return [leaf for k, v in node.items() for leaf in leaves(v, f"{prefix}.{k}" if prefix else k)]
+        return [prefix]
+
+    undocumented = [leaf for leaf in leaves(values) if leaf not in documented]
+    assert undocumented == []
+    readme = (CHART / "README.md").read_text()
+    assert all(f"`{key}`" in readme for key in documented)

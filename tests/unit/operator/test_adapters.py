@@ -1,0 +1,151 @@
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lorafn.operator import adapters
+from lorafn.operator.adapters import AdapterProblem, resolve_local_path, validate_adapter
+from tests.unit.operator._peft import TINY_CONFIG, write_adapter, write_backbone
+
+
+@pytest.fixture
+def backbone(tmp_path: Path) -> Path:
+    return write_backbone(tmp_path / "tiny")
+
+
+def test_valid_adapter_reports_its_shape(tmp_path: Path, backbone: Path) -> None:
+    info = validate_adapter(write_adapter(tmp_path / "a", rank=8, modules=("q_proj", "down_proj")), backbone)
+    assert (info.rank, info.alpha, info.dtype) == (8, 16.0, "float32")
+    assert info.target_modules == ["q_proj", "down_proj"]
+    assert info.num_tensors == 2 * 2 * TINY_CONFIG["num_hidden_layers"]
+    assert info.layers == [0, 1]
+
+
+def test_all_linear_and_regex_targets(tmp_path: Path, backbone: Path) -> None:
+    all_mods = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    a = write_adapter(tmp_path / "all", modules=all_mods, config_overrides={"target_modules": "all-linear"})
+    assert validate_adapter(a, backbone).target_modules == list(all_mods)
+    r = write_adapter(
+        tmp_path / "re",
+        modules=("q_proj", "v_proj"),
+        config_overrides={"target_modules": r".*\.(q_proj|v_proj)"},
+    )
+    assert validate_adapter(r, backbone).target_modules == ["q_proj", "v_proj"]
+
+
+def test_bfloat16_dtype_is_read_from_the_header(tmp_path: Path, backbone: Path) -> None:
+    a = write_adapter(tmp_path / "a", dtype=np.float16)
+    assert validate_adapter(a, backbone).dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason", "words"),
+    [
+        ({"use_dora": True}, "UnsupportedAdapterFeature", "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, "UnsupportedAdapterFeature", "modules_to_save"),
+        ({"bias": "all"}, "UnsupportedAdapterFeature", "bias"),
+        ({"peft_type": "IA3"}, "NotLoRA", "IA3"),
+        ({"r": 0}, "InvalidRank", "positive"),
+        ({"target_modules": ["embed_tokens"]}, "TargetModuleMismatch", "embed_tokens"),
+        ({"target_modules": 7}, "AdapterConfigInvalid", "target_modules"),
+    ],
+)
+def test_refused_configs_name_the_field(
+    tmp_path: Path, backbone: Path, overrides: dict, reason: str, words: str
+) -> None:
+    a = write_adapter(tmp_path / "a", config_overrides=overrides)
+    with pytest.raises(AdapterProblem) as info:
+        validate_adapter(a, backbone)
+    assert info.value.reason == reason
+    assert words in info.value.message
+
+
+def test_shapes_of_another_backbone_are_refused(tmp_path: Path, backbone: Path) -> None:
+    bigger = {**TINY_CONFIG, "hidden_size": 128}
+    a = write_adapter(tmp_path / "a", backbone_config=bigger)
+    with pytest.raises(AdapterProblem) as info:
+        validate_adapter(a, backbone)
+    assert info.value.reason == "ShapeMismatch"
+    assert "[4, 64]" in info.value.message
+
+
+def test_rank_in_config_must_match_tensors(tmp_path: Path, backbone: Path) -> None:
+    a = write_adapter(tmp_path / "a", rank=4, config_overrides={"r": 8})
+    with pytest.raises(AdapterProblem, match="rank 8") as info:
+        validate_adapter(a, backbone)
+    assert info.value.reason == "ShapeMismatch"
+
+
+def test_too_many_layers_and_foreign_tensors(tmp_path: Path, backbone: Path) -> None:
+    extra = {"base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": np.zeros((4, 64), np.float32)}
+    with pytest.raises(AdapterProblem, match="layer 9"):
+        validate_adapter(write_adapter(tmp_path / "a", tensor_overrides=extra), backbone)
+    emb = {"base_model.model.model.embed_tokens.lora_embedding_A": np.zeros((4, 256), np.float32)}
+    with pytest.raises(AdapterProblem) as info:
+        validate_adapter(write_adapter(tmp_path / "b", tensor_overrides=emb), backbone)
+    assert info.value.reason == "UnsupportedAdapterFeature"
+
+
+def test_missing_pieces(tmp_path: Path, backbone: Path) -> None:
+    with pytest.raises(AdapterProblem) as info:
+        validate_adapter(tmp_path / "nowhere", backbone)
+    assert info.value.reason == "AdapterNotFound"
+    no_weights = write_adapter(tmp_path / "nw", write_weights=False)
+    with pytest.raises(AdapterProblem) as info:
+        validate_adapter(no_weights, backbone)
+    assert info.value.reason == "AdapterWeightsMissing"
+    with pytest.raises(AdapterProblem) as info:
+        validate_adapter(write_adapter(tmp_path / "a"), tmp_path / "no-backbone")
+    assert info.value.reason == "BackboneConfigNotFound"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterProblem) as info:
+        validate_adapter(tmp_path / "bad", backbone)
+    assert info.value.reason == "AdapterConfigInvalid"
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    gpt2 = write_backbone(tmp_path / "gpt2", {"model_type": "gpt2", "n_embd": 64})
+    with pytest.raises(AdapterProblem) as info:
+        validate_adapter(write_adapter(tmp_path / "a"), gpt2)
+    assert info.value.reason == "UnsupportedArchitecture"
+
+
+def test_corrupt_safetensors_header(tmp_path: Path, backbone: Path) -> None:
+    a = write_adapter(tmp_path / "a")
+    weights = a / "adapter_model.safetensors"
+    weights.write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(AdapterProblem, match="header length"):
+        validate_adapter(a, backbone)
+    weights.write_bytes(struct.pack("<Q", 5) + b"nope!")
+    with pytest.raises(AdapterProblem, match="not JSON"):
+        validate_adapter(a, backbone)
+    header = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 400]}}).encode()
+    weights.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(AdapterProblem, match="bad entry"):
+        validate_adapter(a, backbone)
+
+
+def test_uri_resolution(tmp_path: Path) -> None:
+    assert resolve_local_path("file:///adapters/x", str(tmp_path)) == Path("/adapters/x")
+    (tmp_path / "claim-a").mkdir()
+    assert resolve_local_path("pvc://claim-a/fr", str(tmp_path)) == tmp_path / "claim-a" / "fr"
+    for uri, reason in [
+        ("pvc://other/fr", adapters.REASON_CLAIM_NOT_MOUNTED),
+        ("s3://bucket/fr", adapters.REASON_UNSUPPORTED_SCHEME),
+        ("file://relative", adapters.REASON_INVALID_URI),
+    ]:
+        with pytest.raises(AdapterProblem) as info:
+            resolve_local_path(uri, str(tmp_path))
+        assert info.value.reason == reason, uri
+
+
+def test_operator_package_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, lorafn.operator.handlers, lorafn.operator.adapters; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,163 @@
+import pytest
+
+from lorafn.api import BackboneSpec, FunctionRef, LoRAFunctionSpec
+from lorafn.operator import builders
+from lorafn.operator.builders import GPUSlot, select_gpu_slots
+from lorafn.operator.config import OperatorConfig
+from tests.unit.operator._k8s import validate
+
+BACKBONE = {
+    "apiVersion": "lorafn.io/v1alpha1",
+    "kind": "Backbone",
+    "metadata": {"name": "llama-2-7b", "uid": "bb-uid", "generation": 1},
+    "spec": {"model": {"uri": "pvc://models/llama-2-7b"}, "warmPool": {"minStandby": 2}},
+}
+FUNCTION = {
+    "apiVersion": "lorafn.io/v1alpha1",
+    "kind": "LoRAFunction",
+    "metadata": {"name": "french", "namespace": "team-a", "uid": "fn-uid", "generation": 3},
+    "spec": {"backbone": "llama-2-7b", "adapter": {"uri": "file:///adapters/french"}},
+}
+
+
+def node(name: str, count: int | None = 2, uuids: str | None = "GPU-a1,GPU-a2", **labels: str) -> dict:
+    meta: dict = {"name": name, "labels": dict(labels), "annotations": {}}
+    if count is not None:
+        meta["labels"]["nvidia.com/gpu.count"] = str(count)
+    meta["labels"]["nvidia.com/gpu.memory"] = "81559"
+    if uuids is not None:
+        meta["annotations"]["lorafn.io/gpu-uuids"] = uuids
+    return {"metadata": meta}
+
+
+def test_names_are_deterministic_short_and_distinct() -> None:
+    slot = GPUSlot("node-1", 0)
+    assert builders.server_pod_name("llama", slot) == builders.server_pod_name("llama", GPUSlot("node-1", 0))
+    assert builders.server_pod_name("llama", slot) != builders.server_pod_name("llama", GPUSlot("node-1", 1))
+    long = "x" * 63
+    assert len(builders.standby_pod_name(long, slot, 3)) <= 63
+    a = builders.worker_pod_name(FunctionRef(namespace="a-b", name="c"), 0)
+    b = builders.worker_pod_name(FunctionRef(namespace="a", name="b-c"), 0)
+    assert a != b
+    assert len(builders.worker_pod_name(FunctionRef(namespace="n" * 63, name="f" * 63), 999)) <= 63
+    assert builders.function_service_name(FunctionRef(namespace="x", name="9lives")).startswith("lfn-")
+
+
+def test_slots_from_node_annotations_and_selector() -> None:
+    spec = BackboneSpec.model_validate(
+        {**BACKBONE["spec"], "placement": {"gpus": 2, "nodeSelector": {"pool": "gpu"}}}
+    )
+    nodes = [node("b", pool="gpu"), node("a", pool="gpu"), node("cpu", count=0, uuids=None, pool="cpu")]
+    slots, problems = select_gpu_slots(spec, nodes, OperatorConfig())
+    assert problems == []
+    assert [(s.node, s.index, s.uuid, s.memory_mib) for s in slots] == [
+        ("a", 0, "GPU-a1", 81559),
+        ("a", 1, "GPU-a2", 81559),
+        ("b", 0, "GPU-a1", 81559),
+        ("b", 1, "GPU-a2", 81559),
+    ]
+
+
+def test_slot_problems_have_reasons() -> None:
+    spec = BackboneSpec.model_validate({**BACKBONE["spec"], "placement": {"gpus": 2}})
+    slots, problems = select_gpu_slots(spec, [node("a", count=1, uuids="")], OperatorConfig())
+    assert slots == []
+    assert [p.reason for p in problems] == ["InsufficientGPUs", "NoGPUUUID"]
+    # DRA mode needs no UUIDs: the scheduler allocates the device.
+    slots, problems = select_gpu_slots(
+        spec, [node("a", count=1, uuids="")], OperatorConfig(gpu_sharing="dra")
+    )
+    assert len(slots) == 1 and [p.reason for p in problems] == ["InsufficientGPUs"]
+    selective = BackboneSpec.model_validate({**BACKBONE["spec"], "placement": {"nodeSelector": {"x": "y"}}})
+    assert select_gpu_slots(selective, [node("a")], OperatorConfig())[1][0].reason == "NoMatchingNodes"
+
+
+def test_explicit_devices_win() -> None:
+    spec = BackboneSpec.model_validate(
+        {
+            **BACKBONE["spec"],
+            "placement": {
+                "devices": [
+                    {"node": "a", "uuid": "GPU-0000aaaa", "memoryMiB": 40960},
+                    {"node": "a", "uuid": "GPU-0000bbbb"},
+                ]
+            },
+        }
+    )
+    slots, problems = select_gpu_slots(spec, [node("a")], OperatorConfig())
+    assert [(s.index, s.uuid, s.memory_mib) for s in slots] == [
+        (0, "GPU-0000aaaa", 40960),
+        (1, "GPU-0000bbbb", 81559),
+    ]
+    assert problems == []
+
+
+@pytest.mark.parametrize("mode", ["visibleDevices", "dra"])
+def test_gpu_pods_share_one_gpu_and_are_locked_down(mode: str) -> None:
+    config = OperatorConfig(gpu_sharing=mode, runtime_class_name="nvidia")
+    spec = BackboneSpec.model_validate(BACKBONE["spec"])
+    slot = GPUSlot("node-1", 0, uuid="GPU-1234")
+    server = builders.build_server_pod(BACKBONE, spec, slot, config)
+    standby = builders.build_standby_pod(BACKBONE, spec, slot, 0, config)
+    fn_spec = LoRAFunctionSpec.model_validate(FUNCTION["spec"])
+    worker = builders.build_worker_pod(
+        FunctionRef(namespace="team-a", name="french"), 0, fn_spec, BACKBONE, spec, slot, config
+    )
+    for pod in (server, standby, worker):
+        validate(pod)
+        pod_spec = pod["spec"]
+        container = pod_spec["containers"][0]
+        assert pod_spec["securityContext"]["runAsNonRoot"] is True
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["resources"]["requests"] and container["resources"]["limits"]
+        assert pod_spec["nodeSelector"] == {"kubernetes.io/hostname": "node-1"}
+        sockets = next(v for v in pod_spec["volumes"] if v["name"] == "sockets")
+        assert sockets["hostPath"]["path"] == f"/var/run/lorafn/llama-2-7b/{slot.slot_id}"
+        assert pod["metadata"]["ownerReferences"][0]["uid"] == "bb-uid"
+        assert "hostIPC" not in pod_spec and "hostPID" not in pod_spec
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["LORAFN_MODEL"] == "/mnt/pvc/models/llama-2-7b"
+        if mode == "dra":
+            assert pod_spec["resourceClaims"] == [
+                {"name": "gpu", "resourceClaimName": f"llama-2-7b-{slot.slot_id}-gpu"}
+            ]
+            assert "NVIDIA_VISIBLE_DEVICES" not in env
+        else:
+            assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1234"
+            assert pod_spec["runtimeClassName"] == "nvidia"
+    assert server["spec"]["restartPolicy"] == "Always"
+    assert worker["spec"]["restartPolicy"] == "Never"
+    worker_env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
+    assert worker_env["LORAFN_FUNCTION"] == "team-a/french"
+    assert worker_env["LORAFN_ADAPTER"] == "/adapters/french"
+    assert worker["metadata"]["labels"]["lorafn.io/function-name"] == "french"
+
+
+def test_resource_claim_pins_the_uuid_when_known() -> None:
+    config = OperatorConfig(gpu_sharing="dra")
+    claim = builders.build_resource_claim(BACKBONE, GPUSlot("n", 0, uuid="GPU-9"), config)
+    validate(claim)
+    exactly = claim["spec"]["devices"]["requests"][0]["exactly"]
+    assert exactly["deviceClassName"] == "gpu.nvidia.com"
+    assert "GPU-9" in exactly["selectors"][0]["cel"]["expression"]
+    assert (
+        "selectors"
+        not in builders.build_resource_claim(BACKBONE, GPUSlot("n", 0), config)["spec"]["devices"][
+            "requests"
+        ][0]["exactly"]
+    )
+
+
+def test_function_service_aliases_the_gateway() -> None:
+    svc = builders.build_function_service(FUNCTION, OperatorConfig())
+    validate(svc)
+    assert svc["metadata"]["namespace"] == "team-a"
+    assert svc["spec"] == {
+        "type": "ExternalName",
+        "externalName": "lorafn-gateway.lorafn-system.svc.cluster.local",
+    }
+    assert svc["metadata"]["ownerReferences"][0]["kind"] == "LoRAFunction"
+    assert builders.endpoint_url(OperatorConfig(), FunctionRef(namespace="team-a", name="french")) == (
+        "http://lorafn-gateway.lorafn-system.svc.cluster.local/v1/functions/team-a/french:invoke"
+    )
