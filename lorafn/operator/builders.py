@@ -300,6 +300,7 @@ def _gpu_pod(
         {"name": "LORAFN_GPU_SLOT", "value": slot.slot_id},
         {"name": "LORAFN_GPU_UUID", "value": slot.uuid or ""},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "HOME", "value": "/tmp"},  # caches under a writable dir (read-only root filesystem)
         *env,
     ]
     container_resources: dict[str, Any] = {k: dict(v) for k, v in resources.items()}

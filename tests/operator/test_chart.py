@@ -36,6 +36,8 @@ VARIANTS = {
         "--set",
         "operator.pvcClaims={models,adapters}",
         "--set",
+        "gateway.pvcClaims={models}",
+        "--set",
         "operator.watchNamespaces={team-a,team-b}",
     ],
     "external-redis": [
@@ -134,7 +136,11 @@ def test_operator_config_reads_the_chart_env(monkeypatch: pytest.MonkeyPatch) ->
         for o in render(VARIANTS["dra-ingress-monitoring"])
         if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-operator"
     )
-    env = {e["name"]: e["value"] for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e["value"]
+        for e in op["spec"]["template"]["spec"]["containers"][0]["env"]
+        if e["name"].startswith("LORAFN_")
+    }
     fields = {f"LORAFN_OPERATOR_{name.upper()}" for name in OperatorConfig.model_fields}
     assert set(env) <= fields, set(env) - fields
     for name, value in env.items():

@@ -283,3 +283,20 @@ def test_conflicts_become_temporary_errors(world: Any) -> None:
     with pytest.raises(kopf.TemporaryError) as info:
         run(handlers.backbone_changed, backbone_body(world.tmp), world)
     assert info.value.delay == 2
+
+
+def test_a_key_opens_only_one_function(world: Any) -> None:
+    _ready_backbone(world)
+    for namespace in ("team-a", "team-b"):
+        world.kube.put(
+            f"/api/v1/namespaces/{namespace}/secrets",
+            {"metadata": {"name": "keys"}, "stringData": {"api-keys": "shared-key"}},
+        )
+    first = function_body(auth={"apiKeySecretRef": {"name": "keys"}})
+    second = function_body(auth={"apiKeySecretRef": {"name": "keys"}})
+    second["metadata"] = {**second["metadata"], "namespace": "team-b", "uid": "u-fn-b"}
+    run(handlers.function_changed, first, world)
+    status = run(handlers.function_changed, second, world)["status"]
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "APIKeyInUse")
+    assert world.redis.smembers("lorafn:functions") == {"team-a/fr"}
