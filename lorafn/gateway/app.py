@@ -9,6 +9,7 @@ limits (400) -> admit.lua (rate limit 429, queue cap 503, enqueue) -> no live wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -351,13 +352,11 @@ class Gateway:
                 if kind in (streams.DONE, streams.ERROR):
                     return
 
-    async def forget(self, job: Job, finished: bool) -> None:
-        """Drop the reply stream (and, if the request never finished, its queued entry)."""
+    async def forget(self, job: Job) -> None:
+        """Drop a request nobody waits for any more: its entry (if not yet taken) and its reply stream."""
         with suppress(UNAVAILABLE_ERRORS):
             await self.store.run(
-                streams.forget_request(
-                    self.keys, job.function, job.request_id, None if finished else job.entry_id
-                )
+                streams.forget_request(self.keys, job.function, job.request_id, job.entry_id)
             )
 
     def _worker_error(self, event: dict[str, str]) -> APIError:
@@ -382,6 +381,7 @@ class Gateway:
         """
         sent = ""  # text given to the caller
         replay: str | None = None  # text of the restarted attempt, while it is still behind `sent`
+        ended = False  # the worker ended the request (done/error): nothing to clean up
         try:
             async for event in self.events(job):
                 kind = event.get("type")
@@ -411,18 +411,20 @@ class Gateway:
                     sent += rest
                     yield rest, None
                 elif kind == streams.DONE:
+                    ended = True
                     if replay is not None and replay != sent:
                         raise self._diverged()
                     yield "", event
                     return
                 elif kind == streams.ERROR:
+                    ended = True
                     raise self._worker_error(event)
         except UNAVAILABLE_ERRORS:
             self.metrics.errors.labels("redis_unavailable").inc()
             raise _unavailable_redis() from None
-        except BaseException:
-            await self.forget(job, finished=False)
-            raise
+        finally:
+            if not ended:  # the client went away, a timeout, a divergence: drop the entry and replies
+                await self.forget(job)
 
     def _diverged(self) -> APIError:
         self.metrics.errors.labels("restart_diverged").inc()
@@ -434,13 +436,14 @@ class Gateway:
 
     async def collect(self, job: Job) -> tuple[str, dict[str, str]]:
         parts: list[str] = []
-        async for text, done in self.texts(job, streaming=False):
-            if done is not None:
-                return "".join(parts), done
-            if text is None:
-                parts.clear()
-            else:
-                parts.append(text)
+        async with contextlib.aclosing(self.texts(job, streaming=False)) as texts:
+            async for text, done in texts:
+                if done is not None:
+                    return "".join(parts), done
+                if text is None:
+                    parts.clear()
+                else:
+                    parts.append(text)
         raise APIError(500, "the reply stream ended without a result", type="server_error", code="no_result")
 
 
@@ -603,24 +606,25 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
                 first["choices"][0]["delta"]["content"] = ""
                 yield _sse(first)
             try:
-                async for text, done in gw.texts(job, streaming=True):
-                    if done is None:
-                        yield _sse(chunk(text, None))
-                        continue
-                    yield _sse(chunk(None, done.get("finish_reason", "stop")))
-                    if include_usage:
-                        yield _sse(
-                            {
-                                "id": cid,
-                                "object": obj,
-                                "created": created,
-                                "model": job.function,
-                                "choices": [],
-                                "usage": _usage(job, done),
-                            }
-                        )
-                    yield b"data: [DONE]\n\n"
-                    return
+                async with contextlib.aclosing(gw.texts(job, streaming=True)) as texts:
+                    async for text, done in texts:
+                        if done is None:
+                            yield _sse(chunk(text, None))
+                            continue
+                        yield _sse(chunk(None, done.get("finish_reason", "stop")))
+                        if include_usage:
+                            yield _sse(
+                                {
+                                    "id": cid,
+                                    "object": obj,
+                                    "created": created,
+                                    "model": job.function,
+                                    "choices": [],
+                                    "usage": _usage(job, done),
+                                }
+                            )
+                        yield b"data: [DONE]\n\n"
+                        return
             except APIError as e:
                 gw.metrics.errors.labels(e.code or str(e.status)).inc()
                 yield e.sse()

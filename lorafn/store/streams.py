@@ -5,7 +5,9 @@ Request stream `<p>:fn:<ns/name>:requests` (consumer group `workers`), one entry
     body      JSON: {"prompt": str | null, "prompt_token_ids": [int] | null, "params": {...}}
     deadline  unix ms after which no worker should start it (the client has given up)
 
-Reply stream `<p>:reply:<rid>`, written by the worker that holds the entry, read by the gateway:
+Reply stream `<p>:reply:<rid>`, written by the worker that holds the entry, read by the gateway. Each
+entry carries one field `e`: a JSON list of the events one engine step produced for the request (one
+XADD per request per step, so the gateway wakes once per step, not once per event). Events:
     type=accepted  worker                       a worker admitted the request into its batch
     type=delta     text, tokens                 new text and the number of new tokens
     type=restart   worker, reason               a worker claimed the entry again after the one that held
@@ -142,10 +144,12 @@ def stream_entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
 def read_replies(
     keys: Keys, request_id: str, last_id: str, block_ms: int | None
 ) -> Op[list[tuple[str, dict]]]:
-    """Reply events after `last_id` ("0" for all), waiting up to `block_ms` for the first one."""
+    """Reply events after `last_id` ("0" for all), waiting up to `block_ms` for the first entry.
+
+    Returns (entry id, event) pairs in order; the events of one entry share its id (the next cursor)."""
     return Op(
         lambda pipe: pipe.xread({keys.reply(request_id): last_id}, count=256, block=block_ms),
-        lambda r: stream_entries(r[0]),
+        lambda r: [(eid, event) for eid, fields in stream_entries(r[0]) for event in json.loads(fields["e"])],
     )
 
 
@@ -187,18 +191,22 @@ def read_requests(
 def reply_events(
     keys: Keys, events: list[tuple[str, dict[str, Any]]], ttl_ms: int, finished_ttl_ms: int = 60_000
 ) -> Op[None]:
-    """Append events to reply streams. `accepted`/`restart` set the stream's expiry to `ttl_ms`;
-    `done`/`error` shorten it to `finished_ttl_ms` (the gateway has read it by then, or never will)."""
+    """Append events to reply streams, one entry per request holding its events in order.
+    `accepted`/`restart` set the stream's expiry to `ttl_ms`; `done`/`error` shorten it to
+    `finished_ttl_ms` (the gateway has read it by then, or never will)."""
+    by_request: dict[str, list[dict[str, Any]]] = {}
+    for request_id, event in events:
+        by_request.setdefault(request_id, []).append(event)
 
     def build(pipe: Any) -> None:
-        for request_id, fields in events:
+        for request_id, batch in by_request.items():
             key = keys.reply(request_id)
-            pipe.xadd(key, {k: str(v) for k, v in fields.items()})
-            kind = fields.get("type")
-            if kind in (ACCEPTED, RESTART):
-                pipe.pexpire(key, ttl_ms)
-            elif kind in (DONE, ERROR):
+            pipe.xadd(key, {"e": json.dumps(batch, separators=(",", ":"))})
+            kinds = {event.get("type") for event in batch}
+            if kinds & {DONE, ERROR}:
                 pipe.pexpire(key, finished_ttl_ms)
+            elif kinds & {ACCEPTED, RESTART}:
+                pipe.pexpire(key, ttl_ms)
 
     return Op(build, lambda r: None)
 
