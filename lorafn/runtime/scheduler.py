@@ -1,1 +1,371 @@
-"""Pure scheduling policy of the worker (no torch): continuous batching with chunked prefill."""
+"""Pure scheduling policy of the worker (no torch): continuous batching with chunked prefill.
+
+One `Scheduler.schedule()` call plans one forward pass (one *step*) of the running batch, in the
+stall-free order of Sarathi-Serve (Algorithm 3):
+
+1. **decodes** of running sequences (one token each), oldest first: never delayed by prefills;
+2. the **ongoing partial prefills**, oldest first, chunked to what is left of the token budget;
+3. **new requests** from the waiting queue, strictly first come first served, while the budget,
+   ``max_num_seqs`` and the KV blocks allow.
+
+Priority is the arrival order (``Sequence.arrival``, lower = older). When KV blocks run out, a
+sequence may preempt (by recompute) only running sequences that arrived *after* it, youngest
+first; preempted sequences go back to the waiting queue in arrival order, so they are re-admitted
+before anything newer. The oldest unfinished sequence is therefore never preempted, always fits
+(``max_model_len`` is capped to the cache size) and advances every step: no deadlock, no starvation.
+See docs/scheduler.md for the policy, the reasons and a worked example.
+
+The engine drives it::
+
+    out = scheduler.schedule()
+    # run the model on out.chunks; sample a token for each chunk with `samples` set
+    for seq in scheduler.update(out, sampled):          # sampled: {seq_id: token_id}
+        reason = stop_check(seq) or ("length" if scheduler.reached_max_model_len(seq) else None)
+        if reason:
+            scheduler.finish(seq.seq_id, reason)         # frees its blocks
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from lorafn.runtime.block_manager import BlockManager
+from lorafn.runtime.sequence import Sequence, SequenceStatus
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one worker's batch.
+
+    - ``max_num_seqs``: most sequences running at once (holding KV blocks, scheduled per step).
+    - ``max_num_batched_tokens``: token budget of one step (decode tokens + prefill chunk tokens).
+      Must be >= ``max_num_seqs`` so that a full batch of decodes always fits.
+    - ``block_size``, ``num_blocks``: the paged KV cache.
+    - ``enable_chunked_prefill``: off = a prefill is scheduled whole or not at all. A prefill
+      longer than the budget then runs alone, in a step of its own, once the running batch has
+      drained (see docs/scheduler.md).
+    - ``max_model_len``: longest sequence (prompt + output); ``None`` = what the cache holds.
+      Capped to ``num_blocks * block_size`` (`Scheduler.max_model_len` is the effective value)
+      so that any admitted sequence fits in the cache on its own.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_blocks: int
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): a full batch of decodes must fit in one step's budget"
+            )
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be an integer >= 1 or None, got {self.max_model_len!r}")
+
+
+@dataclass
+class ScheduledChunk:
+    """Positions ``start .. start + num_tokens - 1`` of ``seq`` are computed this step.
+
+    Their KV goes to the slots of those positions; attention sees positions ``0 .. start +
+    num_tokens - 1``. ``samples``: the chunk ends at the sequence's last known token, so the
+    logits of its last position are sampled (a decode, or the last chunk of a prefill).
+    Read the fields before `Scheduler.update`, which advances the sequence.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+
+    @property
+    def seq_id(self) -> str:
+        return self.seq.seq_id
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Input tokens of this chunk (positions ``start .. end - 1``)."""
+        return self.seq.token_ids_range(self.start, self.end)
+
+    @property
+    def is_decode(self) -> bool:
+        """One token that continues an already computed context (a decode step)."""
+        return self.num_tokens == 1 and self.start > 0 and self.samples
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. ``chunks`` order: decodes, then partial prefills, then new requests.
+
+    ``num_decodes``: the first ``num_decodes`` chunks are single-token decodes (the CUDA-graph part).
+    ``preempted``: ids of sequences preempted in this step (their KV is gone; they will be
+    prefilled again). ``finished``: sequences the scheduler itself finished in this step (only the
+    safety net for ``max_model_len`` when the caller did not finish them; reason "length").
+    """
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_decodes: int = 0
+    finished: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Iteration-level scheduler over a paged KV cache (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        capacity = self.block_manager.capacity_tokens
+        self.max_model_len = min(config.max_model_len or capacity, capacity)
+        self._waiting: list[Sequence] = []  # sorted by arrival; head = next to admit
+        self._running: list[Sequence] = []  # sorted by arrival
+        self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
+        self._next_arrival = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request. Raises ValueError for an id in use, an empty or too long prompt."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq.seq_id!r} is already in use by an unfinished request")
+        if not seq.prompt_token_ids:
+            raise ValueError(f"prompt_token_ids of {seq.seq_id!r} is empty: a prompt needs a token")
+        if seq.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids of {seq.seq_id!r} has {seq.num_tokens} tokens, more than "
+                f"max_model_len {self.max_model_len}"
+            )
+        if seq.block_table or seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"sequence {seq.seq_id!r} is not new (status {seq.status.value}, blocks held)")
+        seq.num_computed_tokens = 0
+        seq.finish_reason = None
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        self._waiting.append(seq)  # arrivals increase, so the queue stays sorted
+        self._seqs[seq.seq_id] = seq
+
+    def finish(self, seq_id: str, reason: str) -> Sequence | None:
+        """Finish a sequence (``reason``: "stop", "length", "abort", ...) and free its blocks.
+
+        Returns the sequence, or None when no unfinished sequence has this id (already finished:
+        finishing twice is harmless and keeps the first reason).
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        return seq
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Drop a request (client gone); finish reason "abort"."""
+        return self.finish(seq_id, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return list(self._waiting)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return list(self._running)
+
+    def reached_max_model_len(self, seq: Sequence) -> bool:
+        """The sequence has generated a token and holds ``max_model_len`` tokens: finish it ("length")."""
+        return seq.num_output_tokens > 0 and seq.num_tokens >= self.max_model_len
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see the module docstring for the order and the rules)."""
+        cfg = self.config
+        out = SchedulerOutput()
+        # Safety net: never let a sequence outgrow the cache. Only running sequences can get there
+        # (a waiting one was checked here before it was preempted, and has not grown since).
+        for seq in [s for s in self._running if self.reached_max_model_len(s)]:
+            out.finished.append(self.finish(seq.seq_id, "length"))  # type: ignore[arg-type]
+
+        budget = cfg.max_num_batched_tokens
+        block_size = cfg.block_size
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        admitted: list[ScheduledChunk] = []
+        scheduled: dict[str, tuple[ScheduledChunk, list[ScheduledChunk]]] = {}
+        preempted_now: set[str] = set()
+        # Blocks the sequences sampling in this step will need for their next decode (one-step
+        # lookahead): a new request is admitted only if it leaves them free, so it is not
+        # admitted just to be preempted by the next decode that crosses a block boundary.
+        lookahead: dict[str, int] = {}
+        lookahead_total = 0
+
+        def preempt(victim: Sequence) -> None:
+            nonlocal budget, lookahead_total
+            lookahead_total -= lookahead.pop(victim.seq_id, 0)
+            entry = scheduled.pop(victim.seq_id, None)
+            if entry is not None:  # give back the chunk it had in this step
+                chunk, group = entry
+                group.remove(chunk)
+                budget += chunk.num_tokens
+            self._running.remove(victim)
+            self.block_manager.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = SequenceStatus.WAITING
+            victim.num_preemptions += 1
+            keys = [s.arrival for s in self._waiting]
+            self._waiting.insert(bisect.bisect(keys, victim.arrival), victim)
+            preempted_now.add(victim.seq_id)
+            out.preempted.append(victim.seq_id)
+
+        def reserve(seq: Sequence, num_tokens: int) -> bool:
+            """Blocks for positions 0 .. num_tokens - 1, preempting younger running sequences if needed."""
+            while not self.block_manager.can_allocate(seq, num_tokens):
+                victim = next(
+                    (s for s in reversed(self._running) if s.arrival > seq.arrival and s is not seq), None
+                )
+                if victim is None:
+                    return False
+                preempt(victim)
+            self.block_manager.allocate(seq, num_tokens)
+            return True
+
+        def add_chunk(group: list[ScheduledChunk], seq: Sequence, num_tokens: int) -> None:
+            nonlocal budget, lookahead_total
+            start = seq.num_computed_tokens
+            chunk = ScheduledChunk(seq, start, num_tokens, samples=start + num_tokens == seq.num_tokens)
+            group.append(chunk)
+            scheduled[seq.seq_id] = (chunk, group)
+            budget -= num_tokens
+            # Next step decodes position num_tokens: it needs capacity num_tokens + 1.
+            if chunk.samples and seq.num_tokens + 1 > len(seq.block_table) * block_size:
+                need = self.block_manager.num_blocks_needed(seq, seq.num_tokens + 1)
+                if need:
+                    lookahead[seq.seq_id] = need
+                    lookahead_total += need
+
+        # 1. Decodes, oldest first. A decode that finds no block and no younger sequence to preempt
+        #    waits (keeps its blocks): only older sequences hold the cache, and they finish first.
+        for seq in list(self._running):
+            if budget < 1:
+                break
+            num_tokens = seq.num_tokens
+            if seq.status is not SequenceStatus.RUNNING or num_tokens - seq.num_computed_tokens != 1:
+                continue
+            if len(seq.block_table) * block_size >= num_tokens or reserve(seq, num_tokens):
+                add_chunk(decodes, seq, 1)
+
+        # 2. Ongoing partial prefills, oldest first (their blocks were reserved at admission).
+        for seq in list(self._running):
+            if budget < 1:
+                break
+            if (
+                seq.status is not SequenceStatus.RUNNING
+                or seq.seq_id in scheduled
+                or seq.num_uncomputed_tokens <= 1
+            ):
+                continue
+            num_tokens = seq.num_uncomputed_tokens
+            if cfg.enable_chunked_prefill:
+                num_tokens = min(num_tokens, budget)
+            elif num_tokens > budget:
+                continue
+            if reserve(seq, seq.num_computed_tokens + num_tokens):
+                add_chunk(prefills, seq, num_tokens)
+
+        # 3. New (or preempted) requests, first come first served: the head blocks the queue, so a
+        #    large request is never overtaken forever by smaller ones. Admission reserves blocks for
+        #    the whole prompt (+ output, after a preemption), so a partial prefill never stalls on
+        #    memory and a decode needs at most one new block.
+        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+            seq = self._waiting[0]
+            if seq.seq_id in preempted_now:  # no ping-pong within one step
+                break
+            num_tokens = seq.num_uncomputed_tokens
+            if cfg.enable_chunked_prefill:
+                num_tokens = min(num_tokens, budget)
+            elif num_tokens > budget and (self._running or num_tokens <= cfg.max_num_batched_tokens):
+                # Waits for budget; one longer than a whole step's budget runs alone, once nothing
+                # else is running.
+                break
+            needed = self.block_manager.num_blocks_needed(seq, seq.num_tokens)
+            has_younger_running = bool(self._running) and self._running[-1].arrival > seq.arrival
+            if needed + lookahead_total > self.block_manager.num_free_blocks and not has_younger_running:
+                break  # would starve a running decode next step: wait (running ones finish first)
+            if not reserve(seq, seq.num_tokens):  # an older, preempted request may preempt younger ones
+                break
+            self._waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            keys = [s.arrival for s in self._running]
+            self._running.insert(bisect.bisect(keys, seq.arrival), seq)
+            add_chunk(admitted, seq, num_tokens)
+
+        out.chunks = decodes + prefills + admitted
+        out.num_decodes = len(decodes)
+        out.num_batched_tokens = sum(c.num_tokens for c in out.chunks)
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Record that ``output`` ran: advance the computed tokens, append the sampled tokens.
+
+        ``sampled`` maps the seq_id of every chunk with ``samples`` set to its new token. Chunks
+        of sequences finished or aborted since `schedule` are skipped. Returns the sequences
+        that got a new token, in chunk order; the caller checks their stop conditions and calls
+        `finish`.
+        """
+        appended: list[Sequence] = []
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING or self._seqs.get(seq.seq_id) is not seq:
+                continue
+            if seq.num_computed_tokens != chunk.start:
+                raise RuntimeError(
+                    f"stale scheduler output for {seq.seq_id!r}: chunk starts at {chunk.start}, "
+                    f"sequence has {seq.num_computed_tokens} computed tokens (update called twice?)"
+                )
+            seq.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                if seq.seq_id not in sampled:
+                    raise ValueError(f"no sampled token for {seq.seq_id!r}, whose chunk samples")
+                seq.output_token_ids.append(int(sampled[seq.seq_id]))
+                appended.append(seq)
+        return appended
