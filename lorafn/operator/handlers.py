@@ -209,11 +209,12 @@ def backbone_changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
         BackboneSpec.model_validate(plain.get("spec") or {})
     except ValidationError as exc:
         status, message = _invalid_backbone(plain, exc)
-        patch.status.update(status)
+        patch.status.update(reducers.status_patch(plain.get("status"), status))
         _event(body, "Warning", "InvalidSpec", message)
         raise kopf.PermanentError(message) from None
     with _Edges():
-        patch.status.update(reconcile_backbone(plain, memo.config, memo.kube, memo.registry, logger))
+        status = reconcile_backbone(plain, memo.config, memo.kube, memo.registry, logger)
+    patch.status.update(reducers.status_patch(plain.get("status"), status))
 
 
 @kopf.timer(*GROUP_VERSION, "backbones", interval=_INTERVAL, initial_delay=_INTERVAL)
@@ -227,8 +228,7 @@ def backbone_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: 
         return  # the change handler reported it; nothing changes until the spec does
     with _Edges():
         status = reconcile_backbone(plain, memo.config, memo.kube, memo.registry, logger)
-    if status != plain.get("status"):
-        patch.status.update(status)
+    patch.status.update(reducers.status_patch(plain.get("status"), status))
 
 
 @kopf.on.delete(*GROUP_VERSION, "backbones")
@@ -437,13 +437,14 @@ def function_changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
         LoRAFunctionSpec.model_validate(plain.get("spec") or {})
     except ValidationError as exc:
         status, message = _invalid_function(plain, exc)
-        patch.status.update(status)
+        patch.status.update(reducers.status_patch(plain.get("status"), status))
         with _Edges():
             _stop_function(memo, ref)
         _event(body, "Warning", status["conditions"][-1]["reason"], message)
         raise kopf.PermanentError(message) from None
     with _Edges():
-        patch.status.update(reconcile_function(plain, memo.config, memo.kube, memo.registry, logger))
+        status = reconcile_function(plain, memo.config, memo.kube, memo.registry, logger)
+    patch.status.update(reducers.status_patch(plain.get("status"), status))
 
 
 @kopf.timer(*GROUP_VERSION, "lorafunctions", interval=_INTERVAL, initial_delay=_INTERVAL)
@@ -457,8 +458,7 @@ def function_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: 
         return  # reported by the change handler; nothing changes until the spec does
     with _Edges():
         status = reconcile_function(plain, memo.config, memo.kube, memo.registry, logger)
-    if status != plain.get("status"):
-        patch.status.update(status)
+    patch.status.update(reducers.status_patch(plain.get("status"), status))
 
 
 @kopf.on.delete(*GROUP_VERSION, "lorafunctions")

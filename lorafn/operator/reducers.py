@@ -289,6 +289,16 @@ def failed_function_status(
     return {"phase": "Failed", "observedGeneration": generation, "conditions": conditions}
 
 
+def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch that turns status `old` into `new`: {} when equal; keys `new` lacks become None
+    (removed), so the stored status converges and a level-based re-check then writes nothing."""
+    old = old or {}
+    wanted = {k: v for k, v in new.items() if v is not None}
+    patch = {k: v for k, v in wanted.items() if old.get(k) != v}
+    patch.update({k: None for k in old if k not in wanted})
+    return patch
+
+
 def replica_index(pod: dict[str, Any]) -> int | None:
     try:
         return int((pod["metadata"].get("labels") or {}).get(LABEL_REPLICA, ""))

@@ -286,6 +286,28 @@ async def test_invalid_specs_and_missing_adapters_get_conditions(
     assert conditions(later)["AdapterReady"] == ("True", "AdapterValid")
     assert later["status"]["phase"] == "Idle"  # minReplicas 0: scaled to zero, still invocable
     assert r.smembers("lorafn:functions") == {"team-a/later"}
+
+    # Settled: the timers keep checking, and write nothing while nothing changes.
+    await asyncio.sleep(1.5)
+    quiet = (
+        cluster.versions("lorafn.io/v1alpha1/lorafunctions", "team-a", "later"),
+        cluster.versions("lorafn.io/v1alpha1/backbones", None, "tiny"),
+    )
+    await asyncio.sleep(2.5)
+    assert (
+        cluster.versions("lorafn.io/v1alpha1/lorafunctions", "team-a", "later"),
+        cluster.versions("lorafn.io/v1alpha1/backbones", None, "tiny"),
+    ) == quiet
+
+    # An edit of the spec (kubectl edit): two warm replicas wanted now.
+    await cluster.patch(f"{FN_PATH}/later", {"spec": {"scaling": {"minReplicas": 2, "maxReplicas": 2}}})
+    workers = await wait_for(
+        lambda: _when(cluster.pods(**{"lorafn.io/function-name": "later"}), lambda w: len(w) == 2),
+        what="2 workers after the edit",
+    )
+    assert sorted(w["metadata"]["labels"]["lorafn.io/replica"] for w in workers) == ["0", "1"]
+    record = json.loads(r.hget("lorafn:fn:team-a/later", "spec"))
+    assert record["scaling"]["minReplicas"] == 2
     assert op.running
 
 

@@ -144,3 +144,12 @@ def test_failed_status_for_invalid_specs() -> None:
         ("AdapterReady", "UnsupportedURIScheme"),
         ("Ready", "UnsupportedURIScheme"),
     ]
+
+
+def test_status_patch_converges() -> None:
+    old = {"phase": "Ready", "adapter": {"rank": 4}, "lastColdStartMs": 12}
+    new = {"phase": "Pending", "lastColdStartMs": None, "replicas": 0}
+    patch = reducers.status_patch(old, new)
+    assert patch == {"phase": "Pending", "replicas": 0, "adapter": None, "lastColdStartMs": None}
+    stored = {k: v for k, v in {**old, **patch}.items() if v is not None}
+    assert reducers.status_patch(stored, new) == {}
