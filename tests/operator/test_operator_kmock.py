@@ -20,6 +20,7 @@ from lorafn.store.registry import get_function, hash_api_key, lookup_api_key
 from tests.operator.conftest import NAMESPACE, Cluster, wait_for
 from tests.unit.operator._peft import write_adapter, write_backbone
 
+pytest.importorskip("kmock", reason="KMock needs Python 3.11+")
 pytestmark = pytest.mark.timeout(180)
 
 BB_PATH = "/apis/lorafn.io/v1alpha1/backbones"
