@@ -63,6 +63,12 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _server_mean_s(c) -> float:
     """Mean duration of /v1/completions as the gateway's own histogram saw it."""
     total = count = 0.0
@@ -162,16 +168,23 @@ def main() -> None:
                 for _ in range(200):  # warm-up
                     c.post("/v1/completions", json=body)
                 floor = []  # HTTP alone: the same client and server, an endpoint that does nothing
+                floor_cpu0 = _cpu_s(procs[0].pid)
                 for _ in range(args.requests):
                     t = time.perf_counter()
                     c.get("/healthz")
                     floor.append(time.perf_counter() - t)
+                floor_cpu_ms = (_cpu_s(procs[0].pid) - floor_cpu0) * 1000 / args.requests
+                pids = {"gateway": procs[0].pid, "worker": procs[1].pid, "redis": redis_proc.pid}
+                cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
                 lat = []
                 for _ in range(args.requests):
                     t = time.perf_counter()
                     r = c.post("/v1/completions", json=body)
                     lat.append(time.perf_counter() - t)
                     assert r.status_code == 200, r.text
+                cpu_ms = {
+                    name: (_cpu_s(pid) - cpu0[name]) * 1000 / args.requests for name, pid in pids.items()
+                }
                 server_mean = _server_mean_s(c)  # inside the gateway process, first byte in to last byte out
             direct = direct_latency(args.requests)
 
@@ -211,6 +224,11 @@ def main() -> None:
     ):
         print(row.format(label, _pct(xs, 0.5) * ms, _pct(xs, 0.99) * ms, statistics.mean(xs) * ms))
     print(f"{'  of which inside the gateway process (mean)':44s} {'':8s} {'':8s} {server_mean * ms:8.3f}")
+    print(
+        "CPU time per request (less sensitive to other load): "
+        + ", ".join(f"{name} {v:.3f} ms" for name, v in cpu_ms.items())
+        + f"; sum {sum(cpu_ms.values()):.3f} ms; the gateway's for a GET /healthz: {floor_cpu_ms:.3f} ms"
+    )
     added50 = (_pct(lat, 0.5) - _pct(direct, 0.5)) * ms
     added99 = (_pct(lat, 0.99) - _pct(direct, 0.99)) * ms
     print(
