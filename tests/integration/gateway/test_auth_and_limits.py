@@ -20,7 +20,7 @@ def env(redis_server: str, tiny_model_dir: Path):
     prefix = f"t{uuid.uuid4().hex[:8]}"
     store, keys = Store(redis_server), Keys(prefix)
     register(store, keys, A, [KEY_A], model_dir=str(tiny_model_dir))
-    register(store, keys, B, [KEY_B], model_dir=str(tiny_model_dir), rate_limit_rps=1.0, rate_limit_burst=2)
+    register(store, keys, B, [KEY_B], model_dir=str(tiny_model_dir), rate_limit_rps=0.1, rate_limit_burst=2)
     register(store, keys, "public/echo", [], model_dir=str(tiny_model_dir), public=True)
     with (
         gateway(redis_server, prefix, max_body_bytes=65536) as url,
@@ -124,10 +124,10 @@ def test_bad_bodies(env) -> None:
 def test_rate_limit_429_with_retry_after(env) -> None:
     url, store, keys = env
     c = client(url, KEY_B)
-    codes = [c.post("/v1/completions", json={"model": B, "prompt": "hi", "max_tokens": 1}) for _ in range(5)]
-    assert [r.status_code for r in codes[:2]] == [200, 200]
-    limited = [r for r in codes if r.status_code == 429]
-    assert limited, [r.status_code for r in codes]
+    codes = [c.post("/v1/completions", json={"model": B, "prompt": "hi", "max_tokens": 1}) for _ in range(4)]
+    # burst 2, then one token per 10 s: the next two are refused
+    assert [r.status_code for r in codes] == [200, 200, 429, 429]
+    limited = codes[2:]
     assert int(limited[0].headers["Retry-After"]) >= 1
     assert _err(limited[0])["code"] == "rate_limit_exceeded"
     assert store.run(store_stats.counters(keys, B))["rate_limited"] >= 1
