@@ -27,8 +27,9 @@ _GROUPS: list[tuple[str, str, str | None]] = [
     ("lorafn.gateway.cli", "app", "gateway"),
     ("lorafn.runtime.worker_cli", "app", "worker"),
     ("lorafn.operator.cli", "app", "operator"),
+    ("lorafn.backbone_server.cli", "app", "backbone-server"),
 ]
-_ROOT_REGISTRARS: list[str] = []
+_ROOT_REGISTRARS: list[str] = ["lorafn.local.cli"]
 
 
 def _version(value: bool) -> None:

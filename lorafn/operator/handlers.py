@@ -19,10 +19,10 @@ import kopf
 import redis
 from pydantic import ValidationError
 
+from lorafn.api.adapters import AdapterProblem, parse_api_keys, resolve_local_path, validate_adapter
 from lorafn.api.errors import format_validation_error
 from lorafn.api.specs import BackboneSpec, FunctionRef, LoRAFunctionSpec
 from lorafn.operator import builders, kube, reducers, registry
-from lorafn.operator.adapters import AdapterProblem, resolve_local_path, validate_adapter
 from lorafn.operator.config import OperatorConfig
 
 GROUP_VERSION = ("lorafn.io", "v1alpha1")
@@ -283,7 +283,7 @@ def _api_keys(
         text = (secret.get("stringData") or {}).get(secret_ref.key)
     if text is None:
         return [], False, "SecretKeyNotFound", f"{where} has no key {secret_ref.key!r}"
-    keys = registry.parse_api_keys(text)
+    keys = parse_api_keys(text)
     if not keys:
         return [], False, "NoAPIKeys", f"{where} key {secret_ref.key!r} holds no keys"
     return keys, True, "APIKeys", f"{len(keys)} API key(s)"

@@ -39,16 +39,6 @@ class RegistrationProblem(ValueError):
         self.message = message
 
 
-def parse_api_keys(text: str) -> list[str]:
-    """API keys in a Secret value: one per line (or comma-separated); blanks and # comments ignored."""
-    keys = []
-    for line in text.replace(",", "\n").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keys.append(line)
-    return keys
-
-
 def desired_replicas_key(keys: Keys, ref: FunctionRef) -> str:
     return f"{keys.function(str(ref))}:desired_replicas"
 

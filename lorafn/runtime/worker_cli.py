@@ -42,6 +42,10 @@ class WorkerSettings(BaseSettings):
         description="module:callable(settings, record) -> ServingEngine, instead of lorafn.runtime.Engine "
         "(tests and the gateway benchmark use it for their fake engines)",
     )
+    backbone_socket: str | None = Field(
+        default=None,
+        description="Unix socket of the backbone server: map its weights read-only instead of loading them",
+    )
     log_level: str = "INFO"
 
 
@@ -54,6 +58,12 @@ def default_engine(settings: WorkerSettings, record: Any) -> Any:
     adapter = settings.adapter or (record.adapter_dir if record else "") or None
     if not model:
         raise ValueError(f"no model directory for {settings.function}: register the function or pass --model")
+    weight_source = None
+    if settings.backbone_socket:
+        # The backbone server's copy, mapped read-only: this worker holds no weight bytes of its own.
+        from lorafn.backbone_server.client import SharedWeightSource
+
+        weight_source = SharedWeightSource(settings.backbone_socket, device=settings.device)
     return EngineAdapter(
         Engine(
             EngineConfig(
@@ -62,6 +72,7 @@ def default_engine(settings: WorkerSettings, record: Any) -> Any:
                 device=settings.device,
                 dtype=settings.dtype,
                 max_num_seqs=settings.max_running,
+                weight_source=weight_source,
             )
         )
     )

@@ -1,4 +1,7 @@
-"""Is this PEFT directory a LoRA adapter the runtime can load for this backbone? (`AdapterReady`)
+"""Is this PEFT directory a LoRA adapter the runtime can load for this backbone?
+
+Shared by the operator (condition `AdapterReady`) and `lorafn apply` (local mode), so both refuse
+the same adapters with the same reasons.
 
 Reads only `adapter_config.json`, the JSON header of `adapter_model.safetensors` and the backbone's
 `config.json`, without torch: a safetensors file starts with an 8-byte little-endian length N and N
@@ -316,3 +319,13 @@ def validate_adapter(adapter_dir: Path, backbone_dir: Path) -> AdapterInfo:
         use_rslora=bool(config.get("use_rslora")),
         layers=sorted({layer for layer, _ in seen}),
     )
+
+
+def parse_api_keys(text: str) -> list[str]:
+    """API keys in a Secret value: one per line (or comma-separated); blanks and # comments ignored."""
+    keys = []
+    for line in text.replace(",", "\n").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(line)
+    return keys

@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorafn.operator import adapters
-from lorafn.operator.adapters import AdapterProblem, resolve_local_path, validate_adapter
+from lorafn.api import adapters
+from lorafn.api.adapters import AdapterProblem, resolve_local_path, validate_adapter
 from tests.unit.operator._peft import TINY_CONFIG, write_adapter, write_backbone
 
 
@@ -146,6 +146,6 @@ def test_operator_package_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, lorafn.operator.handlers, lorafn.operator.adapters; print('torch' in sys.modules)"
+    code = "import sys, lorafn.operator.handlers, lorafn.api.adapters; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

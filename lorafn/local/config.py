@@ -1,0 +1,106 @@
+"""The local platform's one typed configuration: environment (`LORAFN_*`) or a YAML file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from lorafn.api.errors import format_validation_error
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "lorafn"
+
+
+class LocalConfig(BaseSettings):
+    """`lorafn up`: where state lives, which ports, which device, how workers start and stop."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAFN_", extra="forbid")
+
+    state_dir: Path = Field(default_factory=default_state_dir, description="Redis data, logs, sockets")
+    host: str = "127.0.0.1"
+    gateway_port: int = Field(default=8080, ge=0, le=65535, description="0: any free port")
+    redis_port: int = Field(default=0, ge=0, le=65535, description="0: any free port")
+    key_prefix: str = "lorafn"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    share_backbone: bool = Field(
+        default=True, description="one backbone server per backbone; workers map its weights read-only"
+    )
+    worker_start_timeout_s: float = Field(default=180.0, gt=0)
+    backbone_start_timeout_s: float = Field(default=600.0, gt=0)
+    poll_interval_s: float = Field(default=0.2, gt=0, le=5)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        has_gpu = shutil.which("nvidia-smi") is not None and Path("/dev/nvidia0").exists()
+        return "cuda" if has_gpu else "cpu"
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> LocalConfig:
+    """Environment, then the YAML file's values, then explicit overrides (command-line options)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping of settings")
+        values.update(loaded or {})
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return LocalConfig(**values)
+    except ValidationError as exc:
+        raise ValueError(f"invalid local config: {format_validation_error(exc, prefix='config')}") from None
+
+
+class PlatformState(BaseModel):
+    """What a running `lorafn up` tells the other commands (written to `<state dir>/platform.json`)."""
+
+    pid: int
+    redis_url: str
+    gateway_url: str
+    key_prefix: str
+    device: str
+
+    @staticmethod
+    def path(state_dir: Path) -> Path:
+        return state_dir / "platform.json"
+
+    def write(self, state_dir: Path) -> None:
+        tmp = self.path(state_dir).with_suffix(".tmp")
+        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.replace(self.path(state_dir))
+
+    @classmethod
+    def read(cls, state_dir: Path) -> PlatformState:
+        """The running platform's state, or a ValueError telling the user to start one."""
+        path = cls.path(state_dir)
+        try:
+            state = cls.model_validate(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ValueError(
+                f"no local platform is running (no {path}); start one with `lorafn up`"
+            ) from None
+        except (ValueError, ValidationError):
+            raise ValueError(f"{path} is damaged; stop any `lorafn up` and start it again") from None
+        try:
+            os.kill(state.pid, 0)
+        except ProcessLookupError:
+            raise ValueError(
+                f"the local platform (pid {state.pid}) is not running any more; start it with `lorafn up`"
+            ) from None
+        except PermissionError:
+            pass
+        return state

@@ -1,0 +1,124 @@
+"""`lorafn apply` logic against a real redis-server, a real tiny model and real PEFT adapters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lorafn.local.apply import apply_manifest
+from lorafn.local.manifests import ManifestError, parse_manifest
+from lorafn.store import Keys, Store
+from lorafn.store.backbones import get_backbone
+from lorafn.store.registry import ensure_salt, get_function, hash_api_key, lookup_api_key
+from tests.integration.runtime.engine_helpers import write_peft_adapter
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_peft_adapter(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("adapters") / "a",
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+    )
+
+
+def _yaml(model_dir: Path, adapter: Path, secret: bool = True, backbone: bool = True) -> str:
+    docs = []
+    if backbone:
+        docs.append(
+            f"apiVersion: lorafn.io/v1alpha1\nkind: Backbone\nmetadata: {{name: tiny}}\n"
+            f"spec: {{model: {{uri: 'file://{model_dir}'}}, dtype: float32}}"
+        )
+    if secret:
+        docs.append(
+            "apiVersion: v1\nkind: Secret\nmetadata: {name: keys, namespace: team}\n"
+            'stringData: {api-keys: "k-one\\nk-two\\n# comment"}'
+        )
+    docs.append(
+        "apiVersion: lorafn.io/v1alpha1\nkind: LoRAFunction\nmetadata: {name: fn, namespace: team}\n"
+        f"spec: {{backbone: tiny, adapter: {{uri: 'file://{adapter}'}}, "
+        "auth: {apiKeySecretRef: {name: keys}}}"
+    )
+    return "\n---\n".join(docs)
+
+
+def test_apply_registers_backbone_function_and_key_hashes(
+    redis_server: str, tiny_model_dir: Path, adapter_dir: Path
+) -> None:
+    store, keys = Store(redis_server), Keys("t")
+    applied = apply_manifest(store, keys, parse_manifest(_yaml(tiny_model_dir, adapter_dir)))
+    assert [(a.kind, a.name) for a in applied] == [("Backbone", "tiny"), ("LoRAFunction", "team/fn")]
+    assert "rank 4" in applied[1].detail
+    backbone = store.run(get_backbone(keys, "tiny"))
+    assert backbone is not None and backbone.model_dir == str(tiny_model_dir)
+    record = store.run(get_function(keys, "team/fn"))
+    assert record is not None
+    assert record.adapter_dir == str(adapter_dir)
+    assert (
+        record.max_context
+        == json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    )
+    assert not record.public
+    salt = store.run(ensure_salt(keys))
+    for key in ("k-one", "k-two"):
+        assert store.run(lookup_api_key(keys, hash_api_key(salt, key))) == "team/fn"
+    assert store.run(lookup_api_key(keys, hash_api_key(salt, "# comment"))) is None
+    # No plaintext key anywhere in Redis.
+    for key in store.client.scan_iter("t:*"):
+        dump = store.client.dump(key) or b""
+        assert b"k-one" not in dump
+
+
+def test_a_bad_document_changes_nothing(redis_server: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    store, keys = Store(redis_server), Keys("t")
+    missing = tmp_path / "no-such-adapter"
+    with pytest.raises(ManifestError, match="does not exist"):
+        apply_manifest(store, keys, parse_manifest(_yaml(tiny_model_dir, missing)))
+    assert store.run(get_backbone(keys, "tiny")) is None  # the valid Backbone was not written either
+
+
+def test_function_needs_a_registered_backbone(
+    redis_server: str, tiny_model_dir: Path, adapter_dir: Path
+) -> None:
+    with pytest.raises(ManifestError, match="'tiny' is not registered; apply the Backbone first"):
+        apply_manifest(
+            Store(redis_server), Keys("t"), parse_manifest(_yaml(tiny_model_dir, adapter_dir, backbone=False))
+        )
+
+
+def test_keys_are_required_unless_no_auth(redis_server: str, tiny_model_dir: Path, adapter_dir: Path) -> None:
+    store, keys = Store(redis_server), Keys("t")
+    text = _yaml(tiny_model_dir, adapter_dir, secret=False)
+    with pytest.raises(ManifestError, match="Secret team/keys, which is neither in this file"):
+        apply_manifest(store, keys, parse_manifest(text))
+    no_ref = text.replace(", auth: {apiKeySecretRef: {name: keys}}", "")
+    with pytest.raises(ManifestError, match="no API keys"):
+        apply_manifest(store, keys, parse_manifest(no_ref))
+    apply_manifest(store, keys, parse_manifest(no_ref), no_auth=True)
+    record = store.run(get_function(keys, "team/fn"))
+    assert record is not None and record.public
+    apply_manifest(store, keys, parse_manifest(no_ref), api_keys=["cli-key"])
+    salt = store.run(ensure_salt(keys))
+    assert store.run(lookup_api_key(keys, hash_api_key(salt, "cli-key"))) == "team/fn"
+
+
+def test_unsupported_adapter_is_refused_with_the_reason(
+    redis_server: str, tiny_model_dir: Path, adapter_dir: Path, tmp_path: Path
+) -> None:
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    (dora / "adapter_model.safetensors").write_bytes((adapter_dir / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(ManifestError, match=r"UnsupportedAdapterFeature.*use_dora"):
+        apply_manifest(Store(redis_server), Keys("t"), parse_manifest(_yaml(tiny_model_dir, dora)))
+
+
+def test_pvc_uris_do_not_resolve_locally(redis_server: str, tiny_model_dir: Path, adapter_dir: Path) -> None:
+    text = _yaml(tiny_model_dir, adapter_dir).replace(f"file://{adapter_dir}", "pvc://claim/adapter")
+    with pytest.raises(ManifestError, match="locally only file:// URIs resolve"):
+        apply_manifest(Store(redis_server), Keys("t"), parse_manifest(text))
