@@ -9,7 +9,6 @@ limits (400) -> admit.lua (rate limit 429, queue cap 503, enqueue) -> no live wo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -17,8 +16,8 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field
+from contextlib import aclosing, asynccontextmanager, suppress
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -67,7 +66,6 @@ class Job:
     t0: float
     first_text_at: float | None = None
     restarts: int = 0
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def _unavailable_redis() -> APIError:
@@ -261,7 +259,9 @@ class Gateway:
             # a seed always: a request restarted on another worker then draws the same tokens
             "seed": seed & _SEED_MASK,
         }
-        return {"prompt": text, "prompt_token_ids": ids, "params": params}, num_prompt
+        # token ids when the gateway has the tokenizer (the worker does not tokenize again), else text
+        payload = {"prompt": None if ids is not None else text, "prompt_token_ids": ids, "params": params}
+        return payload, num_prompt
 
     async def submit(self, info: FunctionInfo, payload: dict[str, Any], prompt_tokens: int) -> Job:
         s = self.settings
@@ -436,7 +436,7 @@ class Gateway:
 
     async def collect(self, job: Job) -> tuple[str, dict[str, str]]:
         parts: list[str] = []
-        async with contextlib.aclosing(self.texts(job, streaming=False)) as texts:
+        async with aclosing(self.texts(job, streaming=False)) as texts:
             async for text, done in texts:
                 if done is not None:
                     return "".join(parts), done
@@ -606,7 +606,7 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
                 first["choices"][0]["delta"]["content"] = ""
                 yield _sse(first)
             try:
-                async with contextlib.aclosing(gw.texts(job, streaming=True)) as texts:
+                async with aclosing(gw.texts(job, streaming=True)) as texts:
                     async for text, done in texts:
                         if done is None:
                             yield _sse(chunk(text, None))
