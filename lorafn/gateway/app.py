@@ -311,6 +311,7 @@ class Gateway:
         s = self.settings
         last = "0"
         accepted = False
+        owner: str | None = None  # the worker whose events count, once a restart named one
         accept_by = job.t0 + (s.cold_start_timeout_s if job.cold else s.queue_timeout_s)
         end_by = job.t0 + s.request_timeout_s
         ttl_ms = int(s.heartbeat_ttl_s * 1000)
@@ -340,14 +341,19 @@ class Gateway:
                         streams.record_demand(self.keys, job.function, "waiting", s.demand_guard_ms)
                     )
                 continue
-            for entry_id, event in batch:
+            for entry_id, writer, event in batch:
                 last = entry_id
                 kind = event.get("type")
-                if kind == streams.ACCEPTED:
-                    accepted = True
-                elif kind == streams.RESTART:
+                if kind == streams.RESTART:
+                    # another worker took the request over: from now on only its events count (a
+                    # presumed-dead worker that still writes is ignored)
+                    owner = writer
                     job.restarts += 1
                     self.metrics.restarts.labels(job.function).inc()
+                elif owner is not None and writer != owner:
+                    continue
+                if kind == streams.ACCEPTED:
+                    accepted = True
                 yield event
                 if kind in (streams.DONE, streams.ERROR):
                     return

@@ -6,8 +6,8 @@ Per iteration (one round trip to Redis while the batch runs):
 When the batch is empty the worker blocks in XREADGROUP (`block_ms`), so a new request wakes it at once.
 
 Around it:
-- heartbeats (worker registry, expiring) every `heartbeat_s`, with a read of the worker's control
-  stream (`stop`/`drain`);
+- heartbeats (worker registry, expiring) every `heartbeat_s` from a thread of their own, so that a long
+  engine step does not make the worker look dead; the control stream (`stop`/`drain`) is read as often;
 - every `claim_interval_s`, entries pending for at least `claim_min_idle_ms` whose holder has no live
   heartbeat are claimed (XCLAIM: of two claimers one wins) and restarted from scratch: the reply
   stream gets a `restart` event first, so the gateway voids text it has not yet relayed and, for a
@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -157,7 +158,10 @@ class Worker:
     def run(self) -> int:
         cfg = self.config
         self._ensure_group()
-        self._heartbeat()
+        self._heartbeat(self.store)
+        beating = threading.Event()
+        beater = threading.Thread(target=self._heartbeats, args=(beating,), name="heartbeat", daemon=True)
+        beater.start()
         now = self.clock()
         next_heartbeat = now + cfg.heartbeat_s
         next_claim = now
@@ -168,7 +172,7 @@ class Worker:
                 try:
                     now = self.clock()
                     if now >= next_heartbeat:
-                        self._heartbeat()
+                        self._read_control()
                         next_heartbeat = now + cfg.heartbeat_s
                     if outage_since is not None:
                         self._recover_after_outage()
@@ -216,6 +220,8 @@ class Worker:
                     log.warning("worker %s: request stream or group vanished; recreating", self.worker_id)
                     self._ensure_group()
         finally:
+            beating.set()
+            beater.join(timeout=cfg.heartbeat_s + 5)
             with contextlib.suppress(UNAVAILABLE_ERRORS, redis.ResponseError):
                 self.store.run(workers.deregister(self.keys, self.worker_id, self.function))
                 if not self.running:  # a clean exit holds nothing: leave the consumer group too
@@ -229,7 +235,18 @@ class Worker:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    def _heartbeat(self) -> None:
+    def _heartbeats(self, stop: threading.Event) -> None:
+        """Heartbeat thread, on its own connection: liveness must not depend on how long one engine step
+        takes (a long prefill would otherwise let another worker claim requests that are still running)."""
+        store = Store(self.store.url)
+        try:
+            while not stop.wait(self.config.heartbeat_s):
+                with contextlib.suppress(UNAVAILABLE_ERRORS):  # the loop notices an outage on its own
+                    self._heartbeat(store)
+        finally:
+            store.close()
+
+    def _heartbeat(self, store: Store) -> None:
         fields = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -239,12 +256,11 @@ class Worker:
             "started": int(self._started),
         }
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
-        _, commands = self.store.run(
-            combine(
-                workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields),
-                workers.read_control(self.keys, self.worker_id, self._control_cursor),
-            )
-        )
+        store.run(workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields))
+
+    def _read_control(self) -> None:
+        """Commands sent to this worker (`stop`, `drain`)."""
+        commands = self.store.run(workers.read_control(self.keys, self.worker_id, self._control_cursor))
         for entry_id, body in commands:
             self._control_cursor = entry_id
             if body.get("cmd") in ("stop", "drain"):
@@ -258,7 +274,11 @@ class Worker:
     def _pending_ops(self) -> list[Op[Any]]:
         ops: list[Op[Any]] = []
         if self._events:
-            ops.append(streams.reply_events(self.keys, self._events, int(self.config.reply_ttl_s * 1000)))
+            ops.append(
+                streams.reply_events(
+                    self.keys, self.worker_id, self._events, int(self.config.reply_ttl_s * 1000)
+                )
+            )
         if self._acks:
             ops.append(streams.ack(self.keys, self.function, self._acks))
         if self._counters:

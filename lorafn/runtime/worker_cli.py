@@ -92,7 +92,9 @@ def serve_worker(settings: WorkerSettings) -> int:
     from lorafn.store import Keys, Store
     from lorafn.store.registry import get_function
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     function = str(FunctionRef.parse(settings.function))
     keys = Keys(settings.key_prefix)
     store = Store(settings.redis_url)

@@ -6,8 +6,8 @@ Request stream `<p>:fn:<ns/name>:requests` (consumer group `workers`), one entry
     deadline  unix ms after which no worker should start it (the client has given up)
 
 Reply stream `<p>:reply:<rid>`, written by the worker that holds the entry, read by the gateway. Each
-entry carries one field `e`: a JSON list of the events one engine step produced for the request (one
-XADD per request per step, so the gateway wakes once per step, not once per event). Events:
+entry carries `w`, the writing worker, and `e`: a JSON list of the events one engine step produced for
+the request (one XADD per request per step, so the gateway wakes once per step, not once per event):
     type=accepted  worker                       a worker admitted the request into its batch
     type=delta     text, tokens                 new text and the number of new tokens
     type=restart   worker, reason               a worker claimed the entry again after the one that held
@@ -143,13 +143,18 @@ def stream_entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
 # -- gateway side -------------------------------------------------------------------------------
 def read_replies(
     keys: Keys, request_id: str, last_id: str, block_ms: int | None
-) -> Op[list[tuple[str, dict]]]:
+) -> Op[list[tuple[str, str, dict[str, Any]]]]:
     """Reply events after `last_id` ("0" for all), waiting up to `block_ms` for the first entry.
 
-    Returns (entry id, event) pairs in order; the events of one entry share its id (the next cursor)."""
+    Returns (entry id, worker id, event) in order; the events of one entry share its id (the next
+    cursor) and the worker that wrote them."""
     return Op(
         lambda pipe: pipe.xread({keys.reply(request_id): last_id}, count=256, block=block_ms),
-        lambda r: [(eid, event) for eid, fields in stream_entries(r[0]) for event in json.loads(fields["e"])],
+        lambda r: [
+            (eid, fields.get("w", ""), event)
+            for eid, fields in stream_entries(r[0])
+            for event in json.loads(fields["e"])
+        ],
     )
 
 
@@ -189,9 +194,14 @@ def read_requests(
 
 
 def reply_events(
-    keys: Keys, events: list[tuple[str, dict[str, Any]]], ttl_ms: int, finished_ttl_ms: int = 60_000
+    keys: Keys,
+    worker_id: str,
+    events: list[tuple[str, dict[str, Any]]],
+    ttl_ms: int,
+    finished_ttl_ms: int = 60_000,
 ) -> Op[None]:
-    """Append events to reply streams, one entry per request holding its events in order.
+    """Append events to reply streams, one entry per request holding its events in order and the
+    writing worker's id (`w`: after a restart the gateway ignores a presumed-dead worker that still writes).
     `accepted`/`restart` set the stream's expiry to `ttl_ms`; `done`/`error` shorten it to
     `finished_ttl_ms` (the gateway has read it by then, or never will)."""
     by_request: dict[str, list[dict[str, Any]]] = {}
@@ -201,7 +211,7 @@ def reply_events(
     def build(pipe: Any) -> None:
         for request_id, batch in by_request.items():
             key = keys.reply(request_id)
-            pipe.xadd(key, {"e": json.dumps(batch, separators=(",", ":"))})
+            pipe.xadd(key, {"e": json.dumps(batch, separators=(",", ":")), "w": worker_id})
             kinds = {event.get("type") for event in batch}
             if kinds & {DONE, ERROR}:
                 pipe.pexpire(key, finished_ttl_ms)
