@@ -1,0 +1,321 @@
+"""Engine benchmark (DESIGN §9, issue 3): TTFT, TPOT and tokens/s for base vs unmerged LoRA, against
+transformers + peft on the same weights and against the HBM floor (weight bytes ÷ measured copy bandwidth).
+
+On a GPU (the issue's setup):
+    lorafn model random --preset llama-2-7b --dtype bfloat16 --out /tmp/llama-2-7b --seed 0
+    python bench/engine.py --model /tmp/llama-2-7b
+On a CPU it runs a tiny version (random `tiny` preset, short prompts) that prints ratios only:
+    python bench/engine.py --tiny
+
+The backbone is loaded onto the device once and shared by every engine of the run (a resident
+WeightSource, as the backbone server shares it with workers); transformers loads its own copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lorafn.runtime import Engine, EngineConfig, SamplingParams
+from lorafn.runtime.config import ModelConfig
+from lorafn.runtime.local_weights import SafetensorsWeightSource
+from lorafn.runtime.lora import write_random_adapter
+
+
+class ResidentSource:
+    """Every backbone tensor copied to the device once; engines get views of these copies."""
+
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        files = SafetensorsWeightSource(model_dir)
+        self.tensors = {n: files.get(n, device, dtype) for n in files.names()}
+        files.close()
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name, device, dtype):
+        return self.tensors[name].to(device=device, dtype=dtype)
+
+    def read_only(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.tensors.clear()
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy, counting read + write traffic (what a decode step streams)."""
+    nbytes = (1 << 30) if device.type == "cuda" else (1 << 27)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / min(times)
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (batch, length), generator=gen).tolist()
+
+
+def measure_engine(
+    engine: Engine, prompt_len: int, batches: list[int], decode_tokens: int, vocab: int
+) -> dict:
+    device = engine.device
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.generate(random_prompts(1, prompt_len, vocab, 0), greedy)  # warm-up
+    ttfts = []
+    for i in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        engine.generate(random_prompts(1, prompt_len, vocab, 100 + i), greedy)
+        sync(device)
+        ttfts.append(time.perf_counter() - t0)
+    result = {"ttft_s": statistics.median(ttfts), "tpot_s": {}, "tokens_per_s": {}}
+    params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
+    for batch in batches:
+        ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, batch)]
+        while any(not engine.get_output(i).token_ids for i in ids):  # all prefills done
+            engine.step()
+        sync(device)
+        t0, steps = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        sync(device)
+        tpot = (time.perf_counter() - t0) / steps
+        result["tpot_s"][batch] = tpot
+        result["tokens_per_s"][batch] = batch / tpot
+    return result
+
+
+def measure_hf(
+    model_dir: Path,
+    adapter: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    prompt_len: int,
+    batches: list[int],
+    decode_tokens: int,
+    vocab: int,
+) -> dict:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = PeftModel.from_pretrained(model, adapter).eval()
+
+    def run(batch: int, new_tokens: int, seed: int) -> float:
+        x = torch.tensor(random_prompts(batch, prompt_len, vocab, seed), device=device)
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        sync(device)
+        return time.perf_counter() - t0
+
+    run(1, 2, 0)
+    result = {
+        "ttft_s": statistics.median(run(1, 1, 100 + i) for i in range(3)),
+        "tpot_s": {},
+        "tokens_per_s": {},
+    }
+    for batch in batches:
+        t1 = min(run(batch, 1, batch) for _ in range(2))
+        tn = min(run(batch, decode_tokens + 1, batch) for _ in range(2))
+        tpot = (tn - t1) / decode_tokens
+        result["tpot_s"][batch] = tpot
+        result["tokens_per_s"][batch] = batch / tpot
+    model = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="model directory (default with --tiny: a random tiny preset)")
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized run: tiny preset, short prompts")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    ap.add_argument("--decode-tokens", type=int, default=None)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true", help="do not run transformers + peft")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    tiny = args.tiny or device.type == "cpu"
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
+    prompt_len = args.prompt_len or (32 if tiny else 512)
+    batches = [int(b) for b in (args.batches or ("1,4" if tiny else "1,8,32,64")).split(",")]
+    decode_tokens = args.decode_tokens or (8 if tiny else 64)
+    work = Path(tempfile.mkdtemp(prefix="lorafn-bench-"))
+    model_dir = args.model
+    if model_dir is None:
+        if not tiny:
+            ap.error("--model is required on a GPU (write it with `lorafn model random --preset llama-2-7b`)")
+        from lorafn.runtime.assets.random_model import write_random_model
+
+        model_dir = write_random_model("tiny", work / "tiny", seed=0, progress=False)
+    mc = ModelConfig.from_dir(model_dir)
+    adapter = write_random_adapter(
+        mc,
+        work / "adapter",
+        rank=args.rank,
+        lora_alpha=2 * args.rank,
+        target_modules="all-linear",
+        dtype=dtype,
+    )
+
+    t0 = time.perf_counter()
+    source = ResidentSource(model_dir, device, dtype)
+    load_s = time.perf_counter() - t0
+    max_seqs = max(batches)
+    max_len = prompt_len + decode_tokens + 8
+    block_size = 16
+    blocks = max_seqs * -(-max_len // block_size) + 16
+    figures: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "model": str(model_dir),
+        "prompt_len": prompt_len,
+        "decode_tokens": decode_tokens,
+        "rank": args.rank,
+        "backbone_load_s": load_s,
+    }
+    bandwidth = copy_bandwidth(device)
+    for name, adapter_dir in (("base", None), ("lora", adapter)):
+        t0 = time.perf_counter()
+        engine = Engine(
+            EngineConfig(
+                model=model_dir,
+                adapter=adapter_dir,
+                device=str(device),
+                dtype=str(dtype).removeprefix("torch."),
+                weight_source=source,
+                max_num_seqs=max_seqs,
+                max_num_batched_tokens=max(2048, prompt_len),
+                max_model_len=max_len,
+                num_kv_blocks=blocks,
+                block_size=block_size,
+            )
+        )
+        figures[f"{name}_engine_start_s"] = time.perf_counter() - t0
+        figures[f"{name}_graph_capture_s"] = engine.graph_capture_s
+        figures["weight_bytes"] = engine.model.weight_bytes()
+        figures[name] = measure_engine(engine, prompt_len, batches, decode_tokens, mc.vocab_size)
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    source.close()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not args.skip_hf:
+        figures["hf_peft"] = measure_hf(
+            model_dir, adapter, device, dtype, prompt_len, batches, decode_tokens, mc.vocab_size
+        )
+    figures["copy_bandwidth_Bps"] = bandwidth
+    floor = figures["weight_bytes"] / bandwidth
+    figures["hbm_floor_tpot_s"] = floor
+
+    print_table(figures, batches, tiny)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2, default=str))
+    return 0
+
+
+def print_table(f: dict, batches: list[int], tiny: bool) -> None:
+    ms = 1e3
+    print(f"\nlorafn engine benchmark — {f['device']}, {f['dtype']}, model {f['model']}")
+    print(
+        f"prompt {f['prompt_len']} tokens, {f['decode_tokens']} decode steps, "
+        f"LoRA rank {f['rank']} all-linear"
+    )
+    print(
+        f"weights {f['weight_bytes'] / 1e9:.2f} GB, copy bandwidth {f['copy_bandwidth_Bps'] / 1e9:.0f} GB/s, "
+        f"HBM floor TPOT {f['hbm_floor_tpot_s'] * ms:.3f} ms"
+    )
+    print(f"graph capture: base {f['base_graph_capture_s']:.2f} s, lora {f['lora_graph_capture_s']:.2f} s\n")
+    hf = f.get("hf_peft")
+    if not tiny:
+        print(
+            f"TTFT (prompt {f['prompt_len']}): base {f['base']['ttft_s'] * ms:.1f} ms, "
+            f"lora {f['lora']['ttft_s'] * ms:.1f} ms"
+            + (f", hf+peft {hf['ttft_s'] * ms:.1f} ms" if hf else "")
+        )
+        header = (
+            f"{'batch':>5} | {'TPOT base ms':>12} {'TPOT lora ms':>12} {'hf+peft ms':>10} | "
+            f"{'tok/s base':>10} {'tok/s lora':>10} {'tok/s hf':>9}"
+        )
+        print(header)
+        print("-" * len(header))
+        for b in batches:
+            hf_tpot = f"{hf['tpot_s'][b] * ms:10.2f}" if hf else f"{'-':>10}"
+            hf_tps = f"{hf['tokens_per_s'][b]:9.0f}" if hf else f"{'-':>9}"
+            print(
+                f"{b:>5} | {f['base']['tpot_s'][b] * ms:12.2f} "
+                f"{f['lora']['tpot_s'][b] * ms:12.2f} {hf_tpot} | "
+                f"{f['base']['tokens_per_s'][b]:10.0f} {f['lora']['tokens_per_s'][b]:10.0f} {hf_tps}"
+            )
+        print()
+    print(
+        "ratios (targets: lora TPOT@1 / floor <= 1.35; lora/base - 1 <= 10%; "
+        "lora tok/s / hf >= 3 at batch 32)"
+    )
+    print(f"  TTFT lora/base: {f['lora']['ttft_s'] / f['base']['ttft_s']:.3f}")
+    print(
+        f"  TPOT@1 lora / HBM floor: {f['lora']['tpot_s'][batches[0]] / f['hbm_floor_tpot_s']:.2f}"
+        f"  (base: {f['base']['tpot_s'][batches[0]] / f['hbm_floor_tpot_s']:.2f})"
+    )
+    for b in batches:
+        overhead = 100 * (f["lora"]["tpot_s"][b] / f["base"]["tpot_s"][b] - 1)
+        line = f"  batch {b:>3}: LoRA overhead {overhead:+6.1f}%"
+        if hf:
+            line += f", lora tok/s vs hf+peft {f['lora']['tokens_per_s'][b] / hf['tokens_per_s'][b]:6.2f}x"
+        print(line)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

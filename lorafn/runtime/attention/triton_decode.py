@@ -1,0 +1,209 @@
+"""Paged decode attention in Triton (flash-decoding: the context is split across programs, then reduced).
+
+Grid of the main kernel: (batch, kv_head, split). Each program takes the GROUP query heads that share
+one KV head, walks its share of the context BLOCK_N tokens at a time (each token's page looked up in
+the block table, so BLOCK_N need not equal the page size), and keeps an online softmax in float32.
+It writes a partial (max, sum, acc) per query head; the reduce kernel (grid: batch, head) combines
+the splits. No host sync and shapes fixed by (batch, splits), so it is captured in CUDA graphs.
+
+The number of splits depends only on the batch size and head counts (never on context lengths), so a
+graph captured for a bucket stays valid for every context length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TARGET_PROGRAMS = 264  # about two waves on an H100 (132 SMs)
+MAX_SPLITS = 16
+
+
+def num_splits(batch: int, num_kv_heads: int) -> int:
+    return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, batch * num_kv_heads)))
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,
+    K,
+    V,
+    BT,
+    CL,
+    M_OUT,
+    L_OUT,
+    ACC_OUT,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kt,
+    stride_kh,
+    stride_vn,
+    stride_vt,
+    stride_vh,
+    stride_btb,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAD_G: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(CL + b)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * per_split
+    end = tl.minimum(begin + per_split, ctx)
+
+    offs_g = tl.arange(0, PAD_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    gmask = offs_g < GROUP
+    dmask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [G, D]
+
+    m_i = tl.full([PAD_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([PAD_G], tl.float32)
+    acc = tl.zeros([PAD_G, BLOCK_D], tl.float32)
+    for start in range(begin, end, BLOCK_N):
+        pos = start + offs_n
+        nmask = pos < end
+        page = tl.load(BT + b * stride_btb + pos // PAGE, mask=nmask, other=0).to(tl.int64)
+        within = (pos % PAGE).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(
+            K + page[:, None] * stride_kn + within[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # [N, D]
+        v = tl.load(
+            V + page[:, None] * stride_vn + within[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    # partial results: [B, H, NUM_SPLITS] for m, l; [B, H, NUM_SPLITS, D] for acc
+    num_heads = tl.num_programs(1) * GROUP
+    row = (b * num_heads + heads) * NUM_SPLITS + split
+    tl.store(M_OUT + row, m_i, mask=gmask)
+    tl.store(L_OUT + row, l_i, mask=gmask)
+    tl.store(ACC_OUT + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    M_IN,
+    L_IN,
+    ACC_IN,
+    Out,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    PAD_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, PAD_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NUM_SPLITS
+    row = (b * num_heads + h) * NUM_SPLITS + offs_s
+    m = tl.load(M_IN + row, mask=smask, other=float("-inf"))
+    l_ = tl.load(L_IN + row, mask=smask, other=0.0)
+    acc = tl.load(
+        ACC_IN + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=smask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # empty splits weigh nothing
+    total = tl.sum(l_ * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / total
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM
+    )
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as reference.paged_decode_attention_ref: q [B, H, D] -> [B, H, D]."""
+    bsz, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged decode attention: the KV cache's last dimension must be contiguous")
+    q = q.contiguous()
+    group = num_heads // num_kv_heads
+    splits = num_splits(bsz, num_kv_heads)
+    m = torch.empty(bsz, num_heads, splits, device=q.device, dtype=torch.float32)
+    lse = torch.empty_like(m)
+    acc = torch.empty(bsz, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
+    block_d = triton.next_power_of_2(head_dim)
+    pad_g = max(triton.next_power_of_2(group), 1)
+    block_n = max(16, min(64, 8192 // (pad_g * block_d)))
+    _decode_split_kernel[(bsz, num_kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        m,
+        lse,
+        acc,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        NUM_SPLITS=splits,
+        GROUP=group,
+        PAD_G=pad_g,
+        PAGE=page,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+    )
+    out = torch.empty_like(q)
+    _decode_reduce_kernel[(bsz, num_heads)](
+        m,
+        lse,
+        acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=splits,
+        PAD_S=triton.next_power_of_2(splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+    )
+    return out

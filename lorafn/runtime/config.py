@@ -1,0 +1,175 @@
+"""EngineConfig: the one typed configuration of a worker's engine, and the model's own config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lorafn.runtime.weights import WeightSource
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class EngineConfig:
+    """How to build an Engine. Every field is checked in `__post_init__` (ValueError naming it).
+
+    model: an HF model directory (config.json + *.safetensors + tokenizer files).
+    adapter: a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors), or None.
+    dtype: "auto" picks float32 on CPU and bfloat16 on CUDA.
+    num_kv_blocks / kv_cache_memory_bytes: size the paged KV cache (at most one of the two); with
+      neither, CPU gets enough blocks for max_num_seqs full-length sequences (capped at 2 GiB) and CUDA
+      profiles one forward of max_num_batched_tokens once and remembers the answer in `cache_dir`.
+    weight_source: where backbone tensors come from (default: the model directory's safetensors,
+      memory-mapped).
+    """
+
+    model: str | Path
+    adapter: str | Path | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    tokenizer: str | Path | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+    enable_chunked_prefill: bool = True
+    use_cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
+    cache_dir: str | Path | None = None
+    weight_source: WeightSource | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not str(self.model):
+            raise ValueError("model: a model directory is required")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
+        if not (self.device == "cpu" or str(self.device).startswith("cuda")):
+            raise ValueError(f"device: {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("num_kv_blocks, kv_cache_memory_bytes: give at most one of the two")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes: must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(
+                f"cuda_graph_batch_sizes: positive sizes needed, got {self.cuda_graph_batch_sizes}"
+            )
+        self.cuda_graph_batch_sizes = sizes
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir is not None:
+            return Path(self.cache_dir)
+        return Path(os.environ.get("LORAFN_CACHE_DIR", Path.home() / ".cache" / "lorafn"))
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of an HF config.json that the Llama family needs (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model: no config.json in {model_dir}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type: {model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act: {act!r} is not supported; the Llama family uses 'silu'")
+        # transformers >= 5 writes `rope_parameters` (theta inside); older versions `rope_theta` +
+        # `rope_scaling`.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling: rope_type {rope_type!r} is not supported; use {SUPPORTED_ROPE_TYPES}"
+            )
+        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        window = raw.get("sliding_window")
+        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+            window = None
+        return cls(
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            vocab_size=int(raw["vocab_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            sliding_window=int(window) if window else None,
+        )
+
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of each LoRA-targetable projection of one decoder layer."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (q, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, q),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }

@@ -1,0 +1,158 @@
+"""Decode CUDA graphs: all capture code lives here; static buffers and bucket logic are pure functions.
+
+A decode step of B sequences (B <= the largest bucket) runs as the replay of the graph captured for
+the smallest bucket >= B. Inputs are copied into static buffers first; rows B..bucket-1 are padding:
+token 0 at position 0, K/V written to the KV cache's scratch slot, a block table of scratch blocks and
+a context length of 1, so they compute garbage that nobody reads and touch no real sequence.
+
+The graph materialization issue builds on `DecodeGraphRunner`: what it captures depends only on the
+model, the adapter shape, the buckets and `max_blocks_per_seq` (never on context lengths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def bucket_for(batch_size: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= batch_size, or None when the batch is larger than every bucket."""
+    return next((b for b in sorted(buckets) if b >= batch_size), None)
+
+
+@dataclass
+class DecodeInputs:
+    """Host arrays of one decode step, padded to a bucket: [bucket] int64 ids/positions/slots,
+    [bucket, max_blocks] int32 block tables, [bucket] int32 context lengths."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+
+
+def pad_decode_inputs(
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    slots: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    bucket: int,
+    max_blocks: int,
+    scratch_block: int,
+    block_size: int,
+) -> DecodeInputs:
+    """Lay out n <= bucket decodes for a bucket (pure; see the module docstring for the padding)."""
+    n = len(token_ids)
+    if n > bucket:
+        raise ValueError(f"{n} decodes do not fit in bucket {bucket}")
+    ids = np.zeros(bucket, dtype=np.int64)
+    pos = np.zeros(bucket, dtype=np.int64)
+    slot = np.full(bucket, scratch_block * block_size, dtype=np.int64)
+    tables = np.full((bucket, max_blocks), scratch_block, dtype=np.int32)
+    ctx = np.ones(bucket, dtype=np.int32)
+    ids[:n], pos[:n], slot[:n] = token_ids, positions, slots
+    for row, table in enumerate(block_tables):
+        if len(table) > max_blocks:
+            raise ValueError(f"block table of {len(table)} blocks exceeds max_blocks {max_blocks}")
+        tables[row, : len(table)] = table
+    ctx[:n] = np.asarray(positions, dtype=np.int32) + 1
+    return DecodeInputs(ids, pos, slot, tables, ctx)
+
+
+class DecodeGraphRunner:
+    """Captures model.forward for decode batches of each bucket size and replays them."""
+
+    def __init__(self, model, kv_cache, buckets: Sequence[int], max_blocks_per_seq: int) -> None:
+        import torch
+
+        self.model, self.kv_cache = model, kv_cache
+        self.buckets = tuple(sorted(set(buckets)))
+        self.max_blocks = max_blocks_per_seq
+        device = model.device
+        largest = self.buckets[-1]
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((largest,), kv_cache.scratch_slot, dtype=torch.int64, device=device)
+        self.block_tables = torch.full(
+            (largest, self.max_blocks), kv_cache.scratch_block, dtype=torch.int32, device=device
+        )
+        self.context_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _batch(self, bucket: int):
+        from lorafn.runtime.models.llama import ForwardBatch
+
+        return ForwardBatch(
+            input_ids=self.input_ids[:bucket],
+            positions=self.positions[:bucket],
+            slot_mapping=self.slot_mapping[:bucket],
+            num_decodes=bucket,
+            block_tables=self.block_tables[:bucket],
+            context_lens=self.context_lens[:bucket],
+            prefills=[],
+            logits_indices=None,
+        )
+
+    def capture(self) -> float:
+        """Capture every bucket, largest first (they share one memory pool). Returns seconds taken."""
+        import time
+
+        import torch
+
+        t0 = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for bucket in reversed(self.buckets):
+            batch = self._batch(bucket)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: lazy module loads, Triton compiles, cuBLAS handles
+                for _ in range(2):
+                    self.model.forward(batch, self.kv_cache.layers)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                self.outputs[bucket] = self.model.forward(batch, self.kv_cache.layers)
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def can_run(self, num_decodes: int) -> bool:
+        return bool(self.graphs) and bucket_for(num_decodes, self.buckets) is not None
+
+    def run(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ):
+        """Logits [n, vocab] (float32, a view of the graph's output) for n decodes."""
+        import torch
+
+        n = len(token_ids)
+        bucket = bucket_for(n, self.buckets)
+        inputs = pad_decode_inputs(
+            token_ids,
+            positions,
+            slots,
+            block_tables,
+            bucket,
+            self.max_blocks,
+            self.kv_cache.scratch_block,
+            self.kv_cache.block_size,
+        )
+        for static, host in (
+            (self.input_ids, inputs.input_ids),
+            (self.positions, inputs.positions),
+            (self.slot_mapping, inputs.slot_mapping),
+            (self.block_tables, inputs.block_tables),
+            (self.context_lens, inputs.context_lens),
+        ):
+            static[:bucket].copy_(torch.from_numpy(host), non_blocking=True)
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:n]

@@ -1,0 +1,249 @@
+"""The Llama family as plain tensor code over a flattened batch of chunks (varlen), with unmerged LoRA.
+
+One forward takes T tokens of several sequences at once: first the single-token chunks (decodes,
+attended with paged attention over the KV cache), then the multi-token prefill chunks (SDPA over the
+cached prefix + the chunk, causally). Only the rows in `logits_indices` go through the LM head.
+
+Weights come from a WeightSource and are held as they are handed out (views): nothing here writes
+to them. LoRA tensors are private (lora.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lorafn.runtime.attention import paged_decode_attention, prefill_attention, write_kv
+from lorafn.runtime.config import ModelConfig
+from lorafn.runtime.lora import LoRAGroup, LoRAWeights
+from lorafn.runtime.weights import WeightSource
+
+
+@dataclass
+class PrefillSpan:
+    """A multi-token chunk in the flattened batch: rows token_offset..token_offset+num_tokens-1.
+
+    start: the position of its first token; kv_slots [start + num_tokens] (int64): the KV-cache slots of
+    positions 0..start+num_tokens-1, needed only when start > 0 (a cached prefix to attend to).
+    """
+
+    token_offset: int
+    num_tokens: int
+    start: int
+    kv_slots: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward. input_ids, positions, slot_mapping: [T] int64 (slot_mapping: where each
+    token's K/V is stored). The first `num_decodes` rows are single-token chunks: block_tables
+    [num_decodes, M] int32 and context_lens [num_decodes] int32 describe their cached context.
+    logits_indices [S] int64: the rows whose logits are wanted (None: all rows)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    block_tables: torch.Tensor | None
+    context_lens: torch.Tensor | None
+    prefills: list[PrefillSpan]
+    logits_indices: torch.Tensor | None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with Llama-3 or linear scaling as transformers does."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos, sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def lora_project(x: torch.Tensor, outputs: dict[str, torch.Tensor], group: LoRAGroup | None) -> None:
+    """Adds s·(x·Aᵀ)·Bᵀ into each output of the group, in place: one shrink GEMM for the group (its A
+    matrices concatenated), then one addmm per target (the add happens in the GEMM's epilogue)."""
+    if group is None:
+        return
+    t = F.linear(x, group.a_cat)  # [T, sum of ranks]
+    for proj, off, rank, b in group.targets:
+        outputs[proj].addmm_(t[:, off : off + rank], b.t())
+
+
+class LlamaModel:
+    """Holds the backbone tensors (views from the WeightSource) and an optional private adapter."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        source: WeightSource,
+        device: torch.device,
+        dtype: torch.dtype,
+        lora: LoRAWeights | None = None,
+        max_position: int | None = None,
+        use_triton_attention: bool = False,
+    ) -> None:
+        self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
+        self.use_triton_attention = use_triton_attention
+        # On CUDA with Triton: fused RMSNorm(+residual), RoPE and SiLU·up (models/triton_ops.py).
+        self.ops = None
+        if use_triton_attention:
+            from lorafn.runtime.models import triton_ops
+
+            self.ops = triton_ops
+        names = set(source.names())
+
+        def get(name: str) -> torch.Tensor:
+            return source.get(name, device, dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return get(name) if name in names else None
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in names:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = get("lm_head.weight")
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            layer: dict[str, torch.Tensor | None] = {
+                "input_layernorm": get(p + "input_layernorm.weight"),
+                "post_attention_layernorm": get(p + "post_attention_layernorm.weight"),
+            }
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                layer[proj] = get(f"{p}self_attn.{proj}.weight")
+                layer[proj + ".bias"] = maybe(f"{p}self_attn.{proj}.bias")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                layer[proj] = get(f"{p}mlp.{proj}.weight")
+                layer[proj + ".bias"] = maybe(f"{p}mlp.{proj}.bias")
+            self.layers.append(layer)
+        max_position = max_position or cfg.max_position_embeddings
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)  # [max_position, D]
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.scale = cfg.head_dim**-0.5
+
+    def weight_bytes(self) -> int:
+        """Bytes of backbone weights one decode step reads: every layer, the final norm and the LM head
+        (the embedding table only through a few rows, so it is not counted unless tied to the head)."""
+        tensors = {t.data_ptr(): t for layer in self.layers for t in layer.values() if t is not None}
+        tensors.update({self.norm.data_ptr(): self.norm, self.lm_head.data_ptr(): self.lm_head})
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def _norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(h + delta), h + delta): the residual add and the next norm, fused on CUDA."""
+        eps = self.cfg.rms_norm_eps
+        if self.ops is None:
+            if delta is not None:
+                h = h + delta
+            return rms_norm(h, weight, eps), h
+        if delta is None:
+            return self.ops.rms_norm(h, weight, eps), h
+        h, x = self.ops.add_rms_norm(h, delta, weight, eps)
+        return x, h
+
+    def _linear(self, x: torch.Tensor, layer: dict, proj: str) -> torch.Tensor:
+        return F.linear(x, layer[proj], layer[proj + ".bias"])
+
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Returns logits [S, vocab] (float32) for the rows in batch.logits_indices."""
+        cfg = self.cfg
+        num_tokens = batch.input_ids.shape[0]
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        lora_layers = self.lora.layers if self.lora is not None else None
+        ops, eps = self.ops, cfg.rms_norm_eps
+        h = F.embedding(batch.input_ids, self.embed)
+        if ops is None:
+            cos = self.cos[batch.positions].unsqueeze(1)
+            sin = self.sin[batch.positions].unsqueeze(1)
+        nd = batch.num_decodes
+        delta = None  # the last sub-layer's output, added to h together with the next norm
+        for i, layer in enumerate(self.layers):
+            groups = lora_layers[i] if lora_layers is not None else {}
+            x, h = self._norm(h, delta, layer["input_layernorm"])
+            qkv = {p: self._linear(x, layer, p) for p in ("q_proj", "k_proj", "v_proj")}
+            lora_project(x, qkv, groups.get("q_proj"))
+            if ops is not None:
+                q = ops.rope(qkv["q_proj"], nh, self.cos, self.sin, batch.positions)
+                k = ops.rope(qkv["k_proj"], nkv, self.cos, self.sin, batch.positions)
+            else:
+                q = apply_rope(qkv["q_proj"].view(num_tokens, nh, hd), cos, sin)
+                k = apply_rope(qkv["k_proj"].view(num_tokens, nkv, hd), cos, sin)
+            v = qkv["v_proj"].view(num_tokens, nkv, hd)
+            k_cache, v_cache = kv_caches[i]
+            write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+            pieces = []
+            if nd:
+                pieces.append(
+                    paged_decode_attention(
+                        q[:nd],
+                        k_cache,
+                        v_cache,
+                        batch.block_tables,
+                        batch.context_lens,
+                        self.scale,
+                        self.use_triton_attention,
+                    )
+                )
+            for span in batch.prefills:
+                rows = slice(span.token_offset, span.token_offset + span.num_tokens)
+                if span.start == 0:
+                    kk, vv = k[rows], v[rows]
+                else:
+                    kk = k_cache.view(-1, nkv, hd)[span.kv_slots]
+                    vv = v_cache.view(-1, nkv, hd)[span.kv_slots]
+                pieces.append(prefill_attention(q[rows], kk, vv, span.start, self.scale))
+            attn = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+            attn = attn.reshape(num_tokens, nh * hd)
+            o = {"o_proj": self._linear(attn, layer, "o_proj")}
+            lora_project(attn, o, groups.get("o_proj"))
+            x, h = self._norm(h, o["o_proj"], layer["post_attention_layernorm"])
+            gu = {p: self._linear(x, layer, p) for p in ("gate_proj", "up_proj")}
+            lora_project(x, gu, groups.get("gate_proj"))
+            if ops is not None:
+                act = ops.silu_mul(gu["gate_proj"], gu["up_proj"])
+            else:
+                act = F.silu(gu["gate_proj"]) * gu["up_proj"]
+            d = {"down_proj": self._linear(act, layer, "down_proj")}
+            lora_project(act, d, groups.get("down_proj"))
+            delta = d["down_proj"]
+        h = h + delta
+        if batch.logits_indices is not None:
+            h = h[batch.logits_indices]
+        h = rms_norm(h, self.norm, eps) if ops is None else ops.rms_norm(h, self.norm, eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,179 @@
+"""Pure and small parts of the engine: CUDA-graph buckets and padding, KV-cache sizing and its saved
+answer, the memory-mapped weight source, config parsing, EngineConfig validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lorafn.runtime.config import EngineConfig, ModelConfig
+from lorafn.runtime.cuda_graphs import bucket_for, pad_decode_inputs
+from lorafn.runtime.kv_cache import (
+    KVCache,
+    block_bytes,
+    blocks_for_budget,
+    cpu_default_blocks,
+    kv_init_key,
+    load_kv_init,
+    save_kv_init,
+)
+from lorafn.runtime.local_weights import SafetensorsWeightSource
+from lorafn.runtime.weights import WeightSource
+
+CFG = ModelConfig.from_dict(
+    dict(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+)
+
+
+@pytest.mark.parametrize("n,expected", [(1, 1), (2, 2), (3, 4), (8, 8), (9, 16), (64, 64), (65, None)])
+def test_bucket_for(n: int, expected: int | None) -> None:
+    assert bucket_for(n, (64, 1, 2, 4, 8, 16, 32)) == expected
+
+
+def test_pad_decode_inputs_pads_with_scratch() -> None:
+    inputs = pad_decode_inputs(
+        [5, 6, 7],
+        [10, 0, 33],
+        [42, 3, 81],
+        [[2, 0], [0], [1, 3, 5]],
+        bucket=4,
+        max_blocks=4,
+        scratch_block=9,
+        block_size=16,
+    )
+    assert inputs.input_ids.tolist() == [5, 6, 7, 0]
+    assert inputs.positions.tolist() == [10, 0, 33, 0]
+    assert inputs.slot_mapping.tolist() == [42, 3, 81, 9 * 16]
+    assert inputs.block_tables.tolist() == [[2, 0, 9, 9], [0, 9, 9, 9], [1, 3, 5, 9], [9, 9, 9, 9]]
+    assert inputs.context_lens.tolist() == [11, 1, 34, 1]
+    assert inputs.block_tables.dtype == np.int32
+    with pytest.raises(ValueError, match="bucket"):
+        pad_decode_inputs(
+            [1] * 5, [0] * 5, [0] * 5, [[0]] * 5, bucket=4, max_blocks=4, scratch_block=9, block_size=16
+        )
+
+
+def test_kv_sizing() -> None:
+    per = block_bytes(CFG, 16, torch.float32)
+    assert per == 2 * 3 * 16 * 2 * 8 * 4
+    assert blocks_for_budget(10 * per + 5, per) == 10
+    assert cpu_default_blocks(4, 100, 16, per) == 4 * 7
+    cache = KVCache(CFG, num_blocks=5, block_size=16, device=torch.device("cpu"), dtype=torch.float32)
+    assert len(cache.layers) == 3 and cache.layers[0][0].shape == (6, 16, 2, 8)  # + the scratch block
+    assert cache.scratch_slot == 5 * 16
+    assert cache.layers[1][1].data_ptr() > cache.layers[0][0].data_ptr()  # views of one allocation
+
+
+def test_kv_init_roundtrip(tmp_path: Path) -> None:
+    fields = {"model": "/m", "dtype": "bf16", "device": "H100", "gpu_memory_utilization": 0.8}
+    key = kv_init_key(fields)
+    assert key == kv_init_key(dict(reversed(list(fields.items()))))
+    assert key != kv_init_key({**fields, "gpu_memory_utilization": 0.9})
+    assert load_kv_init(tmp_path, key) is None
+    save_kv_init(tmp_path, key, 1234, fields)
+    assert load_kv_init(tmp_path, key) == 1234
+    (tmp_path / "kv_init" / f"{key}.json").write_text("{broken")
+    assert load_kv_init(tmp_path, key) is None
+
+
+def test_safetensors_source_hands_out_views(tmp_path: Path) -> None:
+    a, b = torch.randn(4, 6), torch.arange(10, dtype=torch.bfloat16)
+    save_file({"a": a, "b": b}, str(tmp_path / "model-00001.safetensors"))
+    save_file({"c": torch.ones(3)}, str(tmp_path / "model-00002.safetensors"))
+    src = SafetensorsWeightSource(tmp_path)
+    assert isinstance(src, WeightSource)
+    assert sorted(src.names()) == ["a", "b", "c"]
+    got = src.get("a", "cpu", torch.float32)
+    torch.testing.assert_close(got, a)
+    # views into one file mapping: the same storage, no copy per tensor
+    assert (
+        got.untyped_storage().data_ptr() == src.get("b", "cpu", torch.bfloat16).untyped_storage().data_ptr()
+    )
+    assert src.get("a", "cpu", torch.float32).data_ptr() == got.data_ptr()
+    assert src.get("b", "cpu", torch.float32).dtype == torch.float32  # a conversion is one copy
+    with pytest.raises(KeyError, match="missing"):
+        src.get("missing", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="safetensors"):
+        SafetensorsWeightSource(tmp_path / "empty")
+
+
+def test_model_config_parsing() -> None:
+    llama3 = ModelConfig.from_dict(
+        dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            vocab_size=64,
+            rope_theta=500000.0,
+            eos_token_id=[1, 9],
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )
+    )
+    assert llama3.rope_theta == 500000.0 and llama3.rope_scaling["rope_type"] == "llama3"
+    assert llama3.num_kv_heads == 4 and llama3.head_dim == 8 and llama3.eos_token_ids == (1, 9)
+    v5 = ModelConfig.from_dict(
+        dict(
+            model_type="qwen2",
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            vocab_size=64,
+            sliding_window=4096,
+            rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+        )
+    )
+    assert v5.rope_theta == 1e6 and v5.rope_scaling is None and v5.sliding_window is None
+    for bad, field in [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling"),
+    ]:
+        raw = dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            vocab_size=64,
+        )
+        raw.update(bad)
+        with pytest.raises(ValueError, match=field):
+            ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(dtype="float64"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(num_kv_blocks=4, kv_cache_memory_bytes=10), "num_kv_blocks"),
+        (dict(block_size=0), "block_size"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(cuda_graph_batch_sizes=(0,)), "cuda_graph_batch_sizes"),
+    ],
+)
+def test_engine_config_validation(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="/m", **kwargs)
