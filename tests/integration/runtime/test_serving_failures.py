@@ -127,9 +127,8 @@ def test_sigterm_drains_and_keep_alive_exits(redis_server: str, tiny_model_dir: 
             for t in threads:
                 t.join(timeout=30)
             assert proc.wait(timeout=15) == 0
-            assert (
-                store.run(st.consumers(keys, FN)) == []
-            )  # it left the consumer group        assert [s for s, _ in results.values()] == ["ok", "ok"], results
+            assert store.run(st.consumers(keys, FN)) == []  # it left the consumer group
+        assert [s for s, _ in results.values()] == ["ok", "ok"], results
         assert all(len(text.split()) == NUM_WORDS for _, text in results.values())
     finally:
         stop_process(proc, signal.SIGKILL)
