@@ -8,6 +8,10 @@ Reads only `adapter_config.json`, the JSON header of `adapter_model.safetensors`
 bytes of JSON mapping each tensor name to its dtype, shape and byte range. So the operator can refuse
 a wrong adapter (DoRA, `modules_to_save`, embedding LoRA, shapes of another model) before any GPU
 worker tries to load it, with a reason a user can act on.
+
+`check_adapter_config` is the one config-level check: the runtime's loader (`lorafn.runtime.lora`)
+calls it too, so the operator, `lorafn apply` and the worker refuse the same configs with the same
+words, and `pattern_matches` is the one reading of PEFT's `rank_pattern` / `alpha_pattern` keys.
 """
 
 from __future__ import annotations
@@ -54,10 +58,11 @@ _TENSOR_RE = re.compile(
 class AdapterProblem(ValueError):
     """The adapter cannot be used: `reason` is a CamelCase condition reason, the message says why."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.field = field  # the adapter_config.json field at fault, where there is one
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class AdapterInfo:
     num_tensors: int
     use_rslora: bool = False
     layers: list[int] = field(default_factory=list)
+    # module -> its largest rank over the layers (differs from `rank` only under rank_pattern)
+    ranks: dict[str, int] = field(default_factory=dict)
 
     def to_status(self) -> dict[str, Any]:
         return {
@@ -183,16 +190,83 @@ def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
     }
 
 
-def _targeted_modules(target: Any, num_layers: int) -> list[str]:
-    """The module names (q_proj, ...) that `target_modules` selects, or AdapterProblem."""
+# adapter_config.json fields that unmerged LoRA on a Llama-family backbone cannot honour: any truthy
+# value is refused (PEFT writes False, None or an empty container when the feature is off).
+REFUSED_FIELDS: dict[str, str] = {
+    "use_dora": "DoRA is not supported (only plain LoRA)",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D layout) is not supported by the Llama family",
+    "lora_bias": "LoRA bias is not supported",
+    "use_qalora": "QALoRA is not supported",
+    "modules_to_save": "would replace backbone modules (full trained copies); not supported",
+    "trainable_token_indices": "trainable token embeddings are not supported",
+    "layer_replication": "layer replication is not supported",
+    "target_parameters": "LoRA on parameters (not linear modules) is not supported",
+    "alora_invocation_tokens": "activated LoRA (aLoRA) is not supported",
+}
+_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed", "word_embeddings")
+
+
+@dataclass(frozen=True)
+class CheckedConfig:
+    """An adapter_config.json that `check_adapter_config` accepted, with its values typed."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    # q_proj, ... as the config selects them; None for a regex not yet matched against a backbone
+    target_modules: list[str] | None
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    raw: dict[str, Any]
+
+    def rank_of(self, module_name: str) -> int:
+        """The rank PEFT gives `module_name` (model.layers.3.self_attn.o_proj): rank_pattern, else r."""
+        return next((v for k, v in self.rank_pattern.items() if pattern_matches(k, module_name)), self.rank)
+
+    def alpha_of(self, module_name: str) -> float:
+        """The lora_alpha PEFT gives `module_name`: alpha_pattern, else lora_alpha."""
+        return next((v for k, v in self.alpha_pattern.items() if pattern_matches(k, module_name)), self.alpha)
+
+
+def pattern_matches(pattern_key: str, module_name: str) -> bool:
+    """PEFT's rule for a rank_pattern / alpha_pattern key (peft.utils.other.get_pattern_key).
+
+    The key is a regex that must match a dotted suffix of the module name: "o_proj" and
+    "layers.0.self_attn.o_proj" both select model.layers.0.self_attn.o_proj. The first key that
+    matches, in the config's order, wins.
+    """
+    return re.match(rf"(.*\.)?({pattern_key})$", module_name) is not None
+
+
+def _config_problem(reason: str, field_name: str, detail: str) -> AdapterProblem:
+    return AdapterProblem(reason, f"adapter_config.json {field_name}: {detail}", field=field_name)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def target_module_names(target: Any, num_layers: int | None = None) -> list[str] | None:
+    """The module names (q_proj, ...) that `target_modules` selects, or AdapterProblem.
+
+    A string other than "all-linear" is, as in PEFT, a regex over the full module names
+    (model.layers.0.self_attn.q_proj): without `num_layers` it is only compiled (None is returned);
+    with it, it must select at least one linear layer of the backbone.
+    """
+    field_name = "target_modules"
     if target == "all-linear":
         return list(LINEAR_MODULES)
     if isinstance(target, str):
-        # PEFT reads a string as a regular expression over the full module names.
         try:
             pattern = re.compile(target)
         except re.error as exc:
-            raise AdapterProblem(REASON_CONFIG_INVALID, f"target_modules regex {target!r}: {exc}") from None
+            raise _config_problem(REASON_CONFIG_INVALID, field_name, f"regex {target!r}: {exc}") from None
+        if num_layers is None:
+            return None
         names = {
             module
             for layer in range(num_layers)
@@ -203,23 +277,98 @@ def _targeted_modules(target: Any, num_layers: int) -> list[str]:
             if pattern.fullmatch(full)
         }
         if not names:
-            raise AdapterProblem(
-                REASON_TARGET_MISMATCH, f"target_modules {target!r} matches no linear layer of the backbone"
+            raise _config_problem(
+                REASON_TARGET_MISMATCH, field_name, f"{target!r} matches no linear layer of the backbone"
             )
         return sorted(names, key=LINEAR_MODULES.index)
     if not isinstance(target, list) or not target or not all(isinstance(t, str) for t in target):
-        raise AdapterProblem(
+        raise _config_problem(
             REASON_CONFIG_INVALID,
-            f"target_modules must be a non-empty list of names or a string, got {target!r}",
+            field_name,
+            f"must be a non-empty list of names or a string, got {target!r}",
         )
     unknown = [t for t in target if t.rsplit(".", 1)[-1] not in LINEAR_MODULES]
     if unknown:
-        raise AdapterProblem(
+        embedding = [t for t in unknown if t.rsplit(".", 1)[-1] in _EMBEDDING_NAMES]
+        raise _config_problem(
             REASON_TARGET_MISMATCH,
-            f"target_modules {unknown} are not linear layers of the backbone (supported: "
-            f"{', '.join(LINEAR_MODULES)}; embedding and lm_head LoRA are not supported)",
+            field_name,
+            f"{unknown} are not linear layers of the backbone (supported: {', '.join(LINEAR_MODULES)})"
+            + ("; embedding and lm_head LoRA are not supported" if embedding else ""),
         )
     return sorted({t.rsplit(".", 1)[-1] for t in target}, key=LINEAR_MODULES.index)
+
+
+def check_adapter_config(config: dict[str, Any], num_layers: int | None = None) -> CheckedConfig:
+    """The one config-level check of a PEFT LoRA adapter_config.json (operator, apply, runtime).
+
+    Raises AdapterProblem (a ValueError) whose message starts "adapter_config.json <field>:" and whose
+    `field` is that field. `num_layers` (the backbone's) lets a regex target_modules be matched.
+    """
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise _config_problem(REASON_NOT_LORA, "peft_type", f"{peft_type!r} is not supported; only 'LORA'")
+    refused = [name for name in REFUSED_FIELDS if config.get(name)]
+    if refused:
+        raise AdapterProblem(
+            REASON_UNSUPPORTED_FEATURE,
+            "; ".join(f"adapter_config.json {name}: {REFUSED_FIELDS[name]}" for name in refused),
+            field=refused[0],
+        )
+    bias = config.get("bias", "none")
+    if bias != "none":
+        raise _config_problem(REASON_UNSUPPORTED_FEATURE, "bias", f"{bias!r} is not supported; only 'none'")
+
+    rank = config.get("r")
+    if not _is_rank(rank):
+        raise _config_problem(REASON_INVALID_RANK, "r", f"must be a positive integer, got {rank!r}")
+    alpha = config.get("lora_alpha", rank)
+    if not _is_number(alpha):
+        raise _config_problem(REASON_CONFIG_INVALID, "lora_alpha", f"{alpha!r} is not a number")
+    patterns: dict[str, dict[str, Any]] = {}
+    for name, valid, want in (
+        ("rank_pattern", _is_rank, "a positive integer"),
+        ("alpha_pattern", _is_number, "a number"),
+    ):
+        pattern = config.get(name) or {}
+        if not isinstance(pattern, dict):
+            raise _config_problem(
+                REASON_CONFIG_INVALID, name, f"must map module names to values, got {pattern!r}"
+            )
+        for key, value in pattern.items():
+            try:
+                re.compile(key)
+            except re.error as exc:
+                raise _config_problem(
+                    REASON_CONFIG_INVALID, name, f"key {key!r} is not a regex: {exc}"
+                ) from None
+            if not valid(value):
+                reason = REASON_INVALID_RANK if name == "rank_pattern" else REASON_CONFIG_INVALID
+                raise _config_problem(reason, name, f"{key!r}: {value!r} is not {want}")
+        patterns[name] = pattern
+    return CheckedConfig(
+        rank=rank,
+        alpha=float(alpha),
+        use_rslora=bool(config.get("use_rslora")),
+        target_modules=target_module_names(config.get("target_modules"), num_layers),
+        rank_pattern={k: int(v) for k, v in patterns["rank_pattern"].items()},
+        alpha_pattern={k: float(v) for k, v in patterns["alpha_pattern"].items()},
+        raw=config,
+    )
+
+
+def foreign_tensor(name: str) -> tuple[str, str]:
+    """(field, why) for a safetensors key that is not a LoRA A/B weight of a decoder linear layer."""
+    if "lora_embedding" in name or any(f"{e}." in name for e in _EMBEDDING_NAMES):
+        return "target_modules", f"tensor {name}: embedding/lm_head LoRA is not supported"
+    if "lora_magnitude_vector" in name:
+        return "use_dora", f"tensor {name}: DoRA is not supported"
+    if name.endswith(".bias"):
+        return "lora_bias", f"tensor {name}: LoRA bias is not supported"
+    return (
+        "adapter_model.safetensors",
+        f"unexpected tensor {name}: not a LoRA A/B weight of a decoder linear layer",
+    )
 
 
 def validate_adapter(adapter_dir: Path, backbone_dir: Path) -> AdapterInfo:
@@ -227,38 +376,12 @@ def validate_adapter(adapter_dir: Path, backbone_dir: Path) -> AdapterInfo:
     if not adapter_dir.is_dir():
         raise AdapterProblem(REASON_NOT_FOUND, f"adapter directory {adapter_dir} does not exist")
     config = _read_json(adapter_dir / "adapter_config.json", REASON_CONFIG_INVALID, "adapter config")
-    peft_type = config.get("peft_type")
-    if peft_type != "LORA":
-        raise AdapterProblem(REASON_NOT_LORA, f"adapter_config.json peft_type is {peft_type!r}, not 'LORA'")
-    refused = {
-        "use_dora": bool(config.get("use_dora")),
-        "modules_to_save": bool(config.get("modules_to_save")),
-        "rank_pattern": bool(config.get("rank_pattern")),
-        "alpha_pattern": bool(config.get("alpha_pattern")),
-        "bias": config.get("bias", "none") not in (None, "none"),
-    }
-    bad = [name for name, is_set in refused.items() if is_set]
-    if bad:
-        raise AdapterProblem(
-            REASON_UNSUPPORTED_FEATURE,
-            f"adapter_config.json sets {', '.join(bad)}: not supported (plain LoRA only: rank, lora_alpha, "
-            "use_rslora, target_modules, bias 'none')",
-        )
-    rank = config.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise AdapterProblem(
-            REASON_INVALID_RANK, f"adapter_config.json r must be a positive integer, got {rank!r}"
-        )
-    alpha = config.get("lora_alpha", rank)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise AdapterProblem(
-            REASON_CONFIG_INVALID, f"adapter_config.json lora_alpha {alpha!r} is not a number"
-        )
+    checked = check_adapter_config(config)
 
     backbone_config = _read_json(backbone_dir / "config.json", REASON_BACKBONE_CONFIG, "backbone config")
     shapes = linear_shapes(backbone_config)
     num_layers = int(backbone_config.get("num_hidden_layers", 0))
-    modules = _targeted_modules(config.get("target_modules"), num_layers)
+    modules = target_module_names(config["target_modules"], num_layers) or []
 
     weights = adapter_dir / "adapter_model.safetensors"
     if not weights.is_file():
@@ -274,10 +397,8 @@ def validate_adapter(adapter_dir: Path, backbone_dir: Path) -> AdapterInfo:
             continue
         match = _TENSOR_RE.match(name)
         if match is None:
-            raise AdapterProblem(
-                REASON_UNSUPPORTED_FEATURE,
-                f"tensor {name!r} is not a LoRA A/B weight of a decoder linear layer",
-            )
+            field_name, why = foreign_tensor(name)
+            raise AdapterProblem(REASON_UNSUPPORTED_FEATURE, f"{field_name}: {why}", field=field_name)
         layer, _block, module, which = int(match[1]), match[2], match[3], match[4]
         if module not in modules:
             raise AdapterProblem(
@@ -293,8 +414,12 @@ def validate_adapter(adapter_dir: Path, backbone_dir: Path) -> AdapterInfo:
         seen.setdefault((layer, module), {})[which] = meta["shape"]
     if not seen:
         raise AdapterProblem(REASON_WEIGHTS_INVALID, f"{weights} holds no LoRA tensors")
+    ranks: dict[str, int] = {}
     for (layer, module), pair in sorted(seen.items()):
         in_features, out_features = shapes[module]
+        block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+        rank = checked.rank_of(f"model.layers.{layer}.{block}.{module}")
+        ranks[module] = max(ranks.get(module, 0), rank)
         want = {"A": [rank, in_features], "B": [out_features, rank]}
         for which in ("A", "B"):
             if which not in pair:
@@ -311,13 +436,14 @@ def validate_adapter(adapter_dir: Path, backbone_dir: Path) -> AdapterInfo:
         raise AdapterProblem(REASON_WEIGHTS_INVALID, f"{weights} mixes dtypes {sorted(dtypes)}")
     return AdapterInfo(
         path=str(adapter_dir),
-        rank=rank,
-        alpha=float(alpha),
+        rank=checked.rank,
+        alpha=checked.alpha,
         target_modules=modules,
         dtype=dtypes.pop(),
         num_tensors=2 * len(seen),
-        use_rslora=bool(config.get("use_rslora")),
+        use_rslora=checked.use_rslora,
         layers=sorted({layer for layer, _ in seen}),
+        ranks=ranks,
     )
 
 

@@ -15,7 +15,7 @@ a stop string, and cuts the text before the first stop string, so no stop text i
 `IncrementalOutput` wires the two for one request (what the engine uses)::
 
     out = IncrementalOutput(tokenizer, prompt_ids, params, eos_token_id=tokenizer.eos_token_id)
-    delta = out.push(token_id)      # StreamDelta(text, finish_reason)
+    delta = out.push(token_id)      # TextDelta(text, finish_reason)
 """
 
 from __future__ import annotations
@@ -199,13 +199,15 @@ class StopChecker:
 
 
 @dataclass
-class StreamDelta:
+class TextDelta:
+    """The text one token adds to a request (not the engine's per-request `StreamDelta`)."""
+
     text: str
     finish_reason: str | None = None
 
 
 class IncrementalOutput:
-    """Detokenizer + stop checker of one request: ``push(token_id) -> StreamDelta``."""
+    """Detokenizer + stop checker of one request: ``push(token_id) -> TextDelta``."""
 
     def __init__(
         self,
@@ -232,7 +234,7 @@ class IncrementalOutput:
     def finish_reason(self) -> str | None:
         return self.checker.finish_reason
 
-    def push(self, token_id: int) -> StreamDelta:
+    def push(self, token_id: int) -> TextDelta:
         token_id = int(token_id)
         self.token_ids.append(token_id)
         delta = self.detokenizer.push(token_id)
@@ -241,8 +243,8 @@ class IncrementalOutput:
         if last or checker._is_stop_token(token_id):
             delta += self.detokenizer.flush()  # last token: release a held partial character
         text, reason = self.checker.push(token_id, delta)
-        return StreamDelta(text, reason)
+        return TextDelta(text, reason)
 
-    def finish(self, reason: str) -> StreamDelta:
+    def finish(self, reason: str) -> TextDelta:
         """End for a reason decided elsewhere ("length" at max_model_len, "abort")."""
-        return StreamDelta(self.checker.finish(reason, self.detokenizer.flush()), reason)
+        return TextDelta(self.checker.finish(reason, self.detokenizer.flush()), reason)

@@ -6,7 +6,9 @@ target and nothing else: a shrink x·Aᵀ (shared by the projections that read t
 and gate/up, whose A matrices are concatenated — a private copy, so that is free) and an expand
 `addmm(y, t, Bᵀ)` that adds into the base output in the GEMM's epilogue.
 
-Anything this math cannot express exactly is refused at load time with a ValueError naming the field.
+Anything this math cannot express exactly is refused at load time with a ValueError naming the field:
+the config-level checks are `lorafn.api.adapters.check_adapter_config`, the ones the operator and
+`lorafn apply` run too (an AdapterProblem, a ValueError); the tensor-level ones are here.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from lorafn.api.adapters import CheckedConfig, check_adapter_config, foreign_tensor
 from lorafn.runtime.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -28,13 +30,6 @@ SHRINK_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$"
 )
-_REFUSED_FLAGS = {
-    # field: (value that is fine, why the others are refused)
-    "use_dora": (False, "DoRA is not supported (only plain LoRA)"),
-    "fan_in_fan_out": (False, "fan_in_fan_out (Conv1D layout) is not supported by the Llama family"),
-    "lora_bias": (False, "LoRA bias is not supported"),
-    "use_qalora": (False, "QALoRA is not supported"),
-}
 
 
 @dataclass
@@ -63,58 +58,24 @@ def _refuse(field_name: str, detail: str) -> ValueError:
     return ValueError(f"adapter: {field_name}: {detail}")
 
 
-def _matches(pattern_key: str, module_name: str) -> bool:
-    # PEFT's rule for rank_pattern / alpha_pattern keys: a suffix match on the module path.
-    return re.match(rf"(.*\.)?{pattern_key}$", module_name) is not None
+def read_adapter_config(adapter_dir: str | Path, num_layers: int | None = None) -> CheckedConfig:
+    """adapter_config.json, checked by `check_adapter_config`: a ValueError naming the first bad field.
 
-
-def read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
-    """adapter_config.json, checked field by field; raises ValueError naming the first bad field."""
+    `num_layers` (the base model's) lets a regex `target_modules` be matched against its layers.
+    """
     adapter_dir = Path(adapter_dir)
     if not adapter_dir.is_dir():
         raise _refuse("path", f"{adapter_dir} is not a directory")
     cfg_path = adapter_dir / "adapter_config.json"
     if not cfg_path.is_file():
         raise _refuse("adapter_config.json", f"missing in {adapter_dir}")
-    cfg = json.loads(cfg_path.read_text())
-    peft_type = cfg.get("peft_type", "LORA")
-    if str(peft_type).upper() != "LORA":
-        raise _refuse("peft_type", f"{peft_type!r} is not supported; only LORA")
-    for name, (fine, why) in _REFUSED_FLAGS.items():
-        if bool(cfg.get(name, fine)) != fine:
-            raise _refuse(name, why)
-    if cfg.get("bias", "none") != "none":
-        raise _refuse("bias", f"{cfg['bias']!r} is not supported; only 'none'")
-    if cfg.get("modules_to_save"):
-        raise _refuse(
-            "modules_to_save", f"{cfg['modules_to_save']} would replace backbone modules; not supported"
-        )
-    for name in (
-        "trainable_token_indices",
-        "layer_replication",
-        "target_parameters",
-        "alora_invocation_tokens",
-    ):
-        if cfg.get(name):
-            raise _refuse(name, f"{cfg[name]!r} is not supported")
-    targets = cfg.get("target_modules")
-    if not targets:
-        raise _refuse("target_modules", "missing or empty")
-    if isinstance(targets, str) and targets not in ("all-linear",):
-        # A regex string: resolve against the projections we know.
-        targets = [t for t in TARGETS if re.fullmatch(targets, t) or re.search(rf"\.{t}$", targets)]
-        if not targets:
-            raise _refuse("target_modules", f"{cfg['target_modules']!r} matches no Llama projection")
-    if isinstance(targets, list):
-        for t in targets:
-            short = t.rsplit(".", 1)[-1]
-            if short in ("embed_tokens", "lm_head", "wte", "embed", "word_embeddings"):
-                raise _refuse("target_modules", f"{t!r}: embedding/lm_head LoRA is not supported")
-            if short not in TARGETS:
-                raise _refuse("target_modules", f"{t!r} is not a Llama projection {TARGETS}")
-    if not isinstance(cfg.get("r", 8), int) or cfg.get("r", 8) < 1:
-        raise _refuse("r", f"must be a positive integer, got {cfg.get('r')!r}")
-    return cfg
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _refuse("adapter_config.json", f"{cfg_path} is not readable JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise _refuse("adapter_config.json", f"{cfg_path} is not a JSON object")
+    return check_adapter_config(cfg, num_layers)
 
 
 def load_lora(
@@ -124,28 +85,18 @@ def load_lora(
     from safetensors.torch import load_file
 
     adapter_dir = Path(adapter_dir)
-    cfg = read_adapter_config(adapter_dir)
+    cfg = read_adapter_config(adapter_dir, model_cfg.num_layers)
     weights_path = adapter_dir / "adapter_model.safetensors"
     if not weights_path.is_file():
         raise _refuse("adapter_model.safetensors", f"missing in {adapter_dir}")
     raw = load_file(str(weights_path))
-    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
-    rslora = bool(cfg.get("use_rslora", False))
-    rank_pattern: dict[str, int] = cfg.get("rank_pattern") or {}
-    alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}
     shapes = model_cfg.linear_shapes
 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in raw.items():
         m = _KEY.match(key)
         if m is None:
-            if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
-                raise _refuse("target_modules", f"tensor {key}: embedding/lm_head LoRA is not supported")
-            if "lora_magnitude_vector" in key:
-                raise _refuse("use_dora", f"tensor {key}: DoRA is not supported")
-            if key.endswith(".bias"):
-                raise _refuse("bias", f"tensor {key}: LoRA bias is not supported")
-            raise _refuse("adapter_model.safetensors", f"unexpected tensor {key}")
+            raise _refuse(*foreign_tensor(key))
         layer, _, proj, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         if proj not in TARGETS:
             raise _refuse("target_modules", f"tensor {key}: {proj!r} is not a Llama projection")
@@ -181,13 +132,12 @@ def load_lora(
             )
         rank = a.shape[0]
         module_name = prefix.removeprefix("base_model.model.")
-        expected_r = next(
-            (v for k, v in rank_pattern.items() if _matches(k, module_name)), cfg.get("r", rank)
-        )
+        expected_r = cfg.rank_of(module_name)
         if expected_r != rank:
-            raise _refuse("r", f"{prefix}: tensors have rank {rank}, adapter_config says {expected_r}")
-        mod_alpha = float(next((v for k, v in alpha_pattern.items() if _matches(k, module_name)), alpha))
-        scale = mod_alpha / math.sqrt(rank) if rslora else mod_alpha / rank
+            field_name = "r" if expected_r == cfg.rank else "rank_pattern"
+            raise _refuse(field_name, f"{prefix}: tensors have rank {rank}, adapter_config says {expected_r}")
+        mod_alpha = cfg.alpha_of(module_name)
+        scale = mod_alpha / math.sqrt(rank) if cfg.use_rslora else mod_alpha / rank
         b_scaled = (b.to(torch.float32) * scale).to(device=device, dtype=dtype)
         per_layer[layer][proj] = (a.to(device=device, dtype=dtype), b_scaled)
         out.ranks[proj] = max(out.ranks.get(proj, 0), rank)

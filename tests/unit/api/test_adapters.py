@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from lorafn.api import adapters
-from lorafn.api.adapters import AdapterProblem, resolve_local_path, validate_adapter
+from lorafn.api.adapters import (
+    AdapterProblem,
+    check_adapter_config,
+    pattern_matches,
+    resolve_local_path,
+    validate_adapter,
+)
 from tests.unit.operator._peft import TINY_CONFIG, write_adapter, write_backbone
 
 
@@ -50,6 +56,23 @@ def test_bfloat16_dtype_is_read_from_the_header(tmp_path: Path, backbone: Path) 
         ({"r": 0}, "InvalidRank", "positive"),
         ({"target_modules": ["embed_tokens"]}, "TargetModuleMismatch", "embed_tokens"),
         ({"target_modules": 7}, "AdapterConfigInvalid", "target_modules"),
+        ({"target_modules": []}, "AdapterConfigInvalid", "target_modules"),
+        ({"target_modules": r"model\.layers\.9\..*"}, "TargetModuleMismatch", "target_modules"),
+        # refused by the runtime's loader before the check was shared
+        ({"fan_in_fan_out": True}, "UnsupportedAdapterFeature", "fan_in_fan_out"),
+        ({"lora_bias": True}, "UnsupportedAdapterFeature", "lora_bias"),
+        ({"use_qalora": True}, "UnsupportedAdapterFeature", "use_qalora"),
+        ({"layer_replication": [[0, 1]]}, "UnsupportedAdapterFeature", "layer_replication"),
+        ({"trainable_token_indices": [1, 2]}, "UnsupportedAdapterFeature", "trainable_token_indices"),
+        ({"target_parameters": ["mlp.experts"]}, "UnsupportedAdapterFeature", "target_parameters"),
+        ({"alora_invocation_tokens": [5]}, "UnsupportedAdapterFeature", "alora_invocation_tokens"),
+        ({"bias": "lora_only"}, "UnsupportedAdapterFeature", "bias"),
+        ({"peft_type": None}, "NotLoRA", "peft_type"),
+        ({"rank_pattern": {"v_proj": 0}}, "InvalidRank", "rank_pattern"),
+        ({"rank_pattern": {"(v_proj": 2}}, "AdapterConfigInvalid", "rank_pattern"),
+        ({"rank_pattern": ["v_proj"]}, "AdapterConfigInvalid", "rank_pattern"),
+        ({"alpha_pattern": {"v_proj": "big"}}, "AdapterConfigInvalid", "alpha_pattern"),
+        ({"lora_alpha": "16"}, "AdapterConfigInvalid", "lora_alpha"),
     ],
 )
 def test_refused_configs_name_the_field(
@@ -60,6 +83,93 @@ def test_refused_configs_name_the_field(
         validate_adapter(a, backbone)
     assert info.value.reason == reason
     assert words in info.value.message
+
+
+def test_config_check_names_the_field_and_lists_every_refused_one() -> None:
+    config = {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"], "use_dora": True, "lora_bias": True}
+    with pytest.raises(AdapterProblem) as info:
+        check_adapter_config(config)
+    assert info.value.field == "use_dora"
+    assert info.value.message.startswith("adapter_config.json use_dora: DoRA is not supported")
+    assert "lora_bias: LoRA bias is not supported" in info.value.message
+    assert isinstance(info.value, ValueError)  # what the runtime's loader raises, too
+
+
+def test_config_check_types_the_values() -> None:
+    checked = check_adapter_config(
+        {
+            "peft_type": "LORA",
+            "r": 4,
+            "lora_alpha": 8,
+            "target_modules": r".*\.(q_proj|o_proj)",
+            "rank_pattern": {"o_proj": 2, "layers.1.self_attn.q_proj": 6},
+            "alpha_pattern": {"q_proj": 3},
+        }
+    )
+    assert checked.target_modules is None  # a regex needs the backbone's layers
+    assert check_adapter_config(checked.raw, num_layers=2).target_modules == ["q_proj", "o_proj"]
+    assert checked.rank_of("model.layers.0.self_attn.o_proj") == 2
+    assert checked.rank_of("model.layers.1.self_attn.q_proj") == 6
+    assert checked.rank_of("model.layers.11.self_attn.q_proj") == 4
+    assert checked.alpha_of("model.layers.0.self_attn.q_proj") == 3.0
+    assert checked.alpha_of("model.layers.0.self_attn.o_proj") == 8.0
+
+
+@pytest.mark.parametrize(
+    ("key", "module", "matches"),
+    [
+        ("o_proj", "model.layers.0.self_attn.o_proj", True),
+        ("self_attn.o_proj", "model.layers.3.self_attn.o_proj", True),
+        ("layers.1.mlp.down_proj", "model.layers.1.mlp.down_proj", True),
+        ("layers.1.mlp.down_proj", "model.layers.11.mlp.down_proj", False),
+        ("proj", "model.layers.0.self_attn.o_proj", False),  # a dotted suffix, not a substring
+        ("(q|v)_proj", "model.layers.0.self_attn.v_proj", True),
+        (r"layers\.[01]\.self_attn\.k_proj", "model.layers.1.self_attn.k_proj", True),
+    ],
+)
+def test_pattern_keys_follow_peft(key: str, module: str, matches: bool) -> None:
+    assert pattern_matches(key, module) is matches
+
+
+def _rank_2_tensors(layers: range, module: str = "v_proj") -> dict[str, np.ndarray]:
+    kv = TINY_CONFIG["num_key_value_heads"] * TINY_CONFIG["hidden_size"] // TINY_CONFIG["num_attention_heads"]
+    out = {}
+    for layer in layers:
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+        out[f"{prefix}.lora_A.weight"] = np.zeros((2, TINY_CONFIG["hidden_size"]), np.float32)
+        out[f"{prefix}.lora_B.weight"] = np.zeros((kv, 2), np.float32)
+    return out
+
+
+def test_rank_pattern_is_accepted(tmp_path: Path, backbone: Path) -> None:
+    every_layer = write_adapter(
+        tmp_path / "a",
+        rank=4,
+        config_overrides={"rank_pattern": {"v_proj": 2}, "alpha_pattern": {"v_proj": 1}},
+        tensor_overrides=_rank_2_tensors(range(2)),
+    )
+    info = validate_adapter(every_layer, backbone)
+    assert (info.rank, info.ranks) == (4, {"q_proj": 4, "v_proj": 2})
+    one_layer = write_adapter(
+        tmp_path / "b",
+        rank=4,
+        config_overrides={"rank_pattern": {"model.layers.1.self_attn.v_proj": 2}},
+        tensor_overrides=_rank_2_tensors(range(1, 2)),
+    )
+    assert validate_adapter(one_layer, backbone).ranks == {"q_proj": 4, "v_proj": 4}
+
+
+def test_rank_pattern_must_match_the_tensors(tmp_path: Path, backbone: Path) -> None:
+    # the pattern selects layer 0 only, but both layers' v_proj have rank 2
+    a = write_adapter(
+        tmp_path / "a",
+        rank=4,
+        config_overrides={"rank_pattern": {"layers.0.self_attn.v_proj": 2}},
+        tensor_overrides=_rank_2_tensors(range(2)),
+    )
+    with pytest.raises(AdapterProblem, match=r"layer 1 v_proj.*rank 4") as info:
+        validate_adapter(a, backbone)
+    assert info.value.reason == "ShapeMismatch"
 
 
 def test_shapes_of_another_backbone_are_refused(tmp_path: Path, backbone: Path) -> None:
@@ -85,6 +195,13 @@ def test_too_many_layers_and_foreign_tensors(tmp_path: Path, backbone: Path) -> 
     emb = {"base_model.model.model.embed_tokens.lora_embedding_A": np.zeros((4, 256), np.float32)}
     with pytest.raises(AdapterProblem) as info:
         validate_adapter(write_adapter(tmp_path / "b", tensor_overrides=emb), backbone)
+    assert info.value.reason == "UnsupportedAdapterFeature"
+    assert info.value.field == "target_modules"
+    dora = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": np.zeros(64, np.float32)
+    }
+    with pytest.raises(AdapterProblem, match="use_dora") as info:
+        validate_adapter(write_adapter(tmp_path / "c", tensor_overrides=dora), backbone)
     assert info.value.reason == "UnsupportedAdapterFeature"
 
 

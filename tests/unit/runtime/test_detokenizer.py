@@ -12,6 +12,7 @@ from lorafn.runtime.detokenizer import (
     IncrementalDetokenizer,
     IncrementalOutput,
     StopChecker,
+    TextDelta,
 )
 from lorafn.runtime.sampling_params import SamplingParams
 
@@ -105,8 +106,10 @@ def _module_tok() -> Tokenizer:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=400, special_tokens=["<eos>", "<pad>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+            vocab_size=400,
+            special_tokens=["<eos>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         )
         tokenizer.train_from_iterator(CORPUS, trainer)
         _TOK = tokenizer
@@ -130,6 +133,7 @@ def run_output(tok, ids, params: SamplingParams, eos=None):
     deltas, reason = [], None
     for i in ids:
         d = out.push(i)
+        assert isinstance(d, TextDelta)
         deltas.append(d.text)
         if d.finish_reason:
             reason = d.finish_reason

@@ -76,7 +76,16 @@ def test_valid_adapter_loads(tmp_path: Path) -> None:
         ({"lora_bias": True}, "lora_bias"),
         ({"layer_replication": [[0, 1]]}, "layer_replication"),
         ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
+        ({"use_qalora": True}, "use_qalora"),
+        ({"target_parameters": ["mlp.experts"]}, "target_parameters"),
+        ({"alora_invocation_tokens": [5]}, "alora_invocation_tokens"),
+        ({"peft_type": None}, "peft_type"),
+        ({"target_modules": r"model\.layers\.9\..*"}, "target_modules"),  # the base has 2 layers
         ({"r": 8}, "r"),  # the tensors have rank 4
+        ({"r": 0}, "r"),
+        ({"rank_pattern": {"v_proj": 2}}, "rank_pattern"),  # the tensors have rank 4
+        ({"rank_pattern": {"v_proj": 0}}, "rank_pattern"),
+        ({"alpha_pattern": {"v_proj": "big"}}, "alpha_pattern"),
     ],
 )
 def test_refused_configs(tmp_path: Path, config: dict, field: str) -> None:
