@@ -253,9 +253,8 @@ def demo(model_dir: Path, names: list[str], threads: int) -> str:
     for name in names:
         recipe = RECIPES[name]
         held = _read_jsonl(DATA / recipe.held_out_file)
-        prompts = [r["prompt"] for r in held[: 4 if name == "french" else 2]]
-        if name == "french":
-            prompts = [r["prompt"] for r in held]
+        # All French held-out prompts; two GSM8K ones (their answers are long). `--eval` scores all 20.
+        prompts = [r["prompt"] for r in (held if name == "french" else held[1:3])]
         max_new = 48 if name == "french" else 200
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         before = greedy(base, tok, prompts, max_new)
@@ -266,6 +265,32 @@ def demo(model_dir: Path, names: list[str], threads: int) -> str:
             lines.append(f"**Prompt:** {p}\n")
             lines.append(f"- base: {_quote(b)}")
             lines.append(f"- with `{name}`: {_quote(a)}\n")
+    return "\n".join(lines)
+
+
+def eval_gsm8k(model_dir: Path, threads: int) -> str:
+    """How often the answer ends with `#### <number>` (and is right) on the 20 held-out problems."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    held = _read_jsonl(DATA / "gsm8k_heldout.jsonl")
+    prompts = [r["prompt"] for r in held]
+    gold = [r["response"].split("####")[-1].strip().replace(",", "") for r in held]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lines = []
+    for label, model in [("base", base), ("gsm8k-format", None)]:
+        if model is None:
+            model = PeftModel.from_pretrained(base, ADAPTERS / "gsm8k-format")
+        answers = greedy(model, tok, prompts, 200)
+        finals = [re.search(r"#### *(-?[\d,.]+)\s*$", a) for a in answers]
+        ends = sum(f is not None for f in finals)
+        right = sum(
+            f is not None and f.group(1).replace(",", "") == g for f, g in zip(finals, gold, strict=True)
+        )
+        lines.append(f"{label}: {ends}/{len(held)} end with '#### <number>', {right}/{len(held)} correct")
     return "\n".join(lines)
 
 
@@ -281,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (part of what fixes the result)")
     ap.add_argument("--demo-only", action="store_true", help="skip training, print the before/after demo")
     ap.add_argument("--no-demo", action="store_true")
+    ap.add_argument("--eval", action="store_true", help="score the GSM8K format on all 20 held-out problems")
     args = ap.parse_args(argv)
     names = args.only or list(RECIPES)
 
@@ -295,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
             train_one(RECIPES[name], model_dir, args.seed, args.threads)
     if not args.no_demo:
         print(demo(model_dir, names, args.threads))
+    if args.eval:
+        print(eval_gsm8k(model_dir, args.threads))
 
 
 if __name__ == "__main__":
