@@ -5,7 +5,8 @@ the same adapters with the same reasons.
 
 Reads only `adapter_config.json`, the JSON header of `adapter_model.safetensors` and the backbone's
 `config.json`, without torch: a safetensors file starts with an 8-byte little-endian length N and N
-bytes of JSON mapping each tensor name to its dtype, shape and byte range. So the operator can refuse
+bytes of JSON mapping each tensor name to its dtype, shape and byte range (read and checked by
+lorafn.api.safetensors, the reader the backbone server and runtime use too). So the operator can refuse
 a wrong adapter (DoRA, `modules_to_save`, embedding LoRA, shapes of another model) before any GPU
 worker tries to load it, with a reason a user can act on.
 
@@ -18,11 +19,11 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorafn.api.safetensors import DTYPE_NAMES, SafetensorsError, SafetensorsHeader, read_header
 from lorafn.api.uris import parse_uri
 
 # Condition reasons (AdapterReady=False). Stable strings: users and tests match on them.
@@ -47,8 +48,6 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an adapter name may follow lora_A).
 _TENSOR_RE = re.compile(
     r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
@@ -112,40 +111,13 @@ def resolve_local_path(uri: str, pvc_root: str) -> Path:
     return local
 
 
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file: {name: {dtype, shape, data_offsets}, __metadata__?}."""
-    size = path.stat().st_size
-    with path.open("rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) != 8:
-            raise AdapterProblem(REASON_WEIGHTS_INVALID, f"{path} is shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > _MAX_HEADER_BYTES or length + 8 > size:
-            raise AdapterProblem(
-                REASON_WEIGHTS_INVALID,
-                f"{path}: header length {length} does not fit the file ({size} bytes)",
-            )
-        raw = fh.read(length)
+def read_safetensors_header(path: Path) -> SafetensorsHeader:
+    """The checked header of a safetensors file (lorafn.api.safetensors); a broken one is
+    AdapterProblem(AdapterWeightsInvalid) naming the file."""
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterProblem(REASON_WEIGHTS_INVALID, f"{path}: header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise AdapterProblem(REASON_WEIGHTS_INVALID, f"{path}: header is not a JSON object")
-    data_size = size - 8 - length
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        ok = (
-            isinstance(meta, dict)
-            and isinstance(meta.get("shape"), list)
-            and isinstance(meta.get("data_offsets"), list)
-            and len(meta["data_offsets"]) == 2
-            and 0 <= meta["data_offsets"][0] <= meta["data_offsets"][1] <= data_size
-        )
-        if not ok:
-            raise AdapterProblem(REASON_WEIGHTS_INVALID, f"{path}: tensor {name!r} has a bad entry {meta!r}")
-    return header
+        return read_header(path)
+    except SafetensorsError as exc:
+        raise AdapterProblem(REASON_WEIGHTS_INVALID, str(exc)) from None
 
 
 def _read_json(path: Path, reason: str, what: str) -> dict[str, Any]:
@@ -392,9 +364,7 @@ def validate_adapter(adapter_dir: Path, backbone_dir: Path) -> AdapterInfo:
 
     seen: dict[tuple[int, str], dict[str, list[int]]] = {}
     dtypes: set[str] = set()
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
+    for name, meta in header.tensors.items():
         match = _TENSOR_RE.match(name)
         if match is None:
             field_name, why = foreign_tensor(name)
@@ -410,8 +380,8 @@ def validate_adapter(adapter_dir: Path, backbone_dir: Path) -> AdapterInfo:
                 REASON_SHAPE_MISMATCH,
                 f"tensor {name!r} is for layer {layer}; the backbone has {num_layers} layers",
             )
-        dtypes.add(_SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"]))
-        seen.setdefault((layer, module), {})[which] = meta["shape"]
+        dtypes.add(DTYPE_NAMES[meta.dtype])
+        seen.setdefault((layer, module), {})[which] = list(meta.shape)
     if not seen:
         raise AdapterProblem(REASON_WEIGHTS_INVALID, f"{weights} holds no LoRA tensors")
     ranks: dict[str, int] = {}

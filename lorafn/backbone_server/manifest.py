@@ -10,37 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorafn.api import safetensors as st
+
 ALIGNMENT = 256  # bytes; every tensor starts on a multiple (coalesced GPU loads, vectorized CPU reads)
 MANIFEST_FORMAT = "lorafn-backbone-manifest"
 MANIFEST_VERSION = 1
-MAX_HEADER_BYTES = 100 << 20  # safetensors itself refuses headers over 100 MB
 INDEX_NAME = "model.safetensors.index.json"
-
-# safetensors dtype code -> bytes per element
-DTYPE_SIZES: dict[str, int] = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-}
 
 
 class ModelDirError(ValueError):
@@ -64,64 +44,27 @@ class FileTensor:
 
 
 @dataclass(frozen=True)
-class SafetensorsHeader:
+class SafetensorsFile:
+    """One checked safetensors file of a model directory (size and header bytes feed content_hash)."""
+
     file: Path
     size: int
     header_bytes: bytes
     tensors: list[FileTensor]
 
 
-def read_safetensors_header(path: Path) -> SafetensorsHeader:
+def read_safetensors_header(path: Path) -> SafetensorsFile:
     """Parse and check one safetensors file's header against its size. Raises ModelDirError naming it."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ModelDirError(f"{path}: truncated safetensors file ({size} bytes; no header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
-                raise ModelDirError(
-                    f"{path}: corrupt safetensors header: "
-                    f"header length {n} does not fit a file of {size} bytes"
-                )
-            header_bytes = f.read(n)
-    except OSError as exc:
-        raise ModelDirError(f"{path}: cannot read: {exc}") from None
-    try:
-        header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelDirError(f"{path}: corrupt safetensors header: not UTF-8 JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ModelDirError(f"{path}: corrupt safetensors header: not a JSON object")
-    base = 8 + n
-    data_size = size - base
-    tensors: list[FileTensor] = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(info, dict):
-            raise ModelDirError(f"{path}: corrupt safetensors header: entry {name!r} is not an object")
-        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPE_SIZES:
-            raise ModelDirError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise ModelDirError(f"{path}: tensor {name!r} has a bad shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
-            raise ModelDirError(f"{path}: tensor {name!r} has bad data_offsets {offs!r}")
-        begin, end = offs
-        expect = math.prod(shape) * DTYPE_SIZES[dtype]
-        if not 0 <= begin <= end or end - begin != expect:
-            raise ModelDirError(
-                f"{path}: tensor {name!r}: data_offsets {offs} do not hold {shape} x {dtype} ({expect} bytes)"
-            )
-        if end > data_size:
-            raise ModelDirError(
-                f"{path}: truncated: tensor {name!r} needs data up to byte {base + end} "
-                f"but the file has {size} bytes"
-            )
-        tensors.append(FileTensor(name, path, dtype, tuple(shape), base + begin, base + end))
-    return SafetensorsHeader(path, size, header_bytes, tensors)
+        header = st.read_header(path)
+    except st.SafetensorsError as exc:
+        raise ModelDirError(str(exc)) from None
+    base = header.data_start
+    tensors = [
+        FileTensor(name, path, t.dtype, t.shape, base + t.begin, base + t.end)
+        for name, t in header.tensors.items()
+    ]
+    return SafetensorsFile(path, header.file_size, header.raw, tensors)
 
 
 @dataclass
@@ -131,7 +74,7 @@ class ModelDir:
     path: Path
     config: dict[str, Any]
     config_bytes: bytes
-    files: list[SafetensorsHeader]
+    files: list[SafetensorsFile]
     tensors: list[FileTensor] = field(default_factory=list)  # in file order
 
     @property

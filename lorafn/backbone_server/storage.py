@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lorafn.api.safetensors import DTYPE_NAMES
 from lorafn.backbone_server.manifest import Layout, ModelDir, align_up
 
 if TYPE_CHECKING:
@@ -34,27 +35,12 @@ DEFAULT_W_ADDR = 0x1000_0000_0000  # 16 TiB: where every worker maps W (DESIGN Â
 
 
 def torch_dtype(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (lorafn.api.safetensors.DTYPE_NAMES)."""
     import torch
 
-    table = {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-        "U16": getattr(torch, "uint16", None),
-        "U32": getattr(torch, "uint32", None),
-        "U64": getattr(torch, "uint64", None),
-    }
-    dt = table.get(code)
-    if dt is None:
+    name = DTYPE_NAMES.get(code)
+    dt = getattr(torch, name, None) if name is not None else None
+    if not isinstance(dt, torch.dtype):
         raise ValueError(f"dtype {code!r} has no torch equivalent in torch {torch.__version__}")
     return dt
 

@@ -7,34 +7,22 @@ when the dtype matches. A different device or dtype costs exactly one copy (`Ten
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+from lorafn.api.safetensors import DTYPE_NAMES, read_header
 
 
-def read_safetensors_header(path: Path) -> tuple[int, dict]:
-    """(byte offset of the data section, header dict without __metadata__) of one .safetensors file."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    header.pop("__metadata__", None)
-    return 8 + header_len, header
+def _torch_dtype(code: str, name: str, file: Path) -> torch.dtype:
+    """The torch dtype of a (checked) safetensors dtype code; U16/U32/U64 need torch >= 2.3."""
+    dtype = getattr(torch, DTYPE_NAMES[code], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(
+            f"model: tensor {name} in {file.name} has dtype {code}, which torch {torch.__version__} lacks"
+        )
+    return dtype
 
 
 class SafetensorsWeightSource:
@@ -47,23 +35,16 @@ class SafetensorsWeightSource:
             raise ValueError(f"model: no *.safetensors files in {path}")
         self._tensors: dict[str, torch.Tensor] = {}
         for file in files:
-            data_start, header = read_safetensors_header(file)
-            nbytes = file.stat().st_size
-            raw = torch.tensor([], dtype=torch.uint8)
-            if nbytes:
-                storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=nbytes)
-                raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-            for name, info in header.items():
-                dtype = _ST_DTYPES.get(info["dtype"])
-                if dtype is None:
-                    raise ValueError(
-                        f"model: tensor {name} in {file.name} has unsupported dtype {info['dtype']}"
-                    )
-                begin, end = info["data_offsets"]
-                chunk = raw[data_start + begin : data_start + end]
-                if (data_start + begin) % dtype.itemsize:  # misaligned: a view is impossible, copy once
+            header = read_header(file)  # checked: offsets inside the file, sizes match the shapes
+            storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=header.file_size)
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+            for name, info in header.tensors.items():
+                dtype = _torch_dtype(info.dtype, name, file)
+                start = header.data_start + info.begin
+                chunk = raw[start : header.data_start + info.end]
+                if start % dtype.itemsize:  # misaligned: a view is impossible, copy once
                     chunk = chunk.clone()
-                self._tensors[name] = chunk.view(dtype).view(info["shape"])
+                self._tensors[name] = chunk.view(dtype).view(info.shape)
 
     def names(self) -> list[str]:
         return list(self._tensors)
