@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export PATH="$PWD/.tools/bin:$PATH"
 PY="${PYTHON:-python3}"
-echo "[test] ruff"; "$PY" -m ruff check .
+echo "[test] ruff"; "$PY" -m ruff check . && "$PY" -m ruff format --check lorafn tests bench examples scripts
 echo "[test] import-linter"; lint-imports
 echo "[test] pytest"; "$PY" -m pytest "$@"

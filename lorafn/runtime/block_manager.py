@@ -88,9 +88,7 @@ class BlockManager:
         for block in reversed(seq.block_table):
             owner = self._owner.pop(block, None)
             if owner != seq.seq_id:
-                raise RuntimeError(
-                    f"block {block} freed by sequence {seq.seq_id!r} but owned by {owner!r}"
-                )
+                raise RuntimeError(f"block {block} freed by sequence {seq.seq_id!r} but owned by {owner!r}")
             self._free.append(block)
         seq.block_table.clear()
 
@@ -110,6 +108,4 @@ class BlockManager:
         if free & seen:
             raise AssertionError(f"blocks both free and in use: {sorted(free & seen)}")
         if len(free) + len(seen) != self.num_blocks:
-            raise AssertionError(
-                f"leak: {len(free)} free + {len(seen)} in use != {self.num_blocks} blocks"
-            )
+            raise AssertionError(f"leak: {len(free)} free + {len(seen)} in use != {self.num_blocks} blocks")

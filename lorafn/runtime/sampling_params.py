@@ -62,17 +62,13 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):  # a single string is a common client shape
             self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) or not all(
-            isinstance(s, str) and s for s in self.stop
-        ):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError(
-                f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}"
-            )
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

@@ -62,7 +62,10 @@ def test_filtered_distribution_matches_brute_force(logits, temperature, top_k, t
     assume(all(abs(sum(topk_probs[: i + 1]) - top_p) > 1e-5 for i in range(len(topk_probs))))
     # num_candidates small: exercises the topk path and the fall back to a full sort.
     probs_sorted, order = filter_probs(
-        torch.tensor([logits]), torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
+        torch.tensor([logits]),
+        torch.tensor([temperature]),
+        torch.tensor([top_k]),
+        torch.tensor([top_p]),
         num_candidates=num_candidates,
     )
     got = torch.zeros(len(logits), dtype=torch.float64)

@@ -21,8 +21,10 @@ def cfg(**kw) -> SchedulerConfig:
 
 def work_bound(requests: list[Request]) -> int:
     """Generous step bound: every token of every request computed a few times over."""
-    return 50 + 4 * sum(len(r.prompt) + r.params.max_tokens for r in requests) + max(
-        (r.arrival_step for r in requests), default=0
+    return (
+        50
+        + 4 * sum(len(r.prompt) + r.params.max_tokens for r in requests)
+        + max((r.arrival_step for r in requests), default=0)
     )
 
 
@@ -179,7 +181,9 @@ def test_decodes_first_then_partial_prefill_then_new_requests():
     sched.update(out, {"d": 1})
     out = sched.schedule()
     assert [(c.seq_id, c.start, c.num_tokens) for c in out.chunks] == [
-        ("d", 4, 1), ("long", 14, 6), ("new", 0, 1)
+        ("d", 4, 1),
+        ("long", 14, 6),
+        ("new", 0, 1),
     ]
 
 
@@ -417,8 +421,12 @@ def test_every_request_progresses_under_memory_pressure():
     # Many requests, a cache that holds about one of them: lots of preemption, all finish right.
     config = cfg(max_num_seqs=6, max_num_batched_tokens=12, block_size=2, num_blocks=9)
     requests = [
-        Request(f"r{i}", [(i * 5 + j) % 17 for j in range(3 + i % 7)],
-                SamplingParams(max_tokens=4 + i % 5, temperature=0), arrival_step=i // 3)
+        Request(
+            f"r{i}",
+            [(i * 5 + j) % 17 for j in range(3 + i % 7)],
+            SamplingParams(max_tokens=4 + i % 5, temperature=0),
+            arrival_step=i // 3,
+        )
         for i in range(20)
     ]
     result = check_against_reference(FakeEngine(config), requests)
