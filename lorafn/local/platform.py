@@ -9,8 +9,8 @@ after `keepAliveSeconds` (they exit by themselves; a fresh one starts on the nex
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -70,7 +70,7 @@ class LocalPlatform:
         self._demand_cursor = f"{self.store.run(server_time_ms())}-0"
         self._start_gateway()
         state = PlatformState(
-            pid=_pid(),
+            pid=os.getpid(),
             redis_url=self.redis.url,
             gateway_url=self.gateway_url,
             key_prefix=self.config.key_prefix,
@@ -84,7 +84,12 @@ class LocalPlatform:
         return {"LORAFN_REDIS_URL": self.redis.url, "LORAFN_KEY_PREFIX": self.config.key_prefix}
 
     def _start_gateway(self) -> None:
-        port = self.config.gateway_port or free_port(self.config.host)
+        # A restarted gateway keeps the port it had, so platform.json and clients stay right.
+        port = (
+            int(self.gateway_url.rsplit(":", 1)[1])
+            if self.gateway_url
+            else self.config.gateway_port or free_port(self.config.host)
+        )
         self.gateway_url = f"http://{self.config.host}:{port}"
         child = self.procs.start(
             "gateway",
@@ -211,21 +216,3 @@ class LocalPlatform:
         block_ms = int(self.config.poll_interval_s * 1000)
         while deadline is None or time.monotonic() < deadline:
             self.tick(block_ms)
-
-    def status(self) -> dict[str, object]:
-        return {
-            "gateway": self.gateway_url,
-            "redis": self.redis.url,
-            "workers": {fn: list(w.names) for fn, w in self.workers.items()},
-            "backbones": {k: str(v) for k, v in self.backbone_sockets.items()},
-        }
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
-
-
-def dump(obj: object) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True)
