@@ -15,11 +15,12 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,7 +35,7 @@ from lorafn.gateway.errors import APIError, bad_request, from_validation_error, 
 from lorafn.gateway.metrics import BodyLimitMiddleware, Metrics, MetricsMiddleware
 from lorafn.gateway.settings import GatewaySettings
 from lorafn.gateway.tokenizer import ChatTemplateError, GatewayTokenizer, load_tokenizer
-from lorafn.store import UNAVAILABLE_ERRORS, AsyncStore, Keys, combine, streams, workers
+from lorafn.store import UNAVAILABLE_ERRORS, AsyncStore, Keys, cancel, combine, streams, workers
 from lorafn.store import registry as reg
 from lorafn.store.registry import FunctionRecord
 
@@ -66,6 +67,17 @@ class Job:
     t0: float
     first_text_at: float | None = None
     restarts: int = 0
+    # non-streamed requests: polled while waiting (a streamed response is cancelled by the server instead)
+    disconnected: Callable[[], Awaitable[bool]] | None = None
+
+
+_DISCONNECT_POLL_S = 0.2
+
+
+def _client_gone() -> APIError:
+    return APIError(
+        499, "the client closed the connection", type="invalid_request_error", code="client_closed"
+    )
 
 
 def _unavailable_redis() -> APIError:
@@ -315,8 +327,13 @@ class Gateway:
         accept_by = job.t0 + (s.cold_start_timeout_s if job.cold else s.queue_timeout_s)
         end_by = job.t0 + s.request_timeout_s
         ttl_ms = int(s.heartbeat_ttl_s * 1000)
+        next_poll = job.t0
         while True:
             now = time.monotonic()
+            if job.disconnected is not None and now >= next_poll:
+                if await job.disconnected():
+                    raise _client_gone()
+                next_poll = now + _DISCONNECT_POLL_S
             if not accepted and now > accept_by:
                 raise unavailable(
                     f"no worker of function {job.function!r} took the request within "
@@ -332,6 +349,8 @@ class Gateway:
                     code="request_timeout",
                 )
             block = int(max(1, min(1000, (min(end_by, accept_by if not accepted else end_by) - now) * 1000)))
+            if job.disconnected is not None:
+                block = min(block, int(_DISCONNECT_POLL_S * 1000))
             batch = await self.store.run(streams.read_replies(self.keys, job.request_id, last, block))
             if not batch:
                 # nobody answered for a while: is anyone left to? If not, ask for a worker (again).
@@ -359,10 +378,13 @@ class Gateway:
                     return
 
     async def forget(self, job: Job) -> None:
-        """Drop a request nobody waits for any more: its entry (if not yet taken) and its reply stream."""
-        with suppress(UNAVAILABLE_ERRORS):
+        """Drop a request nobody waits for any more (its client went away, a timeout, a divergence): its
+        entry (if not yet taken) and its reply stream, and flag it cancelled so that the worker running it
+        aborts it (docs/gateway.md#failure-behaviour). Shielded: it runs while the relay is cancelled."""
+        ttl_ms = int(max(60.0, self.settings.request_timeout_s) * 1000)
+        with anyio.CancelScope(shield=True), suppress(UNAVAILABLE_ERRORS):
             await self.store.run(
-                streams.forget_request(self.keys, job.function, job.request_id, job.entry_id)
+                cancel.cancel_request(self.keys, job.function, job.request_id, job.entry_id, ttl_ms)
             )
 
     def _worker_error(self, event: dict[str, str]) -> APIError:
@@ -639,13 +661,14 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
     async def run(
-        info: FunctionInfo, req: schemas._Sampling, prompt: Any, messages: Any, kind: str
+        request: Request, info: FunctionInfo, req: schemas._Sampling, prompt: Any, messages: Any, kind: str
     ) -> Response:
         payload, num_prompt = gw.prepare(info, req, prompt, messages)
         job = await gw.submit(info, payload, num_prompt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return stream(job, kind, include_usage)
+        job.disconnected = request.is_disconnected
         text, done = await gw.collect(job)
         return respond(job, text, done, kind)
 
@@ -685,7 +708,7 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
         body = await _json_body(request)
         info = await gw.authorize(request, _function_of(body))
         req = _validate(schemas.CompletionRequest, body)
-        return await run(info, req, req.prompt, None, "completion")
+        return await run(request, info, req, req.prompt, None, "completion")
 
     @app.post(
         "/v1/chat/completions",
@@ -697,7 +720,7 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
         body = await _json_body(request)
         info = await gw.authorize(request, _function_of(body))
         req = _validate(schemas.ChatCompletionRequest, body)
-        return await run(info, req, None, req.messages, "chat")
+        return await run(request, info, req, None, req.messages, "chat")
 
     @app.post(
         "/v1/functions/{namespace}/{name}:invoke",
@@ -716,6 +739,7 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
         job = await gw.submit(info, payload, num_prompt)
         if req.stream:
             return stream(job, "completion", True)
+        job.disconnected = request.is_disconnected
         text, done = await gw.collect(job)
         end = time.monotonic()
         out = schemas.InvokeResponse(

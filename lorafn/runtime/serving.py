@@ -2,7 +2,11 @@
 
 Per iteration (one round trip to Redis while the batch runs):
   engine.step() -> token deltas -> XADD to each reply stream, XACK+XDEL finished entries, and a
-  non-blocking XREADGROUP for new entries (up to the free batch slots) — all in one pipeline.
+  non-blocking XREADGROUP for new entries (up to the free batch slots) and an MGET of the cancel flags of
+  the running requests — all in one pipeline. A request whose client went away (flagged by the gateway,
+  see `lorafn.store.cancel`) is aborted in the engine before the next step and ends with a `done` event
+  whose finish_reason is "abort" (stats counter `cancelled`); one still queued was deleted by the gateway
+  and is never read.
 When the batch is empty the worker blocks in XREADGROUP (`block_ms`), so a new request wakes it at once.
 
 Around it:
@@ -39,7 +43,7 @@ from typing import Any, Protocol
 import redis
 
 from lorafn.runtime.sampling_params import SamplingParams
-from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, combine, streams, workers
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, streams, workers
 from lorafn.store import stats as store_stats
 
 log = logging.getLogger("lorafn.worker")
@@ -298,12 +302,17 @@ class Worker:
         """Send queued events and read new entries, in one round trip; returns how many arrived."""
         free = self._free_slots()
         ops = self._pending_ops()
+        check = list(self.running)  # their cancel flags, read in the same round trip
+        if check:
+            ops.append(cancel.cancelled(self.keys, check))
         if free:
             ops.append(streams.read_requests(self.keys, self.function, self.worker_id, free, block_ms))
         if not ops:
             return 0
         results = self.store.run(combine(*ops))
         self._sent()
+        if check:
+            self._abort_cancelled(results[-2] if free else results[-1])
         entries = results[-1] if free else []
         for entry_id, fields in entries:
             self._admit(entry_id, fields, restart=False)
@@ -353,6 +362,37 @@ class Worker:
                 del self.running[run.request_id]
                 self.served += 1
         self._read(block_ms=None)
+
+    def _abort_cancelled(self, request_ids: set[str]) -> None:
+        """Abort requests whose clients went away; their `done` events and acks go with the next pipeline."""
+        for rid in request_ids:
+            run = self.running.pop(rid, None)
+            if run is None:  # finished in the same step
+                continue
+            try:
+                self.engine.abort(rid)
+            except Exception:  # the request is dropped either way
+                log.exception("worker %s: engine abort of %s failed", self.worker_id, rid)
+            self._end(
+                run,
+                {
+                    "type": streams.DONE,
+                    "finish_reason": cancel.ABORT,
+                    "prompt_tokens": 0,
+                    "completion_tokens": run.completion_tokens,
+                },
+            )
+            self._counters["cancelled"] = self._counters.get("cancelled", 0) + 1
+            if run.completion_tokens:
+                self._counters["completion_tokens"] = (
+                    self._counters.get("completion_tokens", 0) + run.completion_tokens
+                )
+            log.info(
+                "worker %s: %s cancelled by its client after %d tokens",
+                self.worker_id,
+                rid,
+                run.completion_tokens,
+            )
 
     def _end(self, run: _Running, event: dict[str, Any]) -> None:
         self._events.append((run.request_id, event))

@@ -69,6 +69,10 @@ class Keys:
         """stream: the events of one request (accepted, deltas, restart, done/error); expires."""
         return f"{self.prefix}:reply:{check_id(request_id, 'request id')}"
 
+    def cancel(self, request_id: str) -> str:
+        """string with expiry: set when the client of a request went away; the worker holding it aborts it."""
+        return f"{self.prefix}:cancel:{check_id(request_id, 'request id')}"
+
     # -- workers and control -------------------------------------------------------------------
     def function_workers(self, function: str) -> str:
         """sorted set: worker id -> last heartbeat (server ms) of the workers bound to the function."""
@@ -96,7 +100,8 @@ class Keys:
 
     # -- statistics and limits -----------------------------------------------------------------
     def stats(self, function: str) -> str:
-        """hash: counters (requests, cold_starts, rate_limited, prompt_tokens, completion_tokens, errors)."""
+        """hash: counters (requests, cold_starts, rate_limited, prompt_tokens, completion_tokens, errors,
+        cancelled)."""
         return f"{self.function(function)}:stats"
 
     def arrivals(self, function: str, bucket: int) -> str:

@@ -212,3 +212,30 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
 def client(base_url: str, key: str | None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.Client(base_url=base_url, headers=headers, timeout=30)
+
+
+@dataclass
+class RecordingEngine(FakeEngine):
+    """A FakeEngine that records, per request id, when it was added, how many tokens it generated and
+    whether it was aborted (cancellation tests). Thread-safe enough for one worker thread and a reader."""
+
+    added: list[str] = field(default_factory=list)
+    generated: dict[str, int] = field(default_factory=dict)
+    aborted: list[str] = field(default_factory=list)
+
+    def add_request(
+        self, request_id: str, prompt: str | None, params: Any, prompt_token_ids: Any = None
+    ) -> None:
+        super().add_request(request_id, prompt, params, prompt_token_ids)
+        self.added.append(request_id)
+
+    def step(self) -> list[Delta]:
+        out = super().step()
+        for d in out:
+            self.generated[d.request_id] = self.generated.get(d.request_id, 0) + d.num_tokens
+        return out
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.reqs:
+            self.aborted.append(request_id)
+        super().abort(request_id)
