@@ -158,17 +158,6 @@ def read_replies(
     )
 
 
-def forget_request(keys: Keys, function: str, request_id: str, entry_id: str | None) -> Op[None]:
-    """Drop a request the client no longer waits for: its queued entry (if any) and its reply stream."""
-
-    def build(pipe: Any) -> None:
-        if entry_id:
-            pipe.xdel(keys.requests(function), entry_id)
-        pipe.delete(keys.reply(request_id))
-
-    return Op(build, lambda r: None)
-
-
 # -- worker side --------------------------------------------------------------------------------
 def create_group(keys: Keys, function: str) -> Op[None]:
     """Create the request stream and its consumer group (from the start of the stream).
