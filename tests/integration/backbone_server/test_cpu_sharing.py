@@ -300,11 +300,8 @@ def test_server_refuses_bad_model_dirs(tmp_path: Path, damage: str) -> None:
 
 
 def test_tokens_equal_an_engine_with_its_own_copy(tiny_model_dir: Path, tmp_path: Path) -> None:
-    try:
-        from lorafn.runtime import Engine, EngineConfig, SamplingParams
-    except (ImportError, AttributeError) as exc:  # pragma: no cover - until the engine lands
-        pytest.skip(f"no engine yet: {exc}")
     from lorafn.backbone_server.client import SharedWeightSource
+    from lorafn.runtime import Engine, EngineConfig, SamplingParams
 
     srv = ServerProc(tiny_model_dir, tmp_path / "bb.sock", "cpu")
     srv.wait_ready(120)

@@ -167,14 +167,9 @@ EXAMPLE_ADAPTERS = Path(__file__).resolve().parents[3] / "examples" / "adapters"
 
 
 @pytest.mark.slow
-def test_smollm2_with_example_adapters(request: pytest.FixtureRequest) -> None:
-    try:
-        smollm2_dir = request.getfixturevalue("smollm2_dir")
-    except pytest.FixtureLookupError:
-        pytest.skip("the smollm2_dir fixture is not available")
+def test_smollm2_with_example_adapters(smollm2_dir: Path) -> None:
     adapters = sorted(p for p in EXAMPLE_ADAPTERS.glob("*") if (p / "adapter_config.json").is_file())
-    if not adapters:
-        pytest.skip("no example adapters in examples/adapters")
+    assert adapters, "no example adapters in examples/adapters"
     tokenizer_prompts = ["The capital of France is", "def fibonacci(n):", "Hello!"]
     from transformers import AutoTokenizer
 

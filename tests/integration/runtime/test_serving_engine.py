@@ -8,9 +8,6 @@ import uuid
 from pathlib import Path
 
 import openai
-import pytest
-
-pytest.importorskip("lorafn.runtime.engine", reason="the runtime engine is not in this tree yet")
 
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from lorafn.runtime.serving import EngineAdapter

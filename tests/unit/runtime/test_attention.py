@@ -4,6 +4,7 @@ Triton kernel (interpreted on CPU when TRITON_INTERPRET=1 works) against the ref
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -96,7 +97,10 @@ print("ok")
 
 
 def test_triton_kernel_interpreted_matches_reference() -> None:
-    pytest.importorskip("triton")
+    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+        pytest.skip("Triton wheels exist for Linux x86-64 only")
+    import triton  # noqa: F401  (a dev dependency on Linux x86-64: its absence is a failure there)
+
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", _TRITON_CHECK],
