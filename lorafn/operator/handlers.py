@@ -11,13 +11,13 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
 import kopf
 import redis
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from lorafn.api.adapters import AdapterProblem, parse_api_keys, resolve_local_path, validate_adapter
 from lorafn.api.errors import format_validation_error
@@ -200,6 +200,37 @@ def _invalid_backbone(body: dict[str, Any], exc: ValidationError) -> tuple[dict[
     return status, message
 
 
+def _reconcile_into(
+    patch: kopf.Patch,
+    plain: dict[str, Any],
+    reconcile: Callable[..., dict[str, Any]],
+    memo: kopf.Memo,
+    logger: Any,
+) -> None:
+    """Run the level-based reconcile of a valid object and write its status as a converging patch."""
+    with _Edges():
+        status = reconcile(plain, memo.config, memo.kube, memo.registry, logger)
+    patch.status.update(reducers.status_patch(plain.get("status"), status))
+
+
+def _timer_pass(
+    patch: kopf.Patch,
+    plain: dict[str, Any],
+    spec_model: type[BaseModel],
+    reconcile: Callable[..., dict[str, Any]],
+    memo: kopf.Memo,
+    logger: Any,
+) -> None:
+    """The periodic pass: the change handlers' reconcile, for live objects with a valid spec only."""
+    if plain["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        spec_model.model_validate(plain.get("spec") or {})
+    except ValidationError:
+        return  # the change handler reported it; nothing changes until the spec does
+    _reconcile_into(patch, plain, reconcile, memo, logger)
+
+
 @kopf.on.resume(*GROUP_VERSION, "backbones")
 @kopf.on.create(*GROUP_VERSION, "backbones")
 @kopf.on.update(*GROUP_VERSION, "backbones", field="spec")
@@ -212,23 +243,12 @@ def backbone_changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
         patch.status.update(reducers.status_patch(plain.get("status"), status))
         _event(body, "Warning", "InvalidSpec", message)
         raise kopf.PermanentError(message) from None
-    with _Edges():
-        status = reconcile_backbone(plain, memo.config, memo.kube, memo.registry, logger)
-    patch.status.update(reducers.status_patch(plain.get("status"), status))
+    _reconcile_into(patch, plain, reconcile_backbone, memo, logger)
 
 
 @kopf.timer(*GROUP_VERSION, "backbones", interval=_INTERVAL, initial_delay=_INTERVAL)
 def backbone_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    plain = _plain(body)
-    if plain["metadata"].get("deletionTimestamp"):
-        return
-    try:
-        BackboneSpec.model_validate(plain.get("spec") or {})
-    except ValidationError:
-        return  # the change handler reported it; nothing changes until the spec does
-    with _Edges():
-        status = reconcile_backbone(plain, memo.config, memo.kube, memo.registry, logger)
-    patch.status.update(reducers.status_patch(plain.get("status"), status))
+    _timer_pass(patch, _plain(body), BackboneSpec, reconcile_backbone, memo, logger)
 
 
 @kopf.on.delete(*GROUP_VERSION, "backbones")
@@ -442,23 +462,12 @@ def function_changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
             _stop_function(memo, ref)
         _event(body, "Warning", status["conditions"][-1]["reason"], message)
         raise kopf.PermanentError(message) from None
-    with _Edges():
-        status = reconcile_function(plain, memo.config, memo.kube, memo.registry, logger)
-    patch.status.update(reducers.status_patch(plain.get("status"), status))
+    _reconcile_into(patch, plain, reconcile_function, memo, logger)
 
 
 @kopf.timer(*GROUP_VERSION, "lorafunctions", interval=_INTERVAL, initial_delay=_INTERVAL)
 def function_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    plain = _plain(body)
-    if plain["metadata"].get("deletionTimestamp"):
-        return
-    try:
-        LoRAFunctionSpec.model_validate(plain.get("spec") or {})
-    except ValidationError:
-        return  # reported by the change handler; nothing changes until the spec does
-    with _Edges():
-        status = reconcile_function(plain, memo.config, memo.kube, memo.registry, logger)
-    patch.status.update(reducers.status_patch(plain.get("status"), status))
+    _timer_pass(patch, _plain(body), LoRAFunctionSpec, reconcile_function, memo, logger)
 
 
 @kopf.on.delete(*GROUP_VERSION, "lorafunctions")
