@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafn.api import FunctionRef, parse_uri
+from lorafn.api import FunctionRef, SecretKeyRef, parse_uri
 from lorafn.api.adapters import AdapterProblem, parse_api_keys, validate_adapter
 from lorafn.local.manifests import Manifest, ManifestError, parse_manifest
 from lorafn.store import Keys, Store
@@ -126,14 +126,14 @@ def apply_manifest(
 
 def _function_keys(
     ref: FunctionRef,
-    secret_ref: object,
+    secret_ref: SecretKeyRef | None,
     manifest: Manifest,
     local_secrets: Manifest | None,
     where: str,
 ) -> list[str]:
     if secret_ref is None:
         return []
-    name, key = secret_ref.name, secret_ref.key  # type: ignore[attr-defined]
+    name, key = secret_ref.name, secret_ref.key
     secret = manifest.secret(ref.namespace, name) or (
         local_secrets.secret(ref.namespace, name) if local_secrets else None
     )
