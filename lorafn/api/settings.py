@@ -1,0 +1,47 @@
+"""What several components must agree on, in one settings base (environment variables `LORAFN_*`).
+
+The gateway, the worker, the controller, the operator and `lorafn up` each have one typed settings class;
+the fields that must match across them (where Redis is, the key prefix, how long a heartbeat keeps a
+worker live, where caches live) are defined once here and inherited, so a deployment sets them once
+(`LORAFN_REDIS_URL`, `LORAFN_KEY_PREFIX`, `LORAFN_HEARTBEAT_TTL_S`, `LORAFN_CACHE_DIR`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "LORAFN_"
+
+
+def default_cache_dir() -> Path:
+    """$LORAFN_CACHE_DIR, else $XDG_CACHE_HOME/lorafn, else ~/.cache/lorafn."""
+    explicit = os.environ.get(f"{ENV_PREFIX}CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "lorafn"
+
+
+class SharedSettings(BaseSettings):
+    """The fields every component reads the same way. Subclass it; add the component's own fields."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="the data plane's Redis")
+    key_prefix: str = Field(default="lorafn", description="key prefix of this deployment in Redis")
+    heartbeat_ttl_s: float = Field(
+        default=5.0, gt=0, description="a worker is live while its last heartbeat is younger than this"
+    )
+    cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="models, KV-init records and graph archives ($XDG_CACHE_HOME/lorafn by default)",
+    )
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a settings field (`redis_url` -> `LORAFN_REDIS_URL`)."""
+    return f"{ENV_PREFIX}{field.upper()}"
