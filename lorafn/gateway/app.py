@@ -37,6 +37,7 @@ from lorafn.gateway.settings import GatewaySettings
 from lorafn.gateway.tokenizer import ChatTemplateError, GatewayTokenizer, load_tokenizer
 from lorafn.store import UNAVAILABLE_ERRORS, AsyncStore, Keys, cancel, combine, streams, workers
 from lorafn.store import registry as reg
+from lorafn.store.protocol import RequestBody
 from lorafn.store.registry import FunctionRecord
 
 log = logging.getLogger("lorafn.gateway")
@@ -287,7 +288,7 @@ class Gateway:
                 self.keys,
                 fn,
                 rid,
-                payload,
+                RequestBody.model_validate(payload),
                 deadline_ms=int((now + s.cold_start_timeout_s) * 1000),
                 now_s=now,
                 rate_limit_rps=rps,

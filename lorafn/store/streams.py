@@ -29,6 +29,7 @@ from typing import Any
 
 from lorafn.store.client import Op, eval_script
 from lorafn.store.keys import GROUP, Keys, check_id
+from lorafn.store.protocol import RequestBody
 
 # Event types of a reply stream.
 ACCEPTED, DELTA, RESTART, DONE, ERROR = "accepted", "delta", "restart", "done", "error"
@@ -58,7 +59,7 @@ def admit(
     keys: Keys,
     function: str,
     request_id: str,
-    body: dict[str, Any],
+    body: RequestBody,
     *,
     deadline_ms: int,
     now_s: float,
@@ -69,7 +70,10 @@ def admit(
     arrivals_ttl_s: int = 3600,
     max_queue: int = 0,
 ) -> Op[Admission]:
-    """Rate-limit, count and enqueue one request in one round trip (lua/admit.lua)."""
+    """Rate-limit, count and enqueue one request in one round trip (lua/admit.lua).
+
+    `body` is typed (`lorafn.store.protocol.RequestBody`), so what enters the stream is what workers
+    decode."""
     bucket = int(now_s // arrivals_bucket_s)
     return Op(
         lambda pipe: eval_script(
@@ -88,7 +92,7 @@ def admit(
                 int(arrivals_ttl_s),
                 int(heartbeat_ttl_ms),
                 check_id(request_id, "request id"),
-                json.dumps(body, separators=(",", ":")),
+                body.encode(),
                 int(deadline_ms),
                 int(max_queue),
             ],

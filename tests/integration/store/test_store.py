@@ -11,6 +11,7 @@ import redis
 
 from lorafn.store import AsyncStore, Keys, Store, combine, stats, streams, workers
 from lorafn.store import registry as reg
+from lorafn.store.protocol import RequestBody
 
 FN = "team-a/f"
 
@@ -28,7 +29,7 @@ def _admit(store, keys, rid, rps=0.0, burst=1, max_queue=0, ttl_ms=1000):
             keys,
             FN,
             rid,
-            {"prompt": "x"},
+            RequestBody(prompt="x"),
             deadline_ms=0,
             now_s=time.time(),
             rate_limit_rps=rps,
