@@ -79,6 +79,14 @@ class AdapterInfo:
     # module -> its largest rank over the layers (differs from `rank` only under rank_pattern)
     ranks: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def shape_key(self) -> str:
+        """The adapter shape (docs/architecture.md): targets with their largest rank, in projection order.
+
+        Equal to the runtime's `LoRAWeights.shape_key` for the same adapter; workers prepared for one
+        shape share graphs and LoRA buffers."""
+        return ",".join(f"{m}:{self.ranks[m]}" for m in LINEAR_MODULES if m in self.ranks)
+
     def to_status(self) -> dict[str, Any]:
         return {
             "rank": self.rank,

@@ -139,6 +139,35 @@ class Scaling(_Spec):
         return self
 
 
+class Resources(_Spec):
+    """One worker's GPU memory budget (its KV cache), granted by the controller out of the GPU's account.
+
+    Either a KV size in MiB, or the concurrency it must hold (sequences x context tokens); neither:
+    the controller's default. A worker sizes its KV cache from this, never from the GPU's free memory.
+    """
+
+    kv_cache_mib: int | None = Field(
+        default=None, ge=1, le=1_048_576, alias="kvCacheMiB", description="KV-cache size of a worker, MiB"
+    )
+    max_concurrent_sequences: int | None = Field(
+        default=None, ge=1, le=1024, description="sequences one worker runs at once (with maxContextTokens)"
+    )
+    max_context_tokens: int | None = Field(
+        default=None, ge=16, le=1_048_576, description="tokens per sequence (prompt + output) to hold in KV"
+    )
+
+    @model_validator(mode="after")
+    def _one_way(self) -> Resources:
+        by_shape = (self.max_concurrent_sequences, self.max_context_tokens)
+        if self.kv_cache_mib is not None and any(v is not None for v in by_shape):
+            raise ValueError(
+                "resources: give either kvCacheMiB or maxConcurrentSequences x maxContextTokens, not both"
+            )
+        if (by_shape[0] is None) != (by_shape[1] is None):
+            raise ValueError("resources: maxConcurrentSequences and maxContextTokens go together")
+        return self
+
+
 class GenerationDefaults(_Spec):
     max_tokens: int = Field(default=256, ge=1, le=32_768, description="default max_tokens of a request")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="default sampling temperature")
@@ -174,6 +203,9 @@ class LoRAFunctionSpec(_Spec):
     adapter: AdapterRef = Field(description="where the PEFT LoRA adapter directory lies")
     slo: SLO = Field(default_factory=SLO, description="latency targets")
     scaling: Scaling = Field(default_factory=Scaling, description="bounds of the bound workers")
+    resources: Resources = Field(
+        default_factory=Resources, description="one worker's KV-cache budget (default: the controller's)"
+    )
     generation: GenerationDefaults = Field(
         default_factory=GenerationDefaults, description="defaults for requests that leave them out"
     )

@@ -120,3 +120,26 @@ class Keys:
     def backbone(self, name: str) -> str:
         """hash: a backbone's record (model_dir, dtype, spec JSON)."""
         return f"{self.prefix}:bb:{check_id(name, 'backbone name')}"
+
+    # -- the controller (lorafn.controller) ------------------------------------------------------
+    def controller_lease(self) -> str:
+        """string with expiry: the id of the one active controller (SET NX PX, renewed by its holder)."""
+        return f"{self.prefix}:controller:lease"
+
+    def lifecycle(self) -> str:
+        """stream: worker lifecycle events for the controller (bound, bind_failed, start_failed)."""
+        return f"{self.prefix}:lifecycle"
+
+    def function_status(self, function: str) -> str:
+        """hash: what the controller knows of a function (wait reason, last cold start and its path,
+        start failures); `lorafn status`, the operator and the gateway read it."""
+        return f"{self.function(function)}:status"
+
+    def pool(self) -> str:
+        """hash: `<gpu>|<backbone>|<shape>` -> standby workers the controller wants there."""
+        return f"{self.prefix}:pool"
+
+    def gpus(self) -> str:
+        """hash: GPU id -> JSON inventory (node, total bytes, backbones resident); written by whoever runs
+        the backbone servers (`lorafn up`, the operator), read by the controller."""
+        return f"{self.prefix}:gpus"
