@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lorafn.runtime.serving import Delta  # noqa: E402
+from lorafn.runtime.outputs import StreamDelta  # noqa: E402
 
 FN, KEY = "bench/echo", "sk-bench-0123456789"
 WORDS = 8
@@ -39,16 +39,22 @@ class InstantEngine:
     def __init__(self) -> None:
         self.reqs: dict[str, int] = {}
 
-    def add_request(self, request_id, prompt, params, prompt_token_ids=None) -> None:
-        self.reqs[request_id] = len(prompt_token_ids or [])
+    def add_request(self, prompt, params, request_id=None) -> str:
+        self.reqs[request_id] = len(prompt) if isinstance(prompt, list) else 0
+        return request_id
 
-    def step(self) -> list[Delta]:
-        out = [Delta(rid, "word " * WORDS, WORDS, True, "length", n) for rid, n in self.reqs.items()]
+    def step(self) -> list[StreamDelta]:
+        out = [
+            StreamDelta(
+                rid, [0] * WORDS, "word " * WORDS, True, "length", prompt_tokens=n, completion_tokens=WORDS
+            )
+            for rid, n in self.reqs.items()
+        ]
         self.reqs.clear()
         return out
 
-    def abort(self, request_id) -> None:
-        self.reqs.pop(request_id, None)
+    def abort(self, request_id) -> bool:
+        return self.reqs.pop(request_id, None) is not None
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs)

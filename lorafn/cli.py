@@ -25,7 +25,7 @@ app = typer.Typer(
 _GROUPS: list[tuple[str, str, str | None]] = [
     ("lorafn.runtime.assets.cli", "app", "model"),
     ("lorafn.gateway.cli", "app", "gateway"),
-    ("lorafn.runtime.worker_cli", "app", "worker"),
+    ("lorafn.runtime.worker", "app", "worker"),
     ("lorafn.operator.cli", "app", "operator"),
     ("lorafn.backbone_server.cli", "app", "backbone-server"),
 ]

@@ -14,7 +14,8 @@ from lorafn.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from lorafn.runtime.config import EngineConfig
-    from lorafn.runtime.engine import Engine, RequestOutput, StreamDelta
+    from lorafn.runtime.engine import Engine
+    from lorafn.runtime.outputs import RequestOutput, StreamDelta
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "StreamDelta"]
 
@@ -24,8 +25,12 @@ def __getattr__(name: str) -> Any:
         from lorafn.runtime.config import EngineConfig
 
         return EngineConfig
-    if name in ("Engine", "RequestOutput", "StreamDelta"):
-        from lorafn.runtime import engine
+    if name == "Engine":
+        from lorafn.runtime.engine import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name in ("RequestOutput", "StreamDelta"):
+        from lorafn.runtime import outputs
+
+        return getattr(outputs, name)
     raise AttributeError(f"module 'lorafn.runtime' has no attribute {name!r}")

@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from lorafn.runtime.kv_cache import (
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import LoRAWeights, load_lora
 from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
+from lorafn.runtime.outputs import RequestOutput, StreamDelta
 from lorafn.runtime.sampling import make_generator, sample
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
@@ -47,40 +48,6 @@ from lorafn.runtime.sequence import Sequence as Seq
 log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class StreamDelta:
-    """What one step added to one request: new token ids and text; `finished` with its reason."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    """A finished (or, while streaming, partial) request."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
 @dataclass
@@ -385,7 +352,15 @@ class Engine:
         out.text += text
         out.finish_reason = reason
         out.finish_time = time.perf_counter()
-        return StreamDelta(out.request_id, token_ids or [], text, True, reason)
+        return StreamDelta(
+            out.request_id,
+            token_ids or [],
+            text,
+            True,
+            reason,
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=len(out.token_ids),
+        )
 
     @staticmethod
     def _ordered(out: SchedulerOutput) -> list[ScheduledChunk]:

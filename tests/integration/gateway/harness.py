@@ -22,7 +22,8 @@ import uvicorn
 from lorafn.gateway.app import create_app
 from lorafn.gateway.settings import GatewaySettings
 from lorafn.local.redis_proc import free_port
-from lorafn.runtime.serving import Delta, ServingConfig, Worker
+from lorafn.runtime.outputs import StreamDelta
+from lorafn.runtime.worker import ServingConfig, Worker
 from lorafn.store import Keys, Store
 from lorafn.store import registry as reg
 
@@ -55,17 +56,19 @@ class FakeEngine:
     tag: str = ""
     reqs: dict[str, _Req] = field(default_factory=dict)
 
-    def add_request(
-        self, request_id: str, prompt: str | None, params: Any, prompt_token_ids: Any = None
-    ) -> None:
-        key = ",".join(map(str, prompt_token_ids)) if prompt_token_ids else (prompt or "")
-        if "FAIL" in (prompt or ""):
+    def add_request(self, prompt: str | list[int], params: Any, request_id: str | None = None) -> str:
+        assert request_id is not None, "the serving loop names its requests"
+        key = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
+        if isinstance(prompt, str) and "FAIL" in prompt:
             raise ValueError("prompt: the fake engine refuses prompts containing FAIL")
         n = min(params.max_tokens, self.max_output)
         words = expected_text(key, n, self.tag).split(" ")[:-1]
-        self.reqs[request_id] = _Req([w + " " for w in words], len(prompt_token_ids or key.split()))
+        self.reqs[request_id] = _Req(
+            [w + " " for w in words], len(prompt if isinstance(prompt, list) else key.split())
+        )
+        return request_id
 
-    def step(self) -> list[Delta]:
+    def step(self) -> list[StreamDelta]:
         if self.step_s:
             time.sleep(self.step_s)
         out = []
@@ -73,13 +76,23 @@ class FakeEngine:
             word = r.words[r.sent]
             r.sent += 1
             done = r.sent == len(r.words)
-            out.append(Delta(rid, word, 1, done, "length" if done else None, r.prompt_tokens if done else 0))
+            out.append(
+                StreamDelta(
+                    rid,
+                    [0],
+                    word,
+                    done,
+                    "length" if done else None,
+                    prompt_tokens=r.prompt_tokens if done else 0,
+                    completion_tokens=r.sent if done else 0,
+                )
+            )
             if done:
                 del self.reqs[rid]
         return out
 
-    def abort(self, request_id: str) -> None:
-        self.reqs.pop(request_id, None)
+    def abort(self, request_id: str) -> bool:
+        return self.reqs.pop(request_id, None) is not None
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs)
@@ -223,19 +236,18 @@ class RecordingEngine(FakeEngine):
     generated: dict[str, int] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
 
-    def add_request(
-        self, request_id: str, prompt: str | None, params: Any, prompt_token_ids: Any = None
-    ) -> None:
-        super().add_request(request_id, prompt, params, prompt_token_ids)
+    def add_request(self, prompt: str | list[int], params: Any, request_id: str | None = None) -> str:
+        super().add_request(prompt, params, request_id)
         self.added.append(request_id)
+        return request_id
 
-    def step(self) -> list[Delta]:
+    def step(self) -> list[StreamDelta]:
         out = super().step()
         for d in out:
-            self.generated[d.request_id] = self.generated.get(d.request_id, 0) + d.num_tokens
+            self.generated[d.request_id] = self.generated.get(d.request_id, 0) + len(d.token_ids)
         return out
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
         if request_id in self.reqs:
             self.aborted.append(request_id)
-        super().abort(request_id)
+        return super().abort(request_id)

@@ -10,7 +10,6 @@ from pathlib import Path
 import openai
 
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
-from lorafn.runtime.serving import EngineAdapter
 from lorafn.store import Keys, Store
 from tests.integration.gateway.harness import gateway, register, worker_thread
 
@@ -24,7 +23,7 @@ def test_real_engine_behind_the_gateway(redis_server: str, tiny_model_dir: Path)
     prefix = f"t{uuid.uuid4().hex[:8]}"
     store, keys = Store(redis_server), Keys(prefix)
     register(store, keys, FN, [KEY], model_dir=str(tiny_model_dir))
-    engine = EngineAdapter(Engine(config))
+    engine = Engine(config)
     with gateway(redis_server, prefix) as url, worker_thread(redis_server, prefix, FN, engine=engine):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         results: dict[int, str] = {}

@@ -1,4 +1,7 @@
-"""The worker serving loop: one worker bound to one function, between its Redis streams and an Engine.
+"""The worker: one process bound to one function, between its Redis streams and an Engine.
+
+`lorafn worker serve` (the `app` below, configured by `WorkerSettings`) builds the engine and runs
+`Worker`, the serving loop.
 
 Per iteration (one round trip to Redis while the batch runs):
   engine.step() -> token deltas -> XADD to each reply stream, XACK+XDEL finished entries, and a
@@ -23,12 +26,15 @@ Around it:
 - Redis unreachable: abort the running requests (their clients already got an error from the gateway),
   retry with backoff, and on return drop what this worker still held with an error event.
 
-The engine is anything with the `ServingEngine` methods; `EngineAdapter` wraps `lorafn.runtime.Engine`.
+The engine is `lorafn.runtime.Engine`, spoken to through its own interface (`ServingEngine`: add_request
+with the request id, step -> `StreamDelta`s, abort, has_unfinished); tests and the gateway benchmark plug
+in fakes of that interface through `WorkerSettings.engine_factory`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -36,12 +42,16 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis
+import typer
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from lorafn.runtime.outputs import StreamDelta
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, streams, workers
 from lorafn.store import stats as store_stats
@@ -49,33 +59,17 @@ from lorafn.store import stats as store_stats
 log = logging.getLogger("lorafn.worker")
 
 
-@dataclass
-class Delta:
-    """What one engine step produced for one request."""
-
-    request_id: str
-    text: str
-    num_tokens: int
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
 class ServingEngine(Protocol):
-    """The engine methods the loop uses (continuous batching: add while others run, step, abort)."""
+    """The `lorafn.runtime.Engine` methods the loop uses (continuous batching: add while others run,
+    step, abort). A finished `StreamDelta` carries the request's token counts."""
 
     def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        params: SamplingParams,
-        prompt_token_ids: list[int] | None = None,
-    ) -> None: ...
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str: ...
 
-    def step(self) -> list[Delta]: ...
+    def step(self) -> Sequence[StreamDelta]: ...
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> bool: ...
 
     def has_unfinished(self) -> bool: ...
 
@@ -341,13 +335,14 @@ class Worker:
             run = self.running.get(delta.request_id)
             if run is None:
                 continue
-            if delta.text or delta.num_tokens:
-                run.completion_tokens += delta.num_tokens
+            num_tokens = len(delta.token_ids)
+            if delta.text or num_tokens:
+                run.completion_tokens += num_tokens
                 self._events.append(
-                    (run.request_id, {"type": streams.DELTA, "text": delta.text, "tokens": delta.num_tokens})
+                    (run.request_id, {"type": streams.DELTA, "text": delta.text, "tokens": num_tokens})
                 )
             if delta.finished:
-                completion = delta.completion_tokens or run.completion_tokens
+                completion = delta.completion_tokens
                 self._end(
                     run,
                     {
@@ -435,7 +430,7 @@ class Worker:
             )
         self._events.append((rid, {"type": streams.ACCEPTED, "worker": self.worker_id}))
         try:
-            self.engine.add_request(rid, prompt, params, prompt_token_ids=token_ids)
+            self.engine.add_request(token_ids if token_ids else prompt, params, request_id=rid)
         except ValueError as e:
             self._end(run, {"type": streams.ERROR, "code": "invalid_request", "message": str(e)})
             return
@@ -511,38 +506,130 @@ class Worker:
         self._flush()
 
 
-class EngineAdapter:
-    """`ServingEngine` over `lorafn.runtime.Engine` (add_request(prompt, params, request_id), step, abort)."""
+# -- `lorafn worker serve` ----------------------------------------------------------------------
+app = typer.Typer(help="Run a worker: the serving loop of one function.", no_args_is_help=True)
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self._prompt_tokens: dict[str, int] = {}
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        params: SamplingParams,
-        prompt_token_ids: list[int] | None = None,
-    ) -> None:
-        self.engine.add_request(
-            prompt_token_ids if prompt_token_ids else prompt, params, request_id=request_id
+class WorkerSettings(BaseSettings):
+    """A worker's configuration (env prefix `LORAFN_`, e.g. `LORAFN_REDIS_URL`)."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAFN_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "lorafn"
+    function: str = Field(default="", description="namespace/name of the function to serve")
+    worker_id: str | None = None
+    model: str | None = Field(default=None, description="backbone model dir (default: the registration's)")
+    adapter: str | None = Field(default=None, description="adapter dir (default: the registration's)")
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_running: int = Field(default=64, ge=1)
+    keep_alive_seconds: float | None = Field(
+        default=None, ge=0, description="exit after this long idle (default: spec.scaling.keepAliveSeconds)"
+    )
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    heartbeat_ttl_s: float = Field(default=5.0, gt=0)
+    claim_min_idle_ms: int = Field(default=2000, ge=0)
+    engine_factory: str | None = Field(
+        default=None,
+        description="module:callable(settings, record) -> ServingEngine, instead of lorafn.runtime.Engine "
+        "(tests and the gateway benchmark use it for their fake engines)",
+    )
+    backbone_socket: str | None = Field(
+        default=None,
+        description="Unix socket of the backbone server: map its weights read-only instead of loading them",
+    )
+    log_level: str = "INFO"
+
+
+def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
+    """The real engine: `lorafn.runtime.Engine` on the function's backbone and adapter."""
+    from lorafn.runtime import Engine, EngineConfig
+
+    model = settings.model or (record.model_dir if record else "")
+    adapter = settings.adapter or (record.adapter_dir if record else "") or None
+    if not model:
+        raise ValueError(f"no model directory for {settings.function}: register the function or pass --model")
+    weight_source = None
+    if settings.backbone_socket:
+        # The backbone server's copy, mapped read-only: this worker holds no weight bytes of its own.
+        from lorafn.backbone_server.client import SharedWeightSource
+
+        weight_source = SharedWeightSource(settings.backbone_socket, device=settings.device)
+    return Engine(
+        EngineConfig(
+            model=model,
+            adapter=adapter,
+            device=settings.device,
+            dtype=settings.dtype,
+            max_num_seqs=settings.max_running,
+            weight_source=weight_source,
         )
-        output = self.engine.get_output(request_id)
-        self._prompt_tokens[request_id] = len(output.prompt_token_ids) if output is not None else 0
+    )
 
-    def step(self) -> list[Delta]:
-        out = []
-        for d in self.engine.step():
-            prompt_tokens = self._prompt_tokens.pop(d.request_id, 0) if d.finished else 0
-            out.append(
-                Delta(d.request_id, d.text, len(d.token_ids), d.finished, d.finish_reason, prompt_tokens)
-            )
-        return out
 
-    def abort(self, request_id: str) -> None:
-        self._prompt_tokens.pop(request_id, None)
-        self.engine.abort(request_id)
+def _load_factory(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"engine_factory {path!r} must be module:callable")
+    return getattr(importlib.import_module(module), attr)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.engine.has_unfinished())
+
+def serve_worker(settings: WorkerSettings) -> int:
+    """Build the engine, then run the serving loop until drained, idle or stopped; the exit code."""
+    from lorafn.api import FunctionRef, LoRAFunctionSpec
+    from lorafn.store.registry import get_function
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    function = str(FunctionRef.parse(settings.function))
+    keys = Keys(settings.key_prefix)
+    store = Store(settings.redis_url)
+    record = store.run(get_function(keys, function))
+    keep_alive = settings.keep_alive_seconds
+    if keep_alive is None and record is not None and record.spec:
+        keep_alive = float(LoRAFunctionSpec.model_validate(record.spec).scaling.keep_alive_seconds)
+    factory = _load_factory(settings.engine_factory) if settings.engine_factory else default_engine
+    engine = factory(settings, record)
+    worker = Worker(
+        store,
+        keys,
+        engine,
+        ServingConfig(
+            function=function,
+            worker_id=settings.worker_id or default_worker_id(),
+            max_running=settings.max_running,
+            heartbeat_s=settings.heartbeat_s,
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+            claim_min_idle_ms=settings.claim_min_idle_ms,
+            keep_alive_s=keep_alive,
+        ),
+    )
+    worker.install_signal_handlers()
+    logging.getLogger("lorafn.worker").info("worker %s serving %s", worker.worker_id, function)
+    return worker.run()
+
+
+@app.command("serve")
+def serve(
+    function: str = typer.Option(None, "--function", "-f", help="namespace/name (env LORAFN_FUNCTION)"),
+    redis_url: str = typer.Option(None, "--redis-url", help="env LORAFN_REDIS_URL"),
+    model: str = typer.Option(None, "--model", help="backbone model dir (default: from the registry)"),
+    adapter: str = typer.Option(None, "--adapter", help="adapter dir (default: from the registry)"),
+    device: str = typer.Option(None, "--device", help="cpu | cuda | cuda:N"),
+    worker_id: str = typer.Option(None, "--worker-id"),
+    keep_alive_seconds: float = typer.Option(None, "--keep-alive-seconds"),
+    engine_factory: str = typer.Option(None, "--engine-factory", help="module:callable (tests, benchmarks)"),
+) -> None:
+    """Serve one function: read its request stream, run the engine, stream replies; SIGTERM drains."""
+    overrides = {k: v for k, v in locals().items() if v is not None}
+    try:
+        settings = WorkerSettings(**overrides)
+        if not settings.function:
+            raise ValueError("--function (or LORAFN_FUNCTION) is required")
+        code = serve_worker(settings)
+    except ValueError as e:
+        typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(code=2) from None
+    raise typer.Exit(code=code)
