@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 PAGE = mmap.PAGESIZE
 log = logging.getLogger("lorafn.backbone_server")
-DEFAULT_W_ADDR = 0x1000_0000_0000  # 16 TiB: where every worker maps W (DESIGN §6)
+DEFAULT_W_ADDR = 0x1000_0000_0000  # 16 TiB: where every worker maps W (docs/backbone_server.md)
 
 
 def torch_dtype(code: str) -> torch.dtype:

@@ -1,4 +1,8 @@
-"""The local platform's one typed configuration: environment (`LORAFN_*`) or a YAML file."""
+"""The local platform's one typed configuration: environment (`LORAFN_*`) or a YAML file.
+
+Key prefix, heartbeat TTL and cache root come from `lorafn.api.settings.SharedSettings`, the same
+definition the gateway and the workers read.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from lorafn.api.errors import format_validation_error
+from lorafn.api.settings import SharedSettings
 
 
 def default_state_dir() -> Path:
@@ -20,8 +25,11 @@ def default_state_dir() -> Path:
     return Path(base) / "lorafn"
 
 
-class LocalConfig(BaseSettings):
-    """`lorafn up`: where state lives, which ports, which device, how workers start and stop."""
+class LocalConfig(SharedSettings):
+    """`lorafn up`: where state lives, which ports, which device, how workers start and stop.
+
+    The inherited `redis_url` is not used: `lorafn up` runs its own redis-server (`redis_port`).
+    """
 
     model_config = SettingsConfigDict(env_prefix="LORAFN_", extra="forbid")
 
@@ -29,7 +37,6 @@ class LocalConfig(BaseSettings):
     host: str = "127.0.0.1"
     gateway_port: int = Field(default=8080, ge=0, le=65535, description="0: any free port")
     redis_port: int = Field(default=0, ge=0, le=65535, description="0: any free port")
-    key_prefix: str = "lorafn"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     share_backbone: bool = Field(
         default=True, description="one backbone server per backbone; workers map its weights read-only"

@@ -1,7 +1,8 @@
 """Pure builders of the Kubernetes objects the operator owns: dicts in, dicts out, no I/O.
 
-Layout (DESIGN §6 "across pods"): every GPU pod lives in the operator's workload namespace, because a
-DRA ResourceClaim can only be shared by pods of its own namespace. Per selected GPU ("slot"):
+Layout (docs/operator.md, and "Operator" in docs/architecture.md): every GPU pod lives in the
+operator's workload namespace, because a DRA ResourceClaim can only be shared by pods of its own
+namespace. Per selected GPU ("slot"):
 
     <backbone>-<slot>-server         the backbone server (restartPolicy Always)
     <backbone>-<slot>-standby-<k>    tenant-neutral standby workers (warmPool), k = 0..n-1
@@ -19,6 +20,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from lorafn.api.settings import env_name
 from lorafn.api.specs import API_VERSION, BackboneSpec, FunctionRef, LoRAFunctionSpec
 from lorafn.api.uris import PVC_MOUNT_ROOT, parse_uri
 from lorafn.operator.config import OperatorConfig
@@ -41,11 +43,16 @@ COMPONENT_WORKER = "worker"
 SOCKET_MOUNT = "/run/lorafn"
 FINALIZER = "lorafn.io/cleanup"
 
-# The commands the image runs: `lorafn backbone-server serve` (lorafn.backbone_server.cli) and
-# `lorafn worker serve` (lorafn.runtime.worker_cli, configured by its LORAFN_* settings below).
+# The commands the image runs: `lorafn backbone-server serve` (configured by its options only) and
+# `lorafn worker serve` (configured by its settings class, environment `LORAFN_*`: the env below is
+# built from that class's field names with `env_name`). tests/operator/test_pod_contract.py parses
+# every command line built here with the real `lorafn` CLI and checks each env name against the
+# target's settings fields.
 SOCKET_PATH = "/run/lorafn/backbone.sock"
 SERVER_HTTP_PORT = 8081
 WORKER_COMMAND = ["lorafn", "worker", "serve", "--device", "cuda"]
+# Read by the NVIDIA container runtime and by libraries (caches under $HOME), not by lorafn settings.
+EXTERNAL_ENV = ("HOME", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
 
 
 def short_hash(text: str, length: int = 6) -> str:
@@ -266,7 +273,7 @@ def _gpu_pod(
     extra_volumes: list[tuple[dict[str, Any], dict[str, Any]]] = (),  # type: ignore[assignment]
     readiness: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    model_volume, model_mount, model_path = _artifact_volume(backbone_spec.model.uri, "model")
+    model_volume, model_mount, _ = _artifact_volume(backbone_spec.model.uri, "model")
     volumes = [
         {
             "name": "sockets",
@@ -290,16 +297,6 @@ def _gpu_pod(
             volumes.append(volume)
         mounts.append(mount)
     env = [
-        {"name": "LORAFN_REDIS_URL", "value": config.redis_url},
-        {"name": "LORAFN_KEY_PREFIX", "value": config.redis_prefix},
-        {"name": "LORAFN_BACKBONE", "value": backbone},
-        {"name": "LORAFN_MODEL", "value": model_path},
-        {"name": "LORAFN_DTYPE", "value": backbone_spec.dtype},
-        {"name": "LORAFN_SOCKET_DIR", "value": SOCKET_MOUNT},
-        {"name": "LORAFN_BACKBONE_SOCKET", "value": SOCKET_PATH},
-        {"name": "LORAFN_GPU_SLOT", "value": slot.slot_id},
-        {"name": "LORAFN_GPU_UUID", "value": slot.uuid or ""},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "HOME", "value": "/tmp"},  # caches under a writable dir (read-only root filesystem)
         *env,
     ]
@@ -356,6 +353,28 @@ def _gpu_pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 
+def settings_env(**values: str) -> list[dict[str, Any]]:
+    """Container env setting these settings fields (`redis_url=...` -> `LORAFN_REDIS_URL`)."""
+    return [{"name": env_name(field), "value": value} for field, value in values.items()]
+
+
+def _worker_env(config: OperatorConfig, spec: BackboneSpec, **values: str) -> list[dict[str, Any]]:
+    """What every worker pod (standby or bound) reads: where Redis is and the backbone it maps."""
+    return [
+        *settings_env(
+            redis_url=config.redis_url,
+            key_prefix=config.key_prefix,
+            heartbeat_ttl_s=str(config.heartbeat_ttl_s),
+            model=pod_path(spec.model.uri),
+            dtype=spec.dtype,
+            backbone_socket=SOCKET_PATH,
+            **values,
+        ),
+        # The pod name is the worker id: `kubectl logs <worker id>` finds its log.
+        {"name": env_name("worker_id"), "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+
+
 def build_server_pod(
     backbone_body: dict[str, Any], spec: BackboneSpec, slot: GPUSlot, config: OperatorConfig
 ) -> dict[str, Any]:
@@ -409,8 +428,8 @@ def build_standby_pod(
         labels=_labels(COMPONENT_STANDBY, **{LABEL_BACKBONE: backbone, LABEL_SLOT: slot.slot_id}),
         owner=owner_reference(backbone_body, "Backbone"),
         # Tenant-neutral: bound later by the controller (`bind` on its control stream).
-        args=[*WORKER_COMMAND, "--standby"],
-        env=[],
+        args=[*WORKER_COMMAND, "--standby", "--backbone", backbone],
+        env=_worker_env(config, spec),
         resources=config.standby_resources,
         restart_policy="Never",
     )
@@ -448,12 +467,13 @@ def build_worker_pod(
         # function lives elsewhere. Its finalizer deletes these pods.
         owner=owner_reference(backbone_body, "Backbone"),
         args=[*WORKER_COMMAND, "--function", str(ref)],
-        env=[
-            {"name": "LORAFN_FUNCTION", "value": str(ref)},
-            {"name": "LORAFN_ADAPTER", "value": adapter_path},
-            {"name": "LORAFN_KEEP_ALIVE_SECONDS", "value": str(fn_spec.scaling.keep_alive_seconds)},
-            {"name": "LORAFN_SLO_TTFT_MS", "value": str(fn_spec.slo.ttft_ms)},
-        ],
+        env=_worker_env(
+            config,
+            backbone_spec,
+            function=str(ref),
+            adapter=adapter_path,
+            keep_alive_seconds=str(fn_spec.scaling.keep_alive_seconds),
+        ),
         resources=config.worker_resources,
         restart_policy="Never",
         extra_volumes=[(adapter_volume, adapter_mount)],

@@ -1,11 +1,19 @@
-"""The operator's one typed config (environment variables `LORAFN_OPERATOR_*`, set by the Helm chart)."""
+"""The operator's one typed config (environment variables `LORAFN_OPERATOR_*`, set by the Helm chart).
+
+The fields every component must agree on (Redis URL, key prefix, heartbeat TTL, cache root) are
+inherited from `lorafn.api.settings.SharedSettings`, read here under the operator's own prefix
+(`LORAFN_OPERATOR_REDIS_URL`, ...), and handed to the GPU pods under their shared names
+(`LORAFN_REDIS_URL`, ...), so the operator and its pods cannot disagree.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from lorafn.api.settings import SharedSettings
 
 GPUSharing = Literal["dra", "visibleDevices"]
 
@@ -14,7 +22,7 @@ def _resources(cpu: str, memory: str, memory_limit: str) -> dict[str, Any]:
     return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory_limit}}
 
 
-class OperatorConfig(BaseSettings):
+class OperatorConfig(SharedSettings):
     model_config = SettingsConfigDict(env_prefix="LORAFN_OPERATOR_", extra="ignore")
 
     namespace: str = Field(
@@ -36,8 +44,6 @@ class OperatorConfig(BaseSettings):
     gpu_memory_label: str = "nvidia.com/gpu.memory"
     gpu_product_label: str = "nvidia.com/gpu.product"
     gpu_count_label: str = "nvidia.com/gpu.count"
-    redis_url: str = "redis://lorafn-redis:6379/0"
-    redis_prefix: str = Field(default="lorafn", description="key prefix of this deployment in Redis")
     gateway_url: str = Field(
         default="http://lorafn-gateway.lorafn-system.svc.cluster.local",
         description="base URL of the gateway, for status.endpoint",

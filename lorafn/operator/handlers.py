@@ -85,7 +85,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.
     settings.watching.server_timeout = 300
     memo.config = config
     memo.kube = kube.Kube(kube.connection(config))
-    memo.registry = registry.Registry(config.redis_url, config.redis_prefix)
+    memo.registry = registry.Registry(config.redis_url, config.key_prefix)
     logger.info("lorafn operator: namespace %s, gpuSharing %s", config.namespace, config.gpu_sharing)
 
 

@@ -117,7 +117,13 @@ def test_gpu_pods_share_one_gpu_and_are_locked_down(mode: str) -> None:
         assert pod["metadata"]["ownerReferences"][0]["uid"] == "bb-uid"
         assert "hostIPC" not in pod_spec and "hostPID" not in pod_spec
         env = {e["name"]: e.get("value") for e in container["env"]}
-        assert env["LORAFN_MODEL"] == "/mnt/pvc/models/llama-2-7b"
+        # The server takes the model as an option (it reads no LORAFN_* settings); workers as a setting.
+        model = (
+            container["args"][container["args"].index("--model") + 1]
+            if pod is server
+            else env["LORAFN_MODEL"]
+        )
+        assert model == "/mnt/pvc/models/llama-2-7b"
         if mode == "dra":
             assert pod_spec["resourceClaims"] == [
                 {"name": "gpu", "resourceClaimName": f"llama-2-7b-{slot.slot_id}-gpu"}

@@ -1,0 +1,32 @@
+"""The local platform's config: the fields every component shares come from the one settings base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lorafn.api.settings import SharedSettings, env_name
+from lorafn.local.config import LocalConfig, load_config
+
+
+def test_local_config_reads_the_shared_names(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(env_name("key_prefix"), "p7")
+    monkeypatch.setenv(env_name("heartbeat_ttl_s"), "9")
+    monkeypatch.setenv(env_name("cache_dir"), str(tmp_path))
+    config = LocalConfig()
+    assert (config.key_prefix, config.heartbeat_ttl_s, config.cache_dir) == ("p7", 9.0, tmp_path)
+    assert issubclass(LocalConfig, SharedSettings)
+
+
+def test_yaml_overrides_env_and_bad_values_name_the_field(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(env_name("key_prefix"), "from-env")
+    path = tmp_path / "lorafn.yaml"
+    path.write_text("key_prefix: from-file\nheartbeat_ttl_s: 3\n")
+    config = load_config(path)
+    assert (config.key_prefix, config.heartbeat_ttl_s) == ("from-file", 3.0)
+    path.write_text("heartbeat_ttl_s: 0\n")
+    with pytest.raises(ValueError, match="heartbeat_ttl_s"):
+        load_config(path)
