@@ -1,0 +1,219 @@
+"""The controller's driver: each round, read Redis into a `Snapshot`, let the pure policy `decide`, and
+carry the plan out. One driver for both modes; what differs is the `Executor` that starts and stops
+worker processes (`lorafn up`: child processes; Kubernetes: desired pod counts for the operator).
+
+A round, in order:
+1. Hold the lease (one active controller per deployment); a standby controller only renews its claim.
+2. Learn what happened since the last round: processes that ended (the executor), and the workers'
+   lifecycle events (a standby bound in N ms; a bind failed). A worker that died before serving counts
+   as a failed start of its function (exponential backoff in the policy, the reason in its status).
+3. Snapshot (Redis + the executor's starting workers + binds sent but not yet confirmed), `decide`.
+4. Apply: Stop (a `stop` control command: the worker drains and exits), Start (the executor),
+   Bind (a `bind` control command to the standby), Wait (the reason into the function's status, where
+   the gateway and `lorafn status` read it); write the pool targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from lorafn.controller.policy.actions import Bind, Plan, Start, Stop, Wait
+from lorafn.controller.policy.config import PolicyConfig
+from lorafn.controller.policy.decide import decide
+from lorafn.controller.policy.model import GPU, Worker
+from lorafn.controller.snapshot import SizingConfig, SnapshotReader
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, control, workers
+
+log = logging.getLogger("lorafn.controller")
+
+
+@dataclass(frozen=True)
+class Exit:
+    """A worker process/pod that ended: `served` when it ever heartbeated as serving a function."""
+
+    worker_id: str
+    function: str | None
+    code: int | None
+    reason: str
+    served: bool = False
+
+
+class Executor(Protocol):
+    """Starts and stops worker processes; knows the devices and the workers still coming up."""
+
+    def gpus(self) -> list[GPU]: ...
+
+    def start(self, action: Start, worker_id: str) -> None: ...
+
+    def stop(self, worker_id: str) -> None: ...
+
+    def starting(self) -> list[Worker]: ...
+
+    def exits(self) -> list[Exit]: ...
+
+
+@dataclass
+class ControllerConfig:
+    interval_s: float = 0.5
+    lease_ttl_s: float = 10.0
+    bind_timeout_s: float = 60.0  # a bind not confirmed by then is forgotten (the worker died, or lost it)
+    heartbeat_ttl_s: float = 5.0
+    holder: str = field(default_factory=lambda: f"{socket.gethostname()[:40]}-{os.getpid()}")
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+@dataclass
+class _PendingBind:
+    function: str
+    sent_at: float
+
+
+class Controller:
+    def __init__(
+        self, store: Store, keys: Keys, executor: Executor, sizing: SizingConfig, config: ControllerConfig
+    ) -> None:
+        self.store, self.keys, self.executor, self.config = store, keys, executor, config
+        self.reader = SnapshotReader(store, keys, sizing, config.heartbeat_ttl_s)
+        self._binds: dict[str, _PendingBind] = {}
+        self._events_cursor: str | None = None
+        self._counter = 0
+        self._waiting: set[str] = set()
+        self.last_plan: Plan | None = None
+        self.counts: dict[str, int] = {}
+
+    # -- one round -------------------------------------------------------------------------------
+    def round(self) -> Plan | None:
+        """One decision round; None when another controller holds the lease."""
+        ttl_ms = int(self.config.lease_ttl_s * 1000)
+        if not self.store.run(control.acquire_lease(self.keys, self.config.holder, ttl_ms)):
+            return None
+        self._learn()
+        snapshot = self.reader.read(self.executor.gpus(), self.executor.starting())
+        snapshot = self._with_pending_binds(snapshot)
+        plan = decide(snapshot, self.config.policy)
+        self._apply(plan)
+        self.last_plan = plan
+        return plan
+
+    def serve_forever(self, stop_after_s: float | None = None) -> None:
+        deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
+        while deadline is None or time.monotonic() < deadline:
+            try:
+                self.round()
+            except UNAVAILABLE_ERRORS as e:
+                log.warning("controller: Redis unreachable (%s); retrying", e)
+            time.sleep(self.config.interval_s)
+
+    # -- what happened ---------------------------------------------------------------------------
+    def _learn(self) -> None:
+        for ended in self.executor.exits():
+            self._binds.pop(ended.worker_id, None)
+            if ended.function and not ended.served and ended.code not in (0, None):
+                self._failed(
+                    ended.function, f"worker {ended.worker_id} exited with code {ended.code}: {ended.reason}"
+                )
+        if self._events_cursor is None:  # events from before this controller started are history
+            self._events_cursor = self.store.run(control.last_event_id(self.keys))
+            return
+        for entry_id, event in self.store.run(control.read_events(self.keys, self._events_cursor)):
+            self._events_cursor = entry_id
+            kind, function, wid = event.get("kind"), event.get("function", ""), event.get("worker", "")
+            if kind == control.BOUND and function:
+                self._binds.pop(wid, None)
+                self.store.run(
+                    control.set_status(
+                        self.keys, function,
+                        last_cold_start_ms=event.get("ms", ""), last_cold_path=event.get("path", ""),
+                        last_cold_at_ms=int(time.time() * 1000), start_failures=0, wait_reason=None,
+                    )
+                )  # fmt: skip
+                self._count(f"cold_starts_{event.get('path', 'unknown')}")
+            elif kind in (control.BIND_FAILED, control.START_FAILED) and function:
+                self._binds.pop(wid, None)
+                self._failed(function, event.get("reason", kind))
+
+    def _failed(self, function: str, reason: str) -> None:
+        log.error("controller: start of %s failed: %s", function, reason)
+        self._count("start_failures")
+        self.store.run(control.add_status_count(self.keys, function, "start_failures"))
+        self.store.run(
+            control.set_status(
+                self.keys, function, last_failure=reason[:500], last_failure_at_ms=int(time.time() * 1000)
+            )
+        )
+
+    def _with_pending_binds(self, snapshot):  # type: ignore[no-untyped-def]
+        """A standby told to bind still heartbeats as standby for a moment: count it as bound already."""
+        now = time.monotonic()
+        for wid, pending in list(self._binds.items()):
+            if now - pending.sent_at > self.config.bind_timeout_s:
+                log.warning("controller: bind of %s to %s was never confirmed", wid, pending.function)
+                del self._binds[wid]
+        if not self._binds:
+            return snapshot
+        patched = []
+        for w in snapshot.workers:
+            pending = self._binds.get(w.id)
+            if pending is not None and w.state == "standby":
+                w = dataclasses.replace(w, state="bound", function=pending.function, running=1)
+            elif pending is not None and w.state == "bound":
+                del self._binds[w.id]  # its heartbeat says bound: confirmed
+            patched.append(w)
+        return dataclasses.replace(snapshot, workers=tuple(patched))
+
+    # -- carrying the plan out -------------------------------------------------------------------
+    def _apply(self, plan: Plan) -> None:
+        waiting: set[str] = set()
+        for action in plan.actions:
+            if isinstance(action, Stop):
+                log.info("controller: stop %s (%s) %s", action.worker_id, action.reason, action.detail)
+                self._count(f"stops_{action.reason}")
+                self.store.run(
+                    workers.send_control(self.keys, action.worker_id, "stop", reason=action.reason)
+                )
+                self.executor.stop(action.worker_id)
+            elif isinstance(action, Start):
+                wid = self._new_worker_id(action)
+                what = (
+                    f"for {action.function}"
+                    if action.function
+                    else f"standby ({action.shape or 'any shape'})"
+                )
+                log.info("controller: start %s on %s %s: %s", wid, action.gpu, what, action.reason)
+                self._count("starts_bound" if action.function else "starts_standby")
+                self.executor.start(action, wid)
+            elif isinstance(action, Bind):
+                log.info("controller: bind %s -> %s", action.worker_id, action.function)
+                self._count("binds")
+                self._binds[action.worker_id] = _PendingBind(action.function, time.monotonic())
+                self.store.run(
+                    workers.send_control(self.keys, action.worker_id, "bind", function=action.function)
+                )
+            elif isinstance(action, Wait):
+                waiting.add(action.function)
+                self.store.run(control.set_status(self.keys, action.function, wait_reason=action.reason))
+        for function, problem in self.reader.problems.items():
+            waiting.add(function)
+            self.store.run(control.set_status(self.keys, function, wait_reason=problem))
+        for function in self._waiting - waiting:
+            self.store.run(control.set_status(self.keys, function, wait_reason=None))
+        self._waiting = waiting
+        self.store.run(
+            control.set_pool(
+                self.keys, {control.pool_key(t.gpu, t.backbone, t.shape): t.count for t in plan.pool}
+            )
+        )
+
+    def _new_worker_id(self, action: Start) -> str:
+        self._counter += 1
+        gpu = "".join(c if c.isalnum() else "-" for c in action.gpu)
+        return f"w-{gpu}-{os.getpid()}-{self._counter}-{os.urandom(2).hex()}"
+
+    def _count(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1

@@ -1,0 +1,85 @@
+"""What the controller asks for: the actions of one decision round, and the plan that holds them.
+
+Actions are in the order to apply them: a Stop that makes room for a Start comes before it (the
+driver must let the stopped worker release its memory before the new one allocates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from lorafn.controller.policy.account import MemoryAccount
+
+StopReason = Literal["offload", "scale_down", "pool_shrink", "keep_alive"]
+
+
+@dataclass(frozen=True)
+class Bind:
+    """Send bind(function) to standby worker ``worker_id``. ``prepared``: it has the shape's graphs."""
+
+    worker_id: str
+    function: str
+    gpu: str
+    prepared: bool = True
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start a worker on ``gpu``: bound to ``function`` at once, or a standby when ``function`` is None.
+
+    ``shape``: the adapter shape to prepare graphs for (None = shape-agnostic). ``mem_bytes``: its
+    whole reservation, granted out of the GPU's account. ``reason``: why, for logs and status.
+    """
+
+    gpu: str
+    backbone: str
+    shape: str | None
+    function: str | None
+    mem_bytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop worker ``worker_id`` (it exits; a bound worker never returns to the pool)."""
+
+    worker_id: str
+    reason: StopReason
+    gpu: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Wait:
+    """``function`` needs a worker and gets none this round; ``reason`` is for its waiting clients."""
+
+    function: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PoolTarget:
+    """Desired number of standby workers of ``shape`` (None = shape-agnostic) for ``backbone`` on ``gpu``."""
+
+    gpu: str
+    backbone: str
+    shape: str | None
+    count: int
+
+
+Action = Bind | Start | Stop | Wait
+
+
+@dataclass
+class Plan:
+    """The result of `decide`: actions in order, the standby pool targets, each GPU's memory account."""
+
+    actions: list[Action] = field(default_factory=list)
+    pool: list[PoolTarget] = field(default_factory=list)
+    account: dict[str, MemoryAccount] = field(default_factory=dict)
+
+    def of_type(self, kind: type) -> list:
+        """The actions of one kind, in plan order (e.g. ``plan.of_type(Start)``)."""
+        return [a for a in self.actions if isinstance(a, kind)]

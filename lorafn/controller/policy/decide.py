@@ -1,0 +1,265 @@
+"""One decision round: `decide(snapshot, config) -> Plan`. Deterministic for a given snapshot.
+
+Order of work (each step sees the memory the previous ones granted or freed):
+
+1. **Account** (account.py): each GPU's capacity, use and free bytes.
+2. **Retire**: workers of deleted functions and workers above ``max_replicas`` (idle ones only) get
+   Stop("scale_down"); idle bound workers past ``keep_alive_s`` get Stop("keep_alive") while their
+   function keeps ``min_replicas`` and has nothing queued; standbys of an unknown backbone, or on a GPU
+   that no longer holds it, get Stop("pool_shrink").
+3. **Demand**, most urgent first (queued with no worker, by longest wait; then below
+   ``min_replicas``; then scale-up when queued per live worker exceeds
+   ``scale_up_queue_per_worker``, one worker per round, never above ``max_replicas``). A function in
+   backoff after failed starts gets Wait. Otherwise, per worker needed:
+   a. Bind a standby on a GPU holding its backbone with ``mem_bytes`` >= the function's: one prepared
+      for its shape, else a shape-agnostic one, else any (a graph capture on bind; only while that
+      still beats a fresh start); the smallest that fits, then the GPU with most free memory;
+   b. else Start a fresh bound worker on the GPU holding the backbone with the most free memory;
+   c. else offload (offload.py) on the GPU where it loses the least value, then Start there;
+   d. else Wait with the reason (the GPUs' memory numbers).
+4. **Warm pool** (planner.py) with the memory left.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from lorafn.controller.policy.account import Ledger, MemoryAccount, accounts, gib
+from lorafn.controller.policy.actions import Action, Bind, Plan, Start, Stop, Wait
+from lorafn.controller.policy.backoff import backoff_reason, backoff_remaining_s
+from lorafn.controller.policy.config import PolicyConfig
+from lorafn.controller.policy.model import Function, Snapshot, Worker
+from lorafn.controller.policy.offload import candidates, choose_victims, lost_value
+from lorafn.controller.policy.planner import cold_demand, holds, is_pool_worker, plan_pool, refill_s
+
+
+def _live(w: Worker) -> bool:
+    """A worker that serves (or will serve) its function: bound, or starting for it."""
+    return w.function is not None and w.state in ("bound", "starting")
+
+
+class _Round:
+    """The mutable state of one `decide` call (kept out of the public functions)."""
+
+    def __init__(self, snapshot: Snapshot, config: PolicyConfig) -> None:
+        self.snapshot, self.config, self.costs = snapshot, config, snapshot.costs
+        self.account = accounts(snapshot, config.gpu_utilization)
+        self.ledger = Ledger({g: a.free_bytes for g, a in self.account.items()})
+        self.functions = {f.name: f for f in snapshot.functions}
+        self.backbones = {b.name: b for b in snapshot.backbones}
+        self.where = holds(snapshot)
+        self.actions: list[Action] = []
+        self.gone: set[str] = set()  # workers stopped in this plan
+        self.protected: set[str] = set()  # workers bound or kept by this plan: never offloaded
+        self.live: dict[str, list[Worker]] = defaultdict(list)
+        self.standbys: dict[str, list[Worker]] = defaultdict(list)
+        self.on_gpu: dict[str, list[Worker]] = defaultdict(list)
+        for w in snapshot.workers:
+            self.on_gpu[w.gpu].append(w)
+            if _live(w):
+                self.live[w.function or ""].append(w)
+            elif w.state == "standby":
+                self.standbys[w.backbone].append(w)
+        self.served: set[str] = set()  # functions given a worker in this plan
+
+    def stop(self, w: Worker, reason: str, detail: str = "") -> None:
+        self.actions.append(Stop(w.id, reason, w.gpu, detail))  # type: ignore[arg-type]
+        self.gone.add(w.id)
+        self.ledger.give(w.gpu, w.mem_bytes)
+        if _live(w):
+            self.live[w.function or ""].remove(w)
+
+    def live_count(self, name: str) -> int:
+        return len(self.live.get(name, ()))
+
+    # -- step 2 ------------------------------------------------------------------------------
+    def retire(self) -> None:
+        for name in sorted(self.live):
+            workers = self.live[name]
+            fn = self.functions.get(name)
+            if fn is None:
+                for w in sorted(workers, key=lambda w: w.id):
+                    self.stop(w, "scale_down", f"function {name} is gone")
+                continue
+            idle = sorted(
+                (w for w in workers if w.state == "bound" and w.running == 0), key=lambda w: (-w.idle_s, w.id)
+            )
+            for w in idle:
+                n = self.live_count(name)
+                if n > fn.max_replicas:
+                    self.stop(w, "scale_down", f"{n} workers > maxReplicas {fn.max_replicas}")
+                elif fn.queued == 0 and w.idle_s >= fn.keep_alive_s and n > fn.min_replicas:
+                    self.stop(w, "keep_alive", f"idle {w.idle_s:.0f} s >= keepAlive {fn.keep_alive_s:.0f} s")
+        for w in self.snapshot.workers:
+            if is_pool_worker(w) and w.gpu not in self.where.get(w.backbone, ()):
+                self.stop(w, "pool_shrink", f"GPU {w.gpu} does not hold backbone {w.backbone}")
+
+    # -- step 3 ------------------------------------------------------------------------------
+    def demand(self) -> None:
+        warm = {n for n, ws in self.live.items() if any(w.state == "bound" and w.running == 0 for w in ws)}
+        self.cold = cold_demand(self.snapshot.functions, warm, refill_s(self.costs, self.config))
+        wants = []
+        live = self.live
+        for fn in self.snapshot.functions:
+            n = len(live[fn.name]) if fn.name in live else 0
+            first = 1 if fn.queued > 0 and n == 0 else 0
+            floor = fn.min_replicas - n
+            need = max(first, floor)
+            if (
+                need == 0
+                and 0 < n < fn.max_replicas
+                and fn.queued / n > self.config.scale_up_queue_per_worker
+            ):
+                need = 1
+            need = min(need, fn.max_replicas - n)
+            if need > 0:
+                urgency = 0 if first else (1 if floor > 0 else 2)
+                wants.append((urgency, -fn.oldest_wait_s, fn.name, need))
+        for _, _, name, need in sorted(wants):
+            fn = self.functions[name]
+            remaining = backoff_remaining_s(fn, self.config.backoff_base_s, self.config.backoff_cap_s)
+            if remaining > 0:
+                self.actions.append(Wait(name, backoff_reason(fn, remaining)))
+                continue
+            for _ in range(need):
+                if not self.acquire(fn):
+                    break
+
+    def acquire(self, fn: Function) -> bool:
+        """One more worker for ``fn``: bind, else start, else offload and start, else Wait."""
+        gpus = self.where.get(fn.backbone, [])
+        if fn.backbone not in self.backbones:
+            self.actions.append(Wait(fn.name, f"backbone {fn.backbone} is not known to the controller"))
+            return False
+        if not gpus:
+            self.actions.append(Wait(fn.name, f"backbone {fn.backbone} is not loaded on any GPU"))
+            return False
+        standby = self.pick_standby(fn, set(gpus))
+        if standby is not None:
+            prepared = standby.shape == fn.shape
+            self.actions.append(Bind(standby.id, fn.name, standby.gpu, prepared))
+            self.standbys[fn.backbone].remove(standby)
+            self.protected.add(standby.id)
+            self.served.add(fn.name)
+            self.live[fn.name].append(standby)
+            return True
+        free = self.ledger.free
+        best = max((g for g in gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
+        if best is None:
+            best = self.offload_for(fn, gpus)
+        if best is None:
+            self.actions.append(Wait(fn.name, self.no_room_reason(fn, gpus)))
+            return False
+        self.ledger.take(best, fn.mem_bytes)
+        self.actions.append(Start(best, fn.backbone, fn.shape, fn.name, fn.mem_bytes, "demand"))
+        self.served.add(fn.name)
+        # A placeholder so that live counts and later offloading see the new worker.
+        self.live[fn.name].append(
+            Worker(
+                f"<new:{fn.name}:{len(self.actions)}>",
+                best,
+                fn.backbone,
+                "starting",
+                fn.shape,
+                fn.name,
+                fn.mem_bytes,
+            )
+        )
+        return True
+
+    def pick_standby(self, fn: Function, gpus: set[str]) -> Worker | None:
+        mismatch_ok = self.costs.bind_saving_s(prepared=False) > 0
+        best, best_rank = None, None
+        for w in self.standbys.get(fn.backbone, ()):
+            if w.gpu not in gpus or w.id in self.gone or w.mem_bytes < fn.mem_bytes:
+                continue
+            fit = 0 if w.shape == fn.shape else (1 if w.shape is None else 2)
+            if fit > 0 and not mismatch_ok:
+                continue
+            rank = (fit, w.mem_bytes, -self.ledger.free[w.gpu], w.id)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = w, rank
+        return best
+
+    def offload_for(self, fn: Function, gpus: list[str]) -> str | None:
+        """Stop the least valuable workers on the best GPU so that ``fn`` fits there; that GPU or None."""
+        counts = {name: len(ws) for name, ws in self.live.items()}
+        best = None
+        for g in gpus:
+            cands = candidates(
+                (w for w in self.on_gpu.get(g, ()) if w.id not in self.gone),
+                self.functions,
+                counts,
+                self.cold,
+                self.costs,
+                self.protected,
+            )
+            victims = choose_victims(cands, fn.mem_bytes - self.ledger.free[g])
+            if victims is None:
+                continue
+            rank = (lost_value(victims), len(victims), g)
+            if best is None or rank < best[0]:
+                best = (rank, g, victims)
+        if best is None:
+            return None
+        _, g, victims = best
+        for v in victims:
+            w = v.worker
+            kind = "standby" if v.tier == 0 else "idle bound worker"
+            self.stop(
+                w, "offload", f"{kind} of {w.function or w.shape or 'any shape'} makes room for {fn.name}"
+            )
+            if w.state == "standby":
+                self.standbys[w.backbone].remove(w)
+        return g
+
+    def no_room_reason(self, fn: Function, gpus: list[str]) -> str:
+        shown = sorted(gpus, key=lambda g: (-self.ledger.free[g], g))[:3]
+        parts = []
+        for g in shown:
+            a: MemoryAccount = self.account[g]
+            busy = sum(w.mem_bytes for w in self.on_gpu.get(g, ()) if w.id not in self.gone)
+            parts.append(
+                f"{g}: {gib(max(0, self.ledger.free[g]))} free of {gib(a.capacity_bytes)} "
+                f"(backbones {gib(a.backbone_bytes)}, workers {gib(busy)}, other {gib(a.other_bytes)})"
+            )
+        more = f" and {len(gpus) - len(shown)} more GPUs" if len(gpus) > len(shown) else ""
+        return (
+            f"no GPU holding backbone {fn.backbone} has room for a {gib(fn.mem_bytes)} worker, even after "
+            f"offloading idle workers: " + "; ".join(parts) + more
+        )
+
+    # -- step 4 ------------------------------------------------------------------------------
+    def warm_pool(self) -> list:
+        # Functions given a worker this round are no longer cold (offloaded idle workers make their
+        # functions colder, but they were the least valuable: not worth a second full pass).
+        cold = self.cold.without(self.served)
+        pool = [
+            w
+            for w in self.snapshot.workers
+            if is_pool_worker(w) and w.id not in self.gone and w.id not in self.protected
+        ]
+        targets, actions = plan_pool(self.snapshot, self.ledger, pool, cold, self.config, self.where)
+        self.actions.extend(actions)
+        return targets
+
+
+def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
+    """The plan of one round (see the module docstring)."""
+    r = _Round(snapshot, config or PolicyConfig())
+    r.retire()
+    r.demand()
+    pool = r.warm_pool()
+    account = {
+        g: MemoryAccount(
+            a.gpu,
+            a.total_bytes,
+            a.capacity_bytes,
+            a.backbone_bytes,
+            a.other_bytes,
+            a.worker_bytes,
+            r.ledger.free[g],
+        )
+        for g, a in r.account.items()
+    }
+    return Plan(r.actions, pool, account)

@@ -1,0 +1,238 @@
+"""What the controller sees: one immutable snapshot of GPUs, backbones, workers and functions.
+
+The driver builds a `Snapshot` each round (from Redis, NVML and the specs); `decide` turns it into
+a `Plan`. Every byte count is an integer; every duration is in seconds; rates are requests/s.
+Constructors check their input and raise ValueError naming the offending field and value, so a
+bad snapshot fails at the edge, not deep inside the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+WorkerState = Literal["starting", "standby", "bound", "draining"]
+WORKER_STATES: tuple[str, ...] = ("starting", "standby", "bound", "draining")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_bytes(owner: str, name: str, value: object) -> None:
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise ValueError(f"{owner}.{name} must be an integer >= 0 (bytes), got {value!r}")
+
+
+def _check_non_negative(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{owner}.{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU: its size and what is on it besides workers.
+
+    ``backbones``: backbone name -> bytes resident on this GPU (loaded by its backbone server).
+    ``other_bytes``: measured use not explained by our account (NVML used minus backbones and
+    worker reservations; other tenants, fragmentation). ``reserve_bytes``: kept free on purpose.
+    """
+
+    id: str
+    node: str
+    total_bytes: int
+    backbones: Mapping[str, int] = field(default_factory=dict)
+    other_bytes: int = 0
+    reserve_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("GPU.id must be a non-empty string")
+        _check_bytes(f"GPU {self.id}", "total_bytes", self.total_bytes)
+        _check_bytes(f"GPU {self.id}", "other_bytes", self.other_bytes)
+        _check_bytes(f"GPU {self.id}", "reserve_bytes", self.reserve_bytes)
+        for name, size in self.backbones.items():
+            _check_bytes(f"GPU {self.id}", f"backbones[{name!r}]", size)
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One worker process (one CUDA context) and its whole GPU reservation.
+
+    ``state``: starting (process coming up; ``function`` set = it will serve that function,
+    None = it will be a standby), standby (tenant-neutral, waiting for a bind), bound (serving
+    ``function``), draining (stopping; its memory is still in use).
+    ``shape``: the adapter shape whose graphs it has ready (None = shape-agnostic).
+    ``mem_bytes``: CUDA context + KV budget + LoRA buffers + graph pool.
+    ``idle_s``: seconds since its last request finished; ``running``: requests in flight;
+    ``age_s``: seconds since it was started.
+    """
+
+    id: str
+    gpu: str
+    backbone: str
+    state: WorkerState
+    shape: str | None
+    function: str | None
+    mem_bytes: int
+    idle_s: float = 0.0
+    running: int = 0
+    age_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        owner = f"Worker {self.id}"
+        if not self.id:
+            raise ValueError("Worker.id must be a non-empty string")
+        if self.state not in WORKER_STATES:
+            raise ValueError(f"{owner}.state must be one of {WORKER_STATES}, got {self.state!r}")
+        if self.state == "bound" and not self.function:
+            raise ValueError(f"{owner}.function must be set for a bound worker, got {self.function!r}")
+        if self.state == "standby" and self.function is not None:
+            raise ValueError(f"{owner}.function must be None for a standby worker, got {self.function!r}")
+        _check_bytes(owner, "mem_bytes", self.mem_bytes)
+        _check_non_negative(owner, "idle_s", self.idle_s)
+        _check_non_negative(owner, "age_s", self.age_s)
+        if not _is_int(self.running) or self.running < 0:
+            raise ValueError(f"{owner}.running must be an integer >= 0, got {self.running!r}")
+
+
+@dataclass(frozen=True)
+class Function:
+    """One LoRAFunction as the policy needs it: spec, recent load and start history.
+
+    ``shape``: its adapter shape key (e.g. "q_proj:16,k_proj:16,..."); ``mem_bytes``: what one
+    of its workers reserves. ``arrival_rate``: recent requests/s; ``queued``: requests waiting;
+    ``oldest_wait_s``: how long the oldest has waited. ``start_failures``: consecutive failed
+    starts, ``last_failure_s``: seconds since the last one, ``last_failure``: its message.
+    """
+
+    name: str
+    backbone: str
+    shape: str
+    mem_bytes: int
+    min_replicas: int = 0
+    max_replicas: int = 1
+    keep_alive_s: float = 60.0
+    ttft_slo_ms: float | None = None
+    arrival_rate: float = 0.0
+    queued: int = 0
+    oldest_wait_s: float = 0.0
+    start_failures: int = 0
+    last_failure_s: float | None = None
+    last_failure: str = ""
+
+    def __post_init__(self) -> None:
+        owner = f"Function {self.name}"
+        if not self.name:
+            raise ValueError("Function.name must be a non-empty string")
+        _check_bytes(owner, "mem_bytes", self.mem_bytes)
+        for name in ("min_replicas", "queued", "start_failures"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{owner}.{name} must be an integer >= 0, got {value!r}")
+        if not _is_int(self.max_replicas) or self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(
+                f"{owner}.max_replicas must be an integer >= max(1, min_replicas={self.min_replicas}), "
+                f"got {self.max_replicas!r}"
+            )
+        for name in ("keep_alive_s", "arrival_rate", "oldest_wait_s"):
+            _check_non_negative(owner, name, getattr(self, name))
+        if self.last_failure_s is not None:
+            _check_non_negative(owner, "last_failure_s", self.last_failure_s)
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """A base model: its size, its warm-pool bounds per GPU, and the GPUs it may use.
+
+    ``gpus``: GPU ids it is placed on (allowed); empty = any GPU. A GPU *holds* the backbone when
+    it is in ``gpus`` (or ``gpus`` is empty) and the GPU lists it in ``GPU.backbones`` (loaded).
+    """
+
+    name: str
+    bytes: int
+    min_standby_per_gpu: int = 0
+    max_standby_per_gpu: int = 4
+    gpus: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        owner = f"Backbone {self.name}"
+        if not self.name:
+            raise ValueError("Backbone.name must be a non-empty string")
+        _check_bytes(owner, "bytes", self.bytes)
+        for name in ("min_standby_per_gpu", "max_standby_per_gpu"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{owner}.{name} must be an integer >= 0, got {value!r}")
+        if self.min_standby_per_gpu > self.max_standby_per_gpu:
+            raise ValueError(
+                f"{owner}.min_standby_per_gpu ({self.min_standby_per_gpu}) must be <= "
+                f"max_standby_per_gpu ({self.max_standby_per_gpu})"
+            )
+        object.__setattr__(self, "gpus", tuple(self.gpus))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured latencies and sizes the value function uses.
+
+    ``fresh_start_s``: spawn -> serving for a fresh worker process (also the time to refill one
+    standby). ``bind_s``: bind -> serving for a standby prepared for the function's shape (adapter
+    load). ``capture_s``: extra for a standby not prepared for that shape (graph capture).
+    ``standby_bytes``: reservation of a standby prepared for a shape (key None = shape-agnostic);
+    shapes not listed use ``default_standby_bytes``. A standby is never smaller than the largest
+    ``mem_bytes`` of the functions it is kept for, or it could not take them.
+    """
+
+    fresh_start_s: float
+    bind_s: float
+    capture_s: float = 0.0
+    default_standby_bytes: int = 0
+    standby_bytes: Mapping[str | None, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("fresh_start_s", "bind_s", "capture_s"):
+            _check_non_negative("Costs", name, getattr(self, name))
+        _check_bytes("Costs", "default_standby_bytes", self.default_standby_bytes)
+        for shape, size in self.standby_bytes.items():
+            _check_bytes("Costs", f"standby_bytes[{shape!r}]", size)
+
+    def standby_bytes_for(self, shape: str | None) -> int:
+        return self.standby_bytes.get(shape, self.default_standby_bytes)
+
+    def bind_saving_s(self, prepared: bool) -> float:
+        """Seconds a bind saves over a fresh start: less when the graphs must be captured."""
+        return max(0.0, self.fresh_start_s - self.bind_s - (0.0 if prepared else self.capture_s))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one decision round sees. ``now_s``: the driver's clock (informational)."""
+
+    now_s: float
+    gpus: tuple[GPU, ...]
+    backbones: tuple[Backbone, ...]
+    workers: tuple[Worker, ...]
+    functions: tuple[Function, ...]
+    costs: Costs
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "backbones", "workers", "functions"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name, items, attr in (
+            ("gpus", self.gpus, "id"),
+            ("backbones", self.backbones, "name"),
+            ("workers", self.workers, "id"),
+            ("functions", self.functions, "name"),
+        ):
+            seen: set[str] = set()
+            for item in items:
+                key = getattr(item, attr)
+                if key in seen:
+                    raise ValueError(f"Snapshot.{name}: duplicate {attr} {key!r}")
+                seen.add(key)
+        gpu_ids = {g.id for g in self.gpus}
+        for w in self.workers:
+            if w.gpu not in gpu_ids:
+                raise ValueError(f"Worker {w.id}.gpu {w.gpu!r} is not a GPU of the snapshot")

@@ -1,0 +1,118 @@
+"""Offloading under memory pressure (DESIGN §7): which workers to stop so that a new one fits.
+
+Candidates on one GPU, least valuable first:
+1. standby workers (ready or still starting), by value density = cold-start rate of their shape
+   (functions of that backbone and shape with no idle bound worker, `planner.ColdDemand`) x seconds
+   a bind saves over a fresh start / bytes; a shape-agnostic standby counts every cold function of
+   its backbone, with the smaller saving of a bind that must capture graphs;
+2. idle bound workers (``running == 0``) before their keep-alive ends, by value density = their
+   function's arrival rate x fresh-start seconds (what its next request pays) / bytes. A function's
+   last ``min_replicas`` workers and the workers of functions with queued requests are not candidates
+   (stopping them would be undone next round).
+Never a worker with requests in flight, never one draining (already going), never one the current
+plan binds or keeps (``protected``).
+
+`choose_victims` takes candidates in that order until enough bytes are freed, then drops again,
+most valuable first, every victim the others make unnecessary: the smallest set the order allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from lorafn.controller.policy.model import Costs, Function, Worker
+from lorafn.controller.policy.planner import ColdDemand
+
+STANDBY, IDLE_BOUND = 0, 1
+
+
+@dataclass(frozen=True)
+class Victim:
+    """A worker that could be stopped. ``tier``: 0 standby, 1 idle bound; ``density``: value per byte."""
+
+    worker: Worker
+    tier: int
+    density: float
+
+    @property
+    def rank(self) -> tuple[int, float, str]:
+        return (self.tier, self.density, self.worker.id)
+
+
+def standby_density(worker: Worker, cold: ColdDemand, costs: Costs) -> float:
+    """Value density of keeping a standby: cold starts/s it could take x seconds saved / bytes.
+
+    A standby prepared for a shape takes that shape's cold starts; a shape-agnostic one any of its
+    backbone's (`planner.ColdDemand`).
+    """
+    rate = cold.rate((worker.backbone, worker.shape))
+    saving = costs.bind_saving_s(prepared=worker.shape is not None)
+    return rate * saving / max(1, worker.mem_bytes)
+
+
+def bound_density(worker: Worker, function: Function | None, costs: Costs) -> float:
+    rate = function.arrival_rate if function is not None else 0.0
+    return rate * costs.fresh_start_s / max(1, worker.mem_bytes)
+
+
+def candidates(
+    workers: Iterable[Worker],
+    functions: Mapping[str, Function],
+    live_count: Mapping[str, int],
+    cold: ColdDemand,
+    costs: Costs,
+    protected: set[str],
+) -> list[Victim]:
+    """The workers of one GPU that may be offloaded, least valuable first.
+
+    ``live_count[f]``: f's bound and starting workers as the plan stands (for its min_replicas).
+    """
+    out = []
+    spare = dict(live_count)
+    for w in workers:
+        if w.id in protected or w.running > 0 or w.state == "draining":
+            continue
+        if w.state == "standby" or (w.state == "starting" and w.function is None):
+            out.append(Victim(w, STANDBY, standby_density(w, cold, costs)))
+        elif w.state == "bound":
+            fn = functions.get(w.function or "")
+            if fn is not None and (fn.queued > 0 or spare.get(fn.name, 0) <= fn.min_replicas):
+                continue
+            out.append(Victim(w, IDLE_BOUND, bound_density(w, fn, costs)))
+    out.sort(key=lambda v: v.rank)
+    # min_replicas: of a function's idle workers only those above its floor may go; take the least
+    # valuable first (the sort above) and count them off.
+    kept = []
+    for v in out:
+        if v.tier == IDLE_BOUND and v.worker.function in functions:
+            name = v.worker.function or ""
+            if spare.get(name, 0) <= functions[name].min_replicas:
+                continue
+            spare[name] = spare.get(name, 0) - 1
+        kept.append(v)
+    return kept
+
+
+def choose_victims(ordered: list[Victim], need_bytes: int) -> list[Victim] | None:
+    """The victims that free at least ``need_bytes`` (None when all of them together cannot)."""
+    if need_bytes <= 0:
+        return []
+    chosen, freed = [], 0
+    for v in ordered:
+        if freed >= need_bytes:
+            break
+        chosen.append(v)
+        freed += v.worker.mem_bytes
+    if freed < need_bytes:
+        return None
+    for v in reversed(list(chosen)):  # most valuable first: keep it if the others suffice
+        if freed - v.worker.mem_bytes >= need_bytes:
+            chosen.remove(v)
+            freed -= v.worker.mem_bytes
+    return chosen
+
+
+def lost_value(victims: list[Victim]) -> float:
+    """Total value (density x bytes) the victims would take with them: to compare GPUs."""
+    return sum(v.density * v.worker.mem_bytes for v in victims)

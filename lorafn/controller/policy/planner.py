@@ -1,0 +1,285 @@
+"""The warm pool = pre-loading (DESIGN §7, PCKP, greedy): how many standby workers of which shape per GPU.
+
+Items: the k-th standby worker of (backbone, shape), k = 1, 2, ... Its value is the load latency it
+saves (``Costs.bind_saving_s``: fresh start - bind) times the rate at which it gets used: the chance
+of k or more *cold* arrivals of that shape within one refill time T (Poisson with the summed arrival
+rate of that shape's functions that have no idle bound worker), per T. For k = 1 and small rates
+this is saving x rate, the value of DESIGN §7; further standbys of one shape are worth less and less
+(diminishing returns), and stop being items once that chance falls below
+``PolicyConfig.min_standby_probability``. Weight: the standby's reservation, never smaller than the
+largest ``mem_bytes`` of the cold functions of its shape (or it could not take them).
+
+Bins: GPUs, capacity = free bytes left after the demand step plus the bytes of the standbys already
+there (they are the pool being planned). Precedence: a standby only on a GPU holding its backbone,
+the k-th only after the (k-1)-th; at most ``max_standby_per_gpu`` per backbone and GPU. Solved by
+`knapsack.greedy`; an existing standby is the preferred bin of its item, so a stable load gives a
+stable pool. Then each backbone's ``min_standby_per_gpu`` floor is met where memory allows, with
+existing standbys first, else shape-agnostic ones.
+
+Out: a `PoolTarget` for every (gpu, backbone, shape) planned or present, Start for each missing
+standby, Stop("pool_shrink") for each surplus one (still-starting ones before ready ones).
+Adapter caching in host memory is not planned here (the worker's adapter cache handles it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from lorafn.controller.policy.account import Ledger
+from lorafn.controller.policy.actions import PoolTarget, Start, Stop
+from lorafn.controller.policy.config import PolicyConfig
+from lorafn.controller.policy.knapsack import Item, Problem, greedy
+from lorafn.controller.policy.model import Costs, Function, Snapshot, Worker
+
+Key = tuple[str, str | None]  # (backbone, shape); shape None = shape-agnostic
+
+
+@dataclass(frozen=True)
+class ColdDemand:
+    """Expected cold starts per refill window, by (backbone, shape) and (backbone, None).
+
+    A function that has no idle bound worker starts cold on its first arrival only (after that it
+    has a worker), so over a window of ``window_s`` it contributes the chance of at least one
+    arrival, ``1 - exp(-rate x window_s)``, not its whole rate: one hot function is one cold start.
+    ``wake[key]`` sums those chances; ``rate(key)`` = wake / window_s is the cold-start rate.
+    ``max_mem[key]``: the largest ``mem_bytes`` among those functions (a standby must hold it).
+    """
+
+    wake: Mapping[Key, float]
+    max_mem: Mapping[Key, int]
+    window_s: float
+    members: Mapping[Key, tuple[Function, ...]] = field(default_factory=dict)
+
+    def rate(self, key: Key) -> float:
+        return self.wake.get(key, 0.0) / self.window_s
+
+    def without(self, names: set[str]) -> ColdDemand:
+        """The same demand once the functions ``names`` are warm: only their keys are recomputed."""
+        keys = {k for k, fs in self.members.items() if any(f.name in names for f in fs)}
+        if not keys:
+            return self
+        wake, max_mem, members = dict(self.wake), dict(self.max_mem), dict(self.members)
+        for k in keys:
+            left = tuple(f for f in self.members[k] if f.name not in names)
+            members[k] = left
+            wake[k] = sum(1.0 - math.exp(-f.arrival_rate * self.window_s) for f in left)
+            max_mem[k] = max((f.mem_bytes for f in left), default=0)
+            if not left:
+                del members[k], wake[k], max_mem[k]
+        return ColdDemand(wake, max_mem, self.window_s, members)
+
+
+def cold_demand(functions: Iterable[Function], warm: set[str], window_s: float) -> ColdDemand:
+    """``warm``: functions that have an idle bound worker (or get a worker in this plan)."""
+    if not window_s > 0:
+        raise ValueError(f"window_s must be > 0, got {window_s!r}")
+    wake: dict[Key, float] = defaultdict(float)
+    max_mem: dict[Key, int] = defaultdict(int)
+    members: dict[Key, list[Function]] = defaultdict(list)
+    exp = math.exp
+    for f in functions:
+        if f.arrival_rate <= 0 or f.name in warm:
+            continue
+        p = 1.0 - exp(-f.arrival_rate * window_s)
+        for key in ((f.backbone, f.shape), (f.backbone, None)):
+            wake[key] += p
+            members[key].append(f)
+            if f.mem_bytes > max_mem[key]:
+                max_mem[key] = f.mem_bytes
+    return ColdDemand(dict(wake), dict(max_mem), window_s, {k: tuple(v) for k, v in members.items()})
+
+
+def refill_s(costs: Costs, config: PolicyConfig) -> float:
+    """The refill window: how long a used standby takes to be replaced."""
+    return config.refill_s or costs.fresh_start_s or 1.0
+
+
+def poisson_tail(mean: float, kmax: int, floor: float) -> list[float]:
+    """[P(N >= 1), P(N >= 2), ...] for N ~ Poisson(mean): ``kmax`` terms at most, none below ``floor``."""
+    out: list[float] = []
+    if mean <= 0:
+        return out
+    term = math.exp(-mean)  # P(N = 0)
+    cdf = term
+    for k in range(1, kmax + 1):
+        tail = 1.0 - cdf  # P(N >= k)
+        if tail < floor:
+            break
+        out.append(tail)
+        term *= mean / k
+        cdf += term
+    return out
+
+
+def holds(snapshot: Snapshot) -> dict[str, list[str]]:
+    """Backbone -> GPU ids that hold it (loaded there and allowed there), in snapshot order."""
+    out: dict[str, list[str]] = {b.name: [] for b in snapshot.backbones}
+    allowed = {b.name: set(b.gpus) for b in snapshot.backbones}
+    for g in snapshot.gpus:
+        for name in g.backbones:
+            if name in out and (not allowed[name] or g.id in allowed[name]):
+                out[name].append(g.id)
+    return out
+
+
+def is_pool_worker(w: Worker) -> bool:
+    return w.state == "standby" or (w.state == "starting" and w.function is None)
+
+
+def _keep_order(w: Worker) -> tuple[int, float, str]:
+    """Which standby to keep first: ready ones, then the oldest."""
+    return (0 if w.state == "standby" else 1, -w.age_s, w.id)
+
+
+@dataclass(frozen=True)
+class PoolProblem:
+    problem: Problem
+    info: Mapping[tuple, tuple[str, str | None, int]]  # item key -> (backbone, shape, bytes)
+
+
+def standby_bytes(costs: Costs, cold: ColdDemand, key: Key) -> int:
+    return max(costs.standby_bytes_for(key[1]), cold.max_mem.get(key, 0))
+
+
+def pool_problem(
+    snapshot: Snapshot,
+    free: Mapping[str, int],
+    pool: Iterable[Worker],
+    cold: ColdDemand,
+    config: PolicyConfig,
+    where: Mapping[str, list[str]] | None = None,
+) -> PoolProblem:
+    """The knapsack instance of one round (see the module docstring)."""
+    where = holds(snapshot) if where is None else where
+    capacity = {g: max(0, n) for g, n in free.items()}
+    incumbents: dict[Key, list[Worker]] = defaultdict(list)
+    for w in pool:
+        capacity[w.gpu] = capacity.get(w.gpu, 0) + w.mem_bytes
+        incumbents[(w.backbone, w.shape)].append(w)
+    costs = snapshot.costs
+    refill = cold.window_s
+    items: list[Item] = []
+    info: dict[tuple, tuple[str, str | None, int]] = {}
+    limits: dict[tuple[str, str], int] = {}
+    for b in snapshot.backbones:
+        gpus = tuple(where.get(b.name, ()))
+        if not gpus or b.max_standby_per_gpu == 0:
+            continue
+        for g in gpus:
+            limits[(g, b.name)] = b.max_standby_per_gpu
+        kmax = b.max_standby_per_gpu * len(gpus)
+        shapes = sorted({s for (name, s) in cold.wake if name == b.name and s is not None})
+        for shape in shapes:
+            key = (b.name, shape)
+            saving = costs.bind_saving_s(prepared=True)
+            size = standby_bytes(costs, cold, key)
+            current = sorted(
+                (w for w in incumbents.get(key, ()) if w.mem_bytes >= size and w.gpu in gpus), key=_keep_order
+            )
+            prev = None
+            for k, tail in enumerate(poisson_tail(cold.wake[key], kmax, config.min_standby_probability), 1):
+                item_key = ("standby", b.name, shape, k)
+                items.append(
+                    Item(
+                        key=item_key,
+                        value=saving * tail / refill,
+                        weight=size,
+                        bins=gpus,
+                        group=b.name,
+                        requires=prev,
+                        preferred=current[k - 1].gpu if k <= len(current) else None,
+                    )
+                )
+                info[item_key] = (b.name, shape, size)
+                prev = item_key
+    return PoolProblem(Problem(tuple(items), capacity, limits), info)
+
+
+def plan_pool(
+    snapshot: Snapshot,
+    ledger: Ledger,
+    pool: list[Worker],
+    cold: ColdDemand,
+    config: PolicyConfig,
+    where: Mapping[str, list[str]] | None = None,
+) -> tuple[list[PoolTarget], list[Start | Stop]]:
+    """Targets and the Start/Stop actions that reach them; updates ``ledger`` with them."""
+    where = holds(snapshot) if where is None else where
+    pp = pool_problem(snapshot, ledger.free, pool, cold, config, where)
+    solution = greedy(pp.problem)
+    room = dict(pp.problem.capacity)
+    target: dict[tuple[str, str, str | None], int] = defaultdict(int)
+    size_of: dict[tuple[str, str, str | None], int] = {}
+    per_gpu_backbone: dict[tuple[str, str], int] = defaultdict(int)
+    for item_key, gpu in solution.placement.items():
+        backbone, shape, size = pp.info[item_key]
+        target[(gpu, backbone, shape)] += 1
+        size_of[(gpu, backbone, shape)] = size
+        per_gpu_backbone[(gpu, backbone)] += 1
+        room[gpu] -= size
+
+    existing: dict[tuple[str, str, str | None], list[Worker]] = defaultdict(list)
+    for w in sorted(pool, key=_keep_order):
+        existing[(w.gpu, w.backbone, w.shape)].append(w)
+    keep: set[str] = set()
+    for key, n in target.items():
+        fitting = [w for w in existing.get(key, ()) if w.mem_bytes >= size_of[key]]
+        keep.update(w.id for w in fitting[:n])
+
+    # The floor: min_standby_per_gpu per backbone and GPU, existing standbys first (no churn).
+    costs = snapshot.costs
+    by_place: dict[tuple[str, str], list[Worker]] = defaultdict(list)
+    for w in pool:
+        by_place[(w.gpu, w.backbone)].append(w)
+    for b in snapshot.backbones:
+        for gpu in where.get(b.name, ()):
+            missing = b.min_standby_per_gpu - per_gpu_backbone[(gpu, b.name)]
+            if missing <= 0:
+                continue
+            spare = [w for w in by_place.get((gpu, b.name), ()) if w.id not in keep]
+            spare.sort(key=lambda w: (w.shape is not None, _keep_order(w)))  # agnostic ones first
+            for w in spare:
+                if missing == 0 or room[gpu] < w.mem_bytes:
+                    continue
+                keep.add(w.id)
+                target[(gpu, b.name, w.shape)] += 1
+                size_of.setdefault((gpu, b.name, w.shape), w.mem_bytes)
+                room[gpu] -= w.mem_bytes
+                missing -= 1
+            size = costs.standby_bytes_for(None)
+            while missing > 0 and room[gpu] >= size:
+                target[(gpu, b.name, None)] += 1
+                size_of.setdefault((gpu, b.name, None), size)
+                room[gpu] -= size
+                missing -= 1
+
+    actions: list[Start | Stop] = []
+    for w in sorted(pool, key=lambda w: w.id):
+        if w.id not in keep:
+            actions.append(Stop(w.id, "pool_shrink", w.gpu, f"{w.backbone}/{w.shape or 'any shape'}"))
+            ledger.give(w.gpu, w.mem_bytes)
+    kept_count: dict[tuple[str, str, str | None], int] = defaultdict(int)
+    for w in pool:
+        if w.id in keep:
+            kept_count[(w.gpu, w.backbone, w.shape)] += 1
+    for key in sorted(target, key=_key_order):
+        gpu, backbone, shape = key
+        for _ in range(target[key] - kept_count[key]):
+            size = size_of[key]
+            if not ledger.fits(gpu, size):  # an incumbent bigger than the item took the room
+                target[key] -= 1
+                continue
+            ledger.take(gpu, size)
+            actions.append(Start(gpu, backbone, shape, None, size, "warm pool"))
+    keys = set(target) | set(existing)
+    pool_targets = [
+        PoolTarget(g, b, s, target.get((g, b, s), 0)) for (g, b, s) in sorted(keys, key=_key_order)
+    ]
+    return pool_targets, actions
+
+
+def _key_order(key: tuple[str, str, str | None]) -> tuple[str, str, int, str]:
+    return (key[0], key[1], key[2] is not None, key[2] or "")

@@ -1,0 +1,250 @@
+"""Build the policy's `Snapshot` from Redis: registered functions and backbones, live workers (their
+heartbeats), queue depths, arrival rates, function status, and the GPU inventory.
+
+Sizing a function (its adapter shape and one worker's reservation) reads its adapter's
+`adapter_config.json` and safetensors header and the backbone's `config.json` (torch-free, shared with
+the operator and `lorafn apply`); the result is cached per (adapter dir, backbone dir, mtimes).
+A function whose adapter cannot be read is left out of the snapshot and reported in `problems`
+(the driver writes the reason into its status, and the gateway answers its requests with it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lorafn.api import LoRAFunctionSpec
+from lorafn.api.adapters import AdapterProblem, linear_shapes, validate_adapter
+from lorafn.api.sizing import MiB, kv_budget_bytes, kv_bytes_per_token, lora_bytes
+from lorafn.api.specs import BackboneSpec
+from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker
+from lorafn.store import Keys, Store, combine, control, stats, workers
+from lorafn.store.backbones import BackboneRecord, get_backbone, list_backbones
+from lorafn.store.registry import FunctionRecord, get_function, list_functions
+
+log = logging.getLogger("lorafn.controller")
+
+ARRIVAL_WINDOW_S = 60
+
+
+@dataclass(frozen=True)
+class SizingConfig:
+    """How big a worker is, before it reports its own size."""
+
+    worker_overhead_bytes: int  # CUDA context + cuBLAS workspace + graph pool (docs/benchmarks.md)
+    default_kv_bytes: int  # KV budget of a function whose spec names none
+    fresh_start_s: float = 10.0  # measured spawn -> serving (updated from lifecycle events)
+    bind_s: float = 0.1  # measured bind -> serving of a standby prepared for the shape
+    capture_s: float = 0.0  # graph capture when a standby is not prepared for the shape
+
+
+@dataclass(frozen=True)
+class FunctionSize:
+    shape: str
+    mem_bytes: int
+    kv_bytes: int
+    lora_bytes: int
+
+
+@dataclass
+class SnapshotReader:
+    store: Store
+    keys: Keys
+    sizing: SizingConfig
+    heartbeat_ttl_s: float
+    _sizes: dict[tuple[Any, ...], FunctionSize] = field(default_factory=dict)
+    _model_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+    records: dict[str, FunctionRecord] = field(default_factory=dict)
+    backbone_records: dict[str, BackboneRecord] = field(default_factory=dict)
+    sizes: dict[str, FunctionSize] = field(default_factory=dict)
+
+    # -- sizing ----------------------------------------------------------------------------------
+    def model_config(self, model_dir: str) -> dict[str, Any]:
+        if model_dir not in self._model_configs:
+            self._model_configs[model_dir] = json.loads((Path(model_dir) / "config.json").read_text())
+        return self._model_configs[model_dir]
+
+    def size_function(self, record: FunctionRecord, backbone: BackboneRecord) -> FunctionSize:
+        """The adapter shape and one worker's reservation (AdapterProblem/OSError when unreadable)."""
+        adapter, model = Path(record.adapter_dir), Path(backbone.model_dir)
+        weights = adapter / "adapter_model.safetensors"
+        stamp = tuple(
+            p.stat().st_mtime_ns if p.exists() else 0 for p in (weights, adapter / "adapter_config.json")
+        )
+        key = (str(adapter), str(model), backbone.dtype, json.dumps(record.spec, sort_keys=True), stamp)
+        if key not in self._sizes:
+            info = validate_adapter(adapter, model)
+            cfg = self.model_config(backbone.model_dir)
+            spec = LoRAFunctionSpec.model_validate(record.spec)
+            kv = kv_budget_bytes(
+                spec.resources, kv_bytes_per_token(cfg, backbone.dtype), self.sizing.default_kv_bytes
+            )
+            lora = lora_bytes(info, cfg, backbone.dtype)
+            self._sizes[key] = FunctionSize(
+                info.shape_key, self.sizing.worker_overhead_bytes + kv + lora, kv, lora
+            )
+        return self._sizes[key]
+
+    def standby_bytes(self, shape: str | None, backbone: BackboneRecord) -> int:
+        """A standby of `shape`: overhead + default KV budget + LoRA buffers of the shape."""
+        lora = 0
+        if shape:
+            cfg = self.model_config(backbone.model_dir)
+            shapes = linear_shapes(cfg)
+            per_layer = 0
+            for part in shape.split(","):
+                module, _, rank = part.partition(":")
+                in_f, out_f = shapes[module]
+                per_layer += int(rank) * (in_f + out_f)
+            lora = (
+                per_layer * int(cfg.get("num_hidden_layers", 0)) * (4 if backbone.dtype == "float32" else 2)
+            )
+        return self.sizing.worker_overhead_bytes + self.sizing.default_kv_bytes + lora
+
+    # -- the snapshot ----------------------------------------------------------------------------
+    def read(self, gpus: list[GPU], starting: list[Worker], costs: Costs | None = None) -> Snapshot:
+        """One round's view. `gpus`: the inventory (the caller knows its devices); `starting`: workers
+        started but not yet heartbeating (only the starter knows them)."""
+        store, keys = self.store, self.keys
+        names: list[str] = store.run(list_functions(keys))
+        bb_names: list[str] = store.run(list_backbones(keys))
+        records = store.run(combine(*(get_function(keys, n) for n in names))) if names else ()
+        bb_records = store.run(combine(*(get_backbone(keys, n) for n in bb_names))) if bb_names else ()
+        self.records = {r.function: r for r in records if r is not None}
+        self.backbone_records = {r.name: r for r in bb_records if r is not None}
+        now_s = time.time()
+        fn_names = sorted(self.records)
+        depths, status, arrivals = store.run(
+            combine(
+                control.queue_depths(keys, fn_names),
+                control.statuses(keys, fn_names),
+                combine(*(stats.arrivals(keys, f, now_s, ARRIVAL_WINDOW_S) for f in fn_names)),
+            )
+        )
+        self.problems = {}
+        self.sizes = {}
+        functions: list[Function] = []
+        for i, name in enumerate(fn_names):
+            record = self.records[name]
+            spec = LoRAFunctionSpec.model_validate(record.spec)
+            backbone = self.backbone_records.get(spec.backbone)
+            if backbone is None:
+                self.problems[name] = f"backbone {spec.backbone!r} is not registered"
+                continue
+            try:
+                size = self.size_function(record, backbone)
+            except (AdapterProblem, OSError, ValueError) as e:
+                self.problems[name] = f"adapter: {e}"
+                continue
+            self.sizes[name] = size
+            st = status.get(name, {})
+            failed_at = int(st.get("last_failure_at_ms") or 0)
+            functions.append(
+                Function(
+                    name=name,
+                    backbone=spec.backbone,
+                    shape=size.shape,
+                    mem_bytes=size.mem_bytes,
+                    min_replicas=spec.scaling.min_replicas,
+                    max_replicas=spec.scaling.max_replicas,
+                    keep_alive_s=float(spec.scaling.keep_alive_seconds),
+                    ttft_slo_ms=float(spec.slo.ttft_ms),
+                    arrival_rate=sum(arrivals[i]) / float(ARRIVAL_WINDOW_S),
+                    queued=depths[name].queued,
+                    start_failures=int(st.get("start_failures") or 0),
+                    last_failure_s=max(0.0, now_s - failed_at / 1000) if failed_at else None,
+                    last_failure=st.get("last_failure", ""),
+                )
+            )
+        backbones = []
+        for name, rec in sorted(self.backbone_records.items()):
+            spec = (
+                BackboneSpec.model_validate(rec.spec)
+                if rec.spec
+                else BackboneSpec.model_validate({"model": {"uri": f"file://{rec.model_dir}"}})
+            )
+            size = sum(p.stat().st_size for p in Path(rec.model_dir).glob("*.safetensors"))
+            backbones.append(
+                Backbone(
+                    name=name,
+                    bytes=size,
+                    min_standby_per_gpu=spec.warm_pool.min_standby,
+                    max_standby_per_gpu=spec.warm_pool.max_standby,
+                )
+            )
+        live = self.live_workers({g.id for g in gpus})
+        seen = {w.id for w in live}
+        all_workers = live + [w for w in starting if w.id not in seen]
+        if costs is None:
+            shapes = {f.shape for f in functions} | {None}
+            standby = {}
+            for s in shapes:
+                bb = next((self.backbone_records[f.backbone] for f in functions if f.shape == s), None)
+                if bb is None and self.backbone_records:
+                    bb = next(iter(self.backbone_records.values()))
+                if bb is not None:
+                    standby[s] = self.standby_bytes(s, bb)
+            costs = Costs(
+                fresh_start_s=self.sizing.fresh_start_s,
+                bind_s=self.sizing.bind_s,
+                capture_s=self.sizing.capture_s,
+                default_standby_bytes=self.sizing.worker_overhead_bytes + self.sizing.default_kv_bytes,
+                standby_bytes=standby,
+            )
+        return Snapshot(
+            now_s=now_s, gpus=tuple(gpus), backbones=tuple(backbones), workers=tuple(all_workers),
+            functions=tuple(functions), costs=costs,
+        )  # fmt: skip
+
+    def live_workers(self, gpu_ids: set[str]) -> list[Worker]:
+        """Workers whose heartbeat is fresh, as the policy sees them (those on unknown GPUs are left out)."""
+        store, keys = self.store, self.keys
+        ids = store.run(workers.worker_ids(keys))
+        info = store.run(workers.worker_info(keys, ids)) if ids else {}
+        now_ms = store.run(workers.server_time_ms())
+        ttl_ms = self.heartbeat_ttl_s * 1000
+        out = []
+        for wid, h in sorted(info.items()):
+            if now_ms - int(h.get("heartbeat") or now_ms) > ttl_ms:
+                continue
+            gpu = h.get("gpu", "")
+            if gpu not in gpu_ids:
+                continue
+            state = h.get("state", "serving")
+            function = h.get("function") or None
+            policy_state = {"standby": "standby", "draining": "draining", "starting": "starting"}.get(
+                state, "bound"
+            )
+            if policy_state == "standby":
+                function = None
+            elif policy_state == "bound" and not function:
+                continue
+            out.append(
+                Worker(
+                    id=wid,
+                    gpu=gpu,
+                    backbone=h.get("backbone", ""),
+                    state=policy_state,  # type: ignore[arg-type]
+                    shape=h.get("shape") or None,
+                    function=function,
+                    mem_bytes=int(h.get("mem_bytes") or 0),
+                    idle_s=float(h.get("idle_s") or 0.0),
+                    running=int(h.get("running") or 0),
+                    age_s=max(0.0, (now_ms - int(h.get("started") or 0) * 1000) / 1000)
+                    if h.get("started")
+                    else 0.0,
+                )
+            )
+        return out
+
+
+def default_sizing(device: str) -> SizingConfig:
+    """Defaults per device kind (measured: docs/benchmarks.md, "Per-worker memory" and "Cold start")."""
+    if device.startswith("cuda"):
+        return SizingConfig(worker_overhead_bytes=560 * MiB, default_kv_bytes=256 * MiB, fresh_start_s=20.0)
+    return SizingConfig(worker_overhead_bytes=64 * MiB, default_kv_bytes=32 * MiB, fresh_start_s=10.0)
