@@ -12,6 +12,9 @@ and per function replica i: `fn-<namespace>-<name>-<hash>-<i>` on slot i mod #sl
 by the Backbone (cluster-scoped owners are allowed for namespaced objects); a function's workers are
 found by labels and removed by its finalizer; its ExternalName Service lives in its own namespace and
 is owned by it. Names are deterministic, so a restarted operator finds what it made.
+
+Over 450 lines on purpose: every object the operator creates (names, labels, GPU selection, pods,
+claims, services) is built here, so one file shows the whole layout and no other module builds one.
 """
 
 from __future__ import annotations

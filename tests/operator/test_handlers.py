@@ -12,6 +12,7 @@ import kopf
 import pytest
 import redis
 
+from lorafn.operator import events as operator_events
 from lorafn.operator import handlers, registry
 from lorafn.operator.config import OperatorConfig
 from lorafn.store import Keys, Store
@@ -63,7 +64,7 @@ class MemoryKube:
 @pytest.fixture
 def world(tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     events: list[tuple[str, str, str]] = []
-    monkeypatch.setattr(handlers, "_event", lambda body, t, reason, msg: events.append((t, reason, msg)))
+    monkeypatch.setattr(operator_events, "post", lambda body, t, reason, msg: events.append((t, reason, msg)))
     memo = kopf.Memo()
     memo.config = OperatorConfig(namespace="lorafn-system", pvc_root=str(tmp_path / "pvc"))
     memo.kube = MemoryKube()
