@@ -10,6 +10,7 @@ A function whose adapter cannot be read is left out of the snapshot and reported
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -177,9 +178,6 @@ class SnapshotReader:
                     max_standby_per_gpu=spec.warm_pool.max_standby,
                 )
             )
-        live = self.live_workers({g.id for g in gpus})
-        seen = {w.id for w in live}
-        all_workers = live + [w for w in starting if w.id not in seen]
         if costs is None:
             shapes = {f.shape for f in functions} | {None}
             standby = {}
@@ -196,6 +194,15 @@ class SnapshotReader:
                 default_standby_bytes=self.sizing.worker_overhead_bytes + self.sizing.default_kv_bytes,
                 standby_bytes=standby,
             )
+        # A worker reports its own reservation once it knows it; until then (and if it reports less
+        # than it was granted) the account uses what the controller granted it.
+        live = []
+        for w in self.live_workers({g.id for g in gpus}):
+            size = self.sizes.get(w.function or "")
+            estimate = size.mem_bytes if size is not None else costs.standby_bytes_for(w.shape)
+            live.append(dataclasses.replace(w, mem_bytes=max(w.mem_bytes, estimate)))
+        seen = {w.id for w in live}
+        all_workers = live + [w for w in starting if w.id not in seen]
         return Snapshot(
             now_s=now_s, gpus=tuple(gpus), backbones=tuple(backbones), workers=tuple(all_workers),
             functions=tuple(functions), costs=costs,

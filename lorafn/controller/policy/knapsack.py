@@ -10,9 +10,11 @@ one group per bin (a backbone's max standby workers per GPU).
 into a bin where it fits: its ``preferred`` bin first (where an existing worker already holds it,
 so the plan does not move workers around), else the bin with the most room left (spreads standbys
 over GPUs, leaving room for the next burst everywhere). An item met before its prerequisite waits
-and is reconsidered right after the prerequisite is placed. Finally, as in the classic modified
-greedy, the single most valuable item alone is taken instead if it beats the whole greedy set.
-O(n log n + n·B). `lorafn.controller.policy.exact` solves small instances exactly for the tests.
+and is reconsidered right after the prerequisite is placed. A swap pass then lets a left-out item
+replace less valuable ones in a bin (this subsumes the classic modified greedy's "best single item"
+check, per bin). O(n log n + n·B) for the greedy; the swap pass looks only at one left-out item per
+precedence chain and at bins holding something worth less than it, at most two rounds.
+`lorafn.controller.policy.exact` solves small instances exactly, to test the greedy against.
 """
 
 from __future__ import annotations
@@ -139,25 +141,118 @@ def greedy(problem: Problem) -> Solution:
             place(child)
 
     items = problem.items
-    for i in sorted(range(len(items)), key=lambda i: (-items[i].density, -items[i].value, i)):
+    order = sorted(range(len(items)), key=lambda i: (-items[i].density, -items[i].value, i))
+    for i in order:
         place(items[i])
-    value = sum(i.value for i in problem.items if i.key in placement)
 
-    # Modified greedy: density order can leave out one big valuable item; take it alone if better.
-    single, single_bin = None, None
-    for item in problem.items:
-        if item.requires is None and (single is None or item.value > single.value):
-            b = _first_fitting_bin(problem, item)
-            if b is not None:
-                single, single_bin = item, b
-    if single is not None and single_bin is not None and single.value > value:
-        return Solution({single.key: single_bin}, single.value)
+    # Swap pass: density order can fill a bin with small items and leave out a bigger, more valuable
+    # one (room for one 4 GiB standby, taken by a 2.5 GiB one). For each item left out whose
+    # prerequisite is in (at most one per precedence chain), try each bin: take out its least dense
+    # items worth less than it (a prerequisite only together with everything placed that requires it)
+    # until it fits; swap when that loses less value than it brings; then refill with what is left out.
+    by_key = {item.key: item for item in items}
+    for _ in range(2):
+        improved = False
+        in_bin: dict[str, list[Item]] = {}
+        dependents: dict[Hashable, int] = {}
+        for key, b in placement.items():
+            item = by_key[key]
+            in_bin.setdefault(b, []).append(item)
+            if item.requires is not None:
+                dependents[item.requires] = dependents.get(item.requires, 0) + 1
+        outs = [
+            x for x in items if x.key not in placement and (x.requires is None or x.requires in placement)
+        ]
+        outs.sort(key=lambda x: -x.value)
+        for x in outs:
+            if x.key in placement or (x.requires is not None and x.requires not in placement):
+                continue
+            best = None
+            for b in x.bins:
+                removable = [y for y in in_bin.get(b, ()) if y.value < x.value and y.key != x.requires]
+                if not removable:
+                    continue
+                removable.sort(key=lambda y: (y.density, y.value))
+                victims = _make_room(x, b, removable, room[b], count, limit, dependents)
+                if victims is None:
+                    continue
+                lost = sum(y.value for y in victims)
+                if lost < x.value - 1e-12 * max(1.0, x.value) and (best is None or lost < best[0]):
+                    best = (lost, b, victims)
+            if best is None:
+                continue
+            _, b, victims = best
+            for y in victims:
+                del placement[y.key]
+                in_bin[b].remove(y)
+                room[b] += y.weight
+                if y.group is not None:
+                    count[(b, y.group)] -= 1
+                if y.requires is not None:
+                    dependents[y.requires] -= 1
+            placement[x.key] = b
+            in_bin.setdefault(b, []).append(x)
+            room[b] -= x.weight
+            if x.group is not None:
+                count[(b, x.group)] = count.get((b, x.group), 0) + 1
+            if x.requires is not None:
+                dependents[x.requires] = dependents.get(x.requires, 0) + 1
+            improved = True
+        if not improved:
+            break
+        waiting.clear()
+        for i in order:  # refill the room the swaps left
+            if items[i].key not in placement:
+                place(items[i])
+    value = sum(i.value for i in items if i.key in placement)
     return Solution(placement, value)
 
 
-def _first_fitting_bin(problem: Problem, item: Item) -> str | None:
-    for b in item.bins:
-        cap = problem.group_limit.get((b, item.group)) if item.group is not None else None
-        if problem.capacity[b] >= item.weight and (cap is None or cap >= 1):
-            return b
-    return None
+def _make_room(
+    x: Item,
+    b: str,
+    removable: list[Item],
+    room: int,
+    count: Mapping[tuple[str, str], int],
+    limit: Mapping[tuple[str, str], int],
+    dependents: Mapping[Hashable, int],
+) -> list[Item] | None:
+    """Few of ``removable`` (least dense first) whose removal lets ``x`` into bin ``b``, or None.
+
+    An item that placed items require goes only after all of them (so a chain leaves tail first).
+    """
+    cap = limit.get((b, x.group)) if x.group is not None else None
+    n = count.get((b, x.group), 0) if x.group is not None else 0
+    free = room
+    left = dict(dependents)
+
+    def fits() -> bool:
+        return free >= x.weight and (cap is None or n < cap)
+
+    victims: list[Item] = []
+    pending = list(removable)
+    progress = True
+    while not fits() and progress:
+        progress = False
+        for y in pending:
+            if left.get(y.key, 0) > 0:
+                continue
+            victims.append(y)
+            pending.remove(y)
+            free += y.weight
+            n -= x.group is not None and y.group == x.group
+            if y.requires is not None:
+                left[y.requires] = left.get(y.requires, 0) - 1
+            progress = True
+            break
+    if not fits():
+        return None
+    for y in reversed(list(victims)):  # keep what the others make unnecessary (and nothing needs gone)
+        if any(v.requires == y.key for v in victims if v is not y):
+            continue
+        back_n = n + (x.group is not None and y.group == x.group)
+        if free - y.weight >= x.weight and (cap is None or back_n < cap):
+            victims.remove(y)
+            free -= y.weight
+            n = back_n
+    return victims

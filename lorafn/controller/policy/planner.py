@@ -2,12 +2,13 @@
 
 Items: the k-th standby worker of (backbone, shape), k = 1, 2, ... Its value is the load latency it
 saves (``Costs.bind_saving_s``: fresh start - bind) times the rate at which it gets used: the chance
-of k or more *cold* arrivals of that shape within one refill time T (Poisson with the summed arrival
-rate of that shape's functions that have no idle bound worker), per T. For k = 1 and small rates
-this is saving x rate, the value of DESIGN §7; further standbys of one shape are worth less and less
-(diminishing returns), and stop being items once that chance falls below
-``PolicyConfig.min_standby_probability``. Weight: the standby's reservation, never smaller than the
-largest ``mem_bytes`` of the cold functions of its shape (or it could not take them).
+of k or more cold starts of that shape within one refill time T, per T. Cold starts are counted per
+function (`ColdDemand`: a function with no idle bound worker starts cold on its first arrival only),
+and their number in T is taken as Poisson. For k = 1 and small rates the value is saving x rate, the
+value of DESIGN §7; further standbys of one shape are worth less and less (diminishing returns), and
+stop being items once that chance falls below ``PolicyConfig.min_standby_probability``. Weight: the
+standby's reservation, never smaller than the largest ``mem_bytes`` of the cold functions of its
+shape (or it could not take them).
 
 Bins: GPUs, capacity = free bytes left after the demand step plus the bytes of the standbys already
 there (they are the pool being planned). Precedence: a standby only on a GPU holding its backbone,

@@ -108,5 +108,9 @@ def random_snapshot(
                         age_s=50.0,
                     )
                 )
-    costs = Costs(fresh_start_s=19.8, bind_s=0.05, capture_s=4.4, default_standby_bytes=2 * GiB)
+    # Standbys of larger ranks hold larger LoRA buffers and graph pools: sizes differ by shape.
+    by_shape = {shape: rng.choice((2, 3, 4, 5, 6, 8)) * GiB // 2 for shape in shapes}
+    costs = Costs(
+        fresh_start_s=19.8, bind_s=0.05, capture_s=4.4, default_standby_bytes=2 * GiB, standby_bytes=by_shape
+    )
     return Snapshot(0.0, tuple(gpus), tuple(backbones), tuple(workers), tuple(functions), costs)
