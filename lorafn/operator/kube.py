@@ -1,4 +1,4 @@
-"""The operator's Kubernetes API edge: a few REST calls (get, list, create, delete, merge-patch).
+"""The operator's Kubernetes API edge: a few REST calls (get, list, create, delete).
 
 kopf watches and patches our own resources; this small client does the rest (pods, services, claims,
 nodes, secrets) over plain HTTP, so that it behaves the same against a real API server and KMock.
@@ -130,12 +130,6 @@ class Kube:
         """Delete (background propagation); False when it was already gone."""
         response = self._call("DELETE", path, params={"propagationPolicy": "Background"})
         return response.status_code != 404
-
-    def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
-        response = self._call(
-            "PATCH", path, content=json.dumps(patch), headers={"Content-Type": "application/merge-patch+json"}
-        )
-        return None if response.status_code == 404 else response.json()
 
 
 def _message(response: httpx.Response) -> str:

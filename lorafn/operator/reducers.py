@@ -9,7 +9,6 @@ from lorafn.operator.builders import (
     COMPONENT_SERVER,
     COMPONENT_STANDBY,
     LABEL_COMPONENT,
-    LABEL_REPLICA,
     LABEL_SLOT,
     GPUSlot,
     SlotProblem,
@@ -297,10 +296,3 @@ def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, A
     patch = {k: v for k, v in wanted.items() if old.get(k) != v}
     patch.update({k: None for k in old if k not in wanted})
     return patch
-
-
-def replica_index(pod: dict[str, Any]) -> int | None:
-    try:
-        return int((pod["metadata"].get("labels") or {}).get(LABEL_REPLICA, ""))
-    except ValueError:
-        return None

@@ -3,11 +3,13 @@
 Registration uses the store's registry, so the gateway sees exactly what the operator wrote: the
 function's record (spec, model and adapter directories as the pods see them), the HMAC-SHA256 hashes
 of its API keys under the deployment's salt (`set_api_keys`; plaintext keys never reach Redis), and the
-backbone's record. Two values have no store operation yet and are read here, under the store's key names:
+backbone's record. Three values have no store operation yet and are read here, under the store's key
+names; nothing writes them until the controller of issue 10 does (so replicas and standby counts stay at
+their minimum and status.lastColdStartMs is null):
 
-    <keys.function(fn)>:desired_replicas   string int, written by the controller
-    <keys.backbone(name)>:desired_standby  string int (standby workers per GPU), written by the controller
-    <keys.stats(fn)> field last_cold_start_ms, written by workers/controller
+    <keys.function(fn)>:desired_replicas       string int, the controller's ask
+    <keys.backbone(name)>:desired_standby      string int (standby workers per GPU), the controller's ask
+    <keys.stats(fn)> field last_cold_start_ms  for status.lastColdStartMs
 """
 
 from __future__ import annotations
@@ -103,9 +105,6 @@ class Registry:
     def unregister_function(self, ref: FunctionRef) -> None:
         self.store.run(delete_function(self.keys, str(ref)))
         self.store.client.delete(desired_replicas_key(self.keys, ref))
-
-    def is_registered(self, ref: FunctionRef) -> bool:
-        return self.store.run(get_function(self.keys, str(ref))) is not None
 
     def register_backbone(self, name: str, model_dir: str, dtype: str, spec: dict[str, Any]) -> None:
         record = BackboneRecord(name=name, model_dir=model_dir, dtype=dtype, spec=spec)

@@ -39,5 +39,8 @@ def arrivals(
 
 
 def arrival_rate(keys: Keys, function: str, now_s: float, window_s: int = 60) -> Op[float]:
-    """Mean admitted requests per second over the last `window_s` complete seconds (approximately)."""
+    """Mean admitted requests per second over the last `window_s` complete seconds (approximately).
+
+    No caller yet: the controller's pre-loading planner (issue 10) reads it.
+    """
     return arrivals(keys, function, now_s, window_s).map(lambda counts: sum(counts) / float(max(window_s, 1)))
