@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lorafn.api.settings import default_cache_dir
 
 if TYPE_CHECKING:
     from lorafn.runtime.weights import WeightSource
@@ -79,7 +80,7 @@ class EngineConfig:
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir is not None:
             return Path(self.cache_dir)
-        return Path(os.environ.get("LORAFN_CACHE_DIR", Path.home() / ".cache" / "lorafn"))
+        return default_cache_dir()
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
