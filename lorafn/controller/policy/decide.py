@@ -115,12 +115,27 @@ class _Round:
             if need > 0:
                 urgency = 0 if first else (1 if floor > 0 else 2)
                 wants.append((urgency, -fn.oldest_wait_s, fn.name, need))
+        ready = []
         for _, _, name, need in sorted(wants):
             fn = self.functions[name]
             remaining = backoff_remaining_s(fn, self.config.backoff_base_s, self.config.backoff_cap_s)
             if remaining > 0:
                 self.actions.append(Wait(name, backoff_reason(fn, remaining)))
-                continue
+            else:
+                ready.append((fn, need))
+        # First every bind to a standby prepared for the function's shape, so that a function
+        # earlier in line does not take (and pay a graph capture on) a standby prepared for another.
+        rest = []
+        for fn, need in ready:
+            gpus = set(self.where.get(fn.backbone, ()))
+            while need > 0:
+                standby = self.pick_standby(fn, gpus, prepared_only=True)
+                if standby is None:
+                    break
+                self.bind(fn, standby)
+                need -= 1
+            rest.append((fn, need))
+        for fn, need in rest:
             for _ in range(need):
                 if not self.acquire(fn):
                     break
@@ -136,12 +151,7 @@ class _Round:
             return False
         standby = self.pick_standby(fn, set(gpus))
         if standby is not None:
-            prepared = standby.shape == fn.shape
-            self.actions.append(Bind(standby.id, fn.name, standby.gpu, prepared))
-            self.standbys[fn.backbone].remove(standby)
-            self.protected.add(standby.id)
-            self.served.add(fn.name)
-            self.live[fn.name].append(standby)
+            self.bind(fn, standby)
             return True
         free = self.ledger.free
         best = max((g for g in gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
@@ -167,8 +177,16 @@ class _Round:
         )
         return True
 
-    def pick_standby(self, fn: Function, gpus: set[str]) -> Worker | None:
-        mismatch_ok = self.costs.bind_saving_s(prepared=False) > 0
+    def bind(self, fn: Function, standby: Worker) -> None:
+        self.actions.append(Bind(standby.id, fn.name, standby.gpu, standby.shape == fn.shape))
+        self.standbys[fn.backbone].remove(standby)
+        self.protected.add(standby.id)
+        self.served.add(fn.name)
+        self.live[fn.name].append(standby)
+
+    def pick_standby(self, fn: Function, gpus: set[str], prepared_only: bool = False) -> Worker | None:
+        # A bind that must capture graphs is taken only while it still beats a fresh start.
+        mismatch_ok = not prepared_only and self.costs.bind_saving_s(prepared=False) > 0
         best, best_rank = None, None
         for w in self.standbys.get(fn.backbone, ()):
             if w.gpu not in gpus or w.id in self.gone or w.mem_bytes < fn.mem_bytes:

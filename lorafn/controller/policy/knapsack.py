@@ -40,6 +40,10 @@ class Item:
             raise ValueError(f"Item {self.key!r}: value must be >= 0, got {self.value!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, int) or self.weight < 0:
             raise ValueError(f"Item {self.key!r}: weight must be an integer >= 0, got {self.weight!r}")
+        if self.preferred is not None and self.preferred not in self.bins:
+            raise ValueError(
+                f"Item {self.key!r}: preferred bin {self.preferred!r} is not in bins {self.bins}"
+            )
 
     @property
     def density(self) -> float:
@@ -103,12 +107,26 @@ def check_feasible(problem: Problem, placement: Mapping[Hashable, str]) -> None:
 
 
 def greedy(problem: Problem) -> Solution:
-    """The greedy solution described in the module docstring."""
+    """The greedy solution described in the module docstring.
+
+    Spreading (most room first) can split the room of two bins so that a big item fits in neither;
+    when something is left out that the total room of its bins could hold, the same greedy is run
+    packing tightly (least room that fits) and the better of the two is kept (ties: spread).
+    """
+    spread, fragmented = _greedy_once(problem, tight=False)
+    if not fragmented:
+        return spread
+    packed, _ = _greedy_once(problem, tight=True)
+    return packed if packed.value > spread.value + 1e-12 * max(1.0, spread.value) else spread
+
+
+def _greedy_once(problem: Problem, tight: bool) -> tuple[Solution, bool]:
     room = dict(problem.capacity)
     count: dict[tuple[str, str], int] = {}
     limit = problem.group_limit
     placement: dict[Hashable, str] = {}
     waiting: dict[Hashable, list[Item]] = {}  # prerequisite key -> items seen before it was placed
+    fragmented: list[Hashable] = []
 
     def place(item: Item) -> None:
         if item.requires is not None and item.requires not in placement:
@@ -125,13 +143,16 @@ def greedy(problem: Problem) -> Solution:
             best = -1
             for b in item.bins:
                 r = room[b]
-                if r > best and r >= weight:
+                if r >= weight and (best < 0 or (r < best if tight else r > best)):
                     if group is not None:
                         cap = limit.get((b, group))
                         if cap is not None and count.get((b, group), 0) >= cap:
                             continue
                     chosen, best = b, r
         if chosen is None:
+            # Left out although the bins together had the room: spreading split it (see `greedy`).
+            if not fragmented and sum(max(0, room[b]) for b in item.bins) >= weight:
+                fragmented.append(item.key)
             return
         placement[item.key] = chosen
         room[chosen] -= weight
@@ -205,7 +226,7 @@ def greedy(problem: Problem) -> Solution:
             if items[i].key not in placement:
                 place(items[i])
     value = sum(i.value for i in items if i.key in placement)
-    return Solution(placement, value)
+    return Solution(placement, value), bool(fragmented)
 
 
 def _make_room(

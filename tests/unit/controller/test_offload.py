@@ -1,0 +1,137 @@
+"""Offloading order: cold standbys, then idle bound workers, by value density; never busy workers."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorafn.controller.policy import Start, Stop, Wait, Worker, decide
+from lorafn.controller.policy.offload import IDLE_BOUND, STANDBY, Victim, candidates, choose_victims
+from lorafn.controller.policy.planner import cold_demand
+
+from .helpers import COSTS, GiB, bound, fn, gpu, snap, standby
+
+
+def _candidates(workers, functions, protected=frozenset()):
+    fs = {f.name: f for f in functions}
+    live = {}
+    for w in workers:
+        if w.function and w.state in ("bound", "starting"):
+            live[w.function] = live.get(w.function, 0) + 1
+    warm = {w.function for w in workers if w.state == "bound" and w.running == 0}
+    cold = cold_demand(functions, warm, COSTS.fresh_start_s)
+    return candidates(workers, fs, live, cold, COSTS, set(protected))
+
+
+def test_order_cold_standby_then_hot_standby_then_idle_bound_by_density():
+    functions = [
+        fn("ns/hot", shape="r8", arrival_rate=1.0),
+        fn("ns/cold", shape="r32", arrival_rate=0.001),
+        fn("ns/busy", arrival_rate=5.0),
+        fn("ns/popular", arrival_rate=2.0),
+        fn("ns/rare", arrival_rate=0.01),
+    ]
+    workers = [
+        standby("s-hot", "g0", shape="r8"),
+        standby("s-cold", "g0", shape="r32"),
+        standby("s-dead", "g0", shape="r99"),  # no function of this shape at all
+        bound("b-busy", "g0", "ns/busy", running=2),
+        bound("b-popular", "g0", "ns/popular"),
+        bound("b-rare", "g0", "ns/rare"),
+    ]
+    order = [v.worker.id for v in _candidates(workers, functions)]
+    assert order == ["s-dead", "s-cold", "s-hot", "b-rare", "b-popular"]
+
+
+def test_protected_draining_and_min_replicas_are_never_candidates():
+    functions = [fn("ns/a", min_replicas=1), fn("ns/b", min_replicas=1), fn("ns/q", queued=3)]
+    workers = [
+        bound("a1", "g0", "ns/a", idle_s=5),
+        bound("b1", "g0", "ns/b", idle_s=5),
+        bound("b2", "g0", "ns/b", idle_s=1),
+        bound("q1", "g0", "ns/q"),  # its function has queued requests: about to work
+        Worker("d1", "g0", "llama", "draining", "r16", "ns/a", GiB),
+        standby("s1", "g0"),
+    ]
+    ids = [v.worker.id for v in _candidates(workers, functions, protected={"s1"})]
+    assert ids in (["b1"], ["b2"])  # one of ns/b's two may go, ns/a keeps its only one
+
+
+def test_choose_victims_frees_enough_with_the_fewest():
+    def v(id, gib, tier=STANDBY, density=0.0):
+        return Victim(Worker(id, "g0", "llama", "standby", None, None, int(gib * GiB)), tier, density)
+
+    ordered = [v("a", 1), v("b", 1), v("c", 6, IDLE_BOUND)]
+    assert [x.worker.id for x in choose_victims(ordered, 5 * GiB)] == ["c"]  # a, b would be wasted
+    assert [x.worker.id for x in choose_victims(ordered, 2 * GiB)] == ["a", "b"]
+    assert choose_victims(ordered, 9 * GiB) is None
+    assert choose_victims(ordered, 0) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 8), min_size=0, max_size=8), st.integers(1, 40))
+def test_choose_victims_is_enough_and_minimal(sizes, need):
+    ordered = [
+        Victim(Worker(f"w{i}", "g0", "llama", "standby", None, None, s), STANDBY, float(i))
+        for i, s in enumerate(sizes)
+    ]
+    chosen = choose_victims(ordered, need)
+    if sum(sizes) < need:
+        assert chosen is None
+        return
+    freed = sum(x.worker.mem_bytes for x in chosen)
+    assert freed >= need
+    for x in chosen:  # no victim is unnecessary
+        assert freed - x.worker.mem_bytes < need
+
+
+def test_decide_offloads_cold_standby_before_idle_bound_never_running():
+    # 80 GiB x 0.92 = 73.6 GiB capacity; 13 GiB backbone; workers fill the rest
+    g = gpu("g0", backbones={"llama": 13})
+    functions = [
+        fn("ns/new", mem_gib=14, queued=1),
+        fn("ns/idle", mem_gib=10, arrival_rate=0.1),
+        fn("ns/busy", mem_gib=40, arrival_rate=3.0),
+    ]
+    workers = [
+        standby("s-cold", "g0", shape="r64", mem_gib=4),
+        bound("b-idle", "g0", "ns/idle", mem_gib=10),
+        bound("b-busy", "g0", "ns/busy", mem_gib=40, running=3),
+    ]
+    # free = 73.6 - 13 - 54 = 6.6 GiB, 7.4 short: the 4 GiB standby is not enough, the idle bound one is
+    plan = decide(snap([g], functions, workers))
+    stops = [a for a in plan.actions if isinstance(a, Stop) and a.reason == "offload"]
+    assert [s.worker_id for s in stops] == ["b-idle"]  # freeing the standby too would be a waste
+    assert plan.actions.index(stops[0]) < plan.actions.index(plan.of_type(Start)[0])
+    assert plan.of_type(Start)[0].function == "ns/new"
+
+
+def test_decide_prefers_the_cold_standby_when_it_is_enough():
+    g = gpu("g0", backbones={"llama": 13})
+    functions = [
+        fn("ns/new", mem_gib=9, queued=1),
+        fn("ns/idle", mem_gib=10, arrival_rate=0.1),
+        fn("ns/busy", mem_gib=40),
+    ]
+    workers = [
+        standby("s-cold", "g0", shape="r64", mem_gib=4),  # too small to take ns/new
+        bound("b-idle", "g0", "ns/idle", mem_gib=10),
+        bound("b-busy", "g0", "ns/busy", mem_gib=40, running=1),
+    ]
+    # free = 73.6 - 13 - 54 = 6.6 GiB, 2.4 short: the standby is enough
+    plan = decide(snap([g], functions, workers))
+    assert [s.worker_id for s in plan.of_type(Stop)] == ["s-cold"]
+    assert plan.of_type(Stop)[0].reason == "offload"
+    assert [(a.function, a.mem_bytes) for a in plan.of_type(Start) if a.function] == [("ns/new", 9 * GiB)]
+
+
+def test_decide_never_offloads_busy_workers_and_waits_with_numbers():
+    g = gpu("g0", backbones={"llama": 13})
+    functions = [fn("ns/new", mem_gib=20, queued=2), fn("ns/busy", mem_gib=55, arrival_rate=3.0)]
+    workers = [bound("b-busy", "g0", "ns/busy", mem_gib=55, running=1)]
+    plan = decide(snap([g], functions, workers))
+    assert not plan.of_type(Stop)
+    assert not plan.of_type(Start)
+    (wait,) = plan.of_type(Wait)
+    assert wait.function == "ns/new"
+    assert "20.0 GiB worker" in wait.reason and "g0: 5.6 GiB free of 73.6 GiB" in wait.reason
