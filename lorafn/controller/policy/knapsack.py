@@ -269,7 +269,8 @@ def _make_room(
     if not fits():
         return None
     for y in reversed(list(victims)):  # keep what the others make unnecessary (and nothing needs gone)
-        if any(v.requires == y.key for v in victims if v is not y):
+        # y stays out when another victim requires it, or when it requires a victim
+        if any(v.requires == y.key or y.requires == v.key for v in victims if v is not y):
             continue
         back_n = n + (x.group is not None and y.group == x.group)
         if free - y.weight >= x.weight and (cap is None or back_n < cap):
