@@ -11,6 +11,8 @@ Per iteration (one round trip to Redis while the batch runs):
   whose finish_reason is "abort" (stats counter `cancelled`); one still queued was deleted by the gateway
   and is never read.
 When the batch is empty the worker blocks in XREADGROUP (`block_ms`), so a new request wakes it at once.
+Entries and reply events follow the typed wire protocol (`lorafn.store.protocol`): an entry whose body
+does not parse as a `RequestBody` ends with an `invalid_request` error event (stats counter `errors`).
 
 Around it:
 - heartbeats (worker registry, expiring) every `heartbeat_s` from a thread of their own, so that a long
@@ -29,13 +31,15 @@ Around it:
 The engine is `lorafn.runtime.Engine`, spoken to through its own interface (`ServingEngine`: add_request
 with the request id, step -> `StreamDelta`s, abort, has_unfinished); tests and the gateway benchmark plug
 in fakes of that interface through `WorkerSettings.engine_factory`.
+
+Over 450 lines on purpose: the worker is one module (its settings, its CLI command and its loop), so a
+newcomer finds all of it in one place; the loop alone is ~450 lines of one class.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import logging
 import os
 import signal
@@ -49,12 +53,13 @@ from typing import Any, Protocol
 import redis
 import typer
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from lorafn.api.settings import SharedSettings
 from lorafn.runtime.outputs import StreamDelta
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, streams, workers
 from lorafn.store import stats as store_stats
+from lorafn.store.protocol import Accepted, Delta, Done, Error, ReplyEvent, RequestBody, Restart
 
 log = logging.getLogger("lorafn.worker")
 
@@ -110,15 +115,6 @@ class _Running:
     completion_tokens: int = 0
 
 
-def sampling_params(params: dict[str, Any]) -> SamplingParams:
-    """The request's sampling parameters (ValueError naming the field on bad input)."""
-    allowed = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"}
-    unknown = set(params) - allowed
-    if unknown:
-        raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
-    return SamplingParams(**params)
-
-
 class Worker:
     """The serving loop of one worker. `run()` returns the process exit code."""
 
@@ -134,7 +130,7 @@ class Worker:
         self.function = config.function
         self.worker_id = config.worker_id
         self.running: dict[str, _Running] = {}
-        self._events: list[tuple[str, dict[str, Any]]] = []
+        self._events: list[tuple[str, ReplyEvent]] = []
         self._acks: list[str] = []
         self._counters: dict[str, int] = {}
         self._draining = False
@@ -322,11 +318,10 @@ class Worker:
             for run in self.running.values():
                 self._end(
                     run,
-                    {
-                        "type": streams.ERROR,
-                        "code": "engine_error",
-                        "message": "the worker's engine failed while generating this request",
-                    },
+                    Error(
+                        code="engine_error",
+                        message="the worker's engine failed while generating this request",
+                    ),
                 )
             self.running.clear()
             self._flush()
@@ -338,19 +333,16 @@ class Worker:
             num_tokens = len(delta.token_ids)
             if delta.text or num_tokens:
                 run.completion_tokens += num_tokens
-                self._events.append(
-                    (run.request_id, {"type": streams.DELTA, "text": delta.text, "tokens": num_tokens})
-                )
+                self._events.append((run.request_id, Delta(text=delta.text, tokens=num_tokens)))
             if delta.finished:
                 completion = delta.completion_tokens
                 self._end(
                     run,
-                    {
-                        "type": streams.DONE,
-                        "finish_reason": delta.finish_reason or "stop",
-                        "prompt_tokens": delta.prompt_tokens,
-                        "completion_tokens": completion,
-                    },
+                    Done(
+                        finish_reason=delta.finish_reason or "stop",
+                        prompt_tokens=delta.prompt_tokens,
+                        completion_tokens=completion,
+                    ),
                 )
                 self._counters["prompt_tokens"] = self._counters.get("prompt_tokens", 0) + delta.prompt_tokens
                 self._counters["completion_tokens"] = self._counters.get("completion_tokens", 0) + completion
@@ -370,12 +362,7 @@ class Worker:
                 log.exception("worker %s: engine abort of %s failed", self.worker_id, rid)
             self._end(
                 run,
-                {
-                    "type": streams.DONE,
-                    "finish_reason": cancel.ABORT,
-                    "prompt_tokens": 0,
-                    "completion_tokens": run.completion_tokens,
-                },
+                Done(finish_reason=cancel.ABORT, prompt_tokens=0, completion_tokens=run.completion_tokens),
             )
             self._counters["cancelled"] = self._counters.get("cancelled", 0) + 1
             if run.completion_tokens:
@@ -389,10 +376,10 @@ class Worker:
                 run.completion_tokens,
             )
 
-    def _end(self, run: _Running, event: dict[str, Any]) -> None:
+    def _end(self, run: _Running, event: Done | Error) -> None:
         self._events.append((run.request_id, event))
         self._acks.append(run.entry_id)
-        if event["type"] == streams.ERROR:
+        if isinstance(event, Error):
             self._counters["errors"] = self._counters.get("errors", 0) + 1
 
     def _admit(self, entry_id: str, fields: dict[str, str], restart: bool) -> None:
@@ -404,35 +391,32 @@ class Worker:
         if rid in self.running:
             return
         run = _Running(rid, entry_id)
-        deadline = int(fields.get("deadline") or 0)
+        try:
+            deadline = int(fields.get("deadline") or 0)
+        except ValueError:
+            self._end(
+                run, Error(code="invalid_request", message=f"deadline: {fields['deadline']!r} is no integer")
+            )
+            return
         if deadline and time.time() * 1000 > deadline:
             self._end(
                 run,
-                {
-                    "type": streams.ERROR,
-                    "code": "expired",
-                    "message": "the request waited past its deadline before a worker took it",
-                },
+                Error(code="expired", message="the request waited past its deadline before a worker took it"),
             )
             return
-        try:
-            body = json.loads(fields.get("body") or "{}")
-            params = sampling_params(body.get("params") or {})
-            prompt, token_ids = body.get("prompt"), body.get("prompt_token_ids")
-            if prompt is None and not token_ids:
-                raise ValueError("the request has neither prompt nor prompt_token_ids")
-        except (ValueError, TypeError) as e:
-            self._end(run, {"type": streams.ERROR, "code": "invalid_request", "message": str(e)})
+        try:  # a malformed or unknown body (ProtocolError) or sampling values the engine refuses
+            body = RequestBody.decode(fields.get("body"))
+            params = SamplingParams(**body.params.model_dump())
+        except ValueError as e:
+            self._end(run, Error(code="invalid_request", message=str(e)))
             return
         if restart:
-            self._events.append(
-                (rid, {"type": streams.RESTART, "worker": self.worker_id, "reason": "previous worker died"})
-            )
-        self._events.append((rid, {"type": streams.ACCEPTED, "worker": self.worker_id}))
+            self._events.append((rid, Restart(worker=self.worker_id, reason="previous worker died")))
+        self._events.append((rid, Accepted(worker=self.worker_id)))
         try:
-            self.engine.add_request(token_ids if token_ids else prompt, params, request_id=rid)
+            self.engine.add_request(body.prompt_token_ids or body.prompt or "", params, request_id=rid)
         except ValueError as e:
-            self._end(run, {"type": streams.ERROR, "code": "invalid_request", "message": str(e)})
+            self._end(run, Error(code="invalid_request", message=str(e)))
             return
         self.running[rid] = run
 
@@ -465,11 +449,10 @@ class Worker:
             if deliveries.get(entry_id, 0) >= cfg.max_deliveries and fields.get("rid"):
                 self._end(
                     _Running(fields["rid"], entry_id),
-                    {
-                        "type": streams.ERROR,
-                        "code": "worker_failures",
-                        "message": f"workers died {deliveries[entry_id]} times while serving this request",
-                    },
+                    Error(
+                        code="worker_failures",
+                        message=f"workers died {deliveries[entry_id]} times while serving this request",
+                    ),
                 )
                 continue
             self._admit(entry_id, fields, restart=True)
@@ -495,11 +478,10 @@ class Worker:
             if rid and rid not in self.running:
                 self._end(
                     _Running(rid, entry_id),
-                    {
-                        "type": streams.ERROR,
-                        "code": "data_plane_interrupted",
-                        "message": "Redis was unreachable while this request ran; it was aborted",
-                    },
+                    Error(
+                        code="data_plane_interrupted",
+                        message="Redis was unreachable while this request ran; it was aborted",
+                    ),
                 )
             elif not rid:
                 self._acks.append(entry_id)
@@ -510,13 +492,10 @@ class Worker:
 app = typer.Typer(help="Run a worker: the serving loop of one function.", no_args_is_help=True)
 
 
-class WorkerSettings(BaseSettings):
-    """A worker's configuration (env prefix `LORAFN_`, e.g. `LORAFN_REDIS_URL`)."""
+class WorkerSettings(SharedSettings):
+    """A worker's configuration (env prefix `LORAFN_`, e.g. `LORAFN_FUNCTION`); Redis URL, key prefix and
+    heartbeat TTL come from `SharedSettings`, so they match the gateway's and the operator's."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAFN_", extra="ignore")
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "lorafn"
     function: str = Field(default="", description="namespace/name of the function to serve")
     worker_id: str | None = None
     model: str | None = Field(default=None, description="backbone model dir (default: the registration's)")
@@ -528,7 +507,6 @@ class WorkerSettings(BaseSettings):
         default=None, ge=0, description="exit after this long idle (default: spec.scaling.keepAliveSeconds)"
     )
     heartbeat_s: float = Field(default=1.0, gt=0)
-    heartbeat_ttl_s: float = Field(default=5.0, gt=0)
     claim_min_idle_ms: int = Field(default=2000, ge=0)
     engine_factory: str | None = Field(
         default=None,

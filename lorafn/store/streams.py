@@ -2,12 +2,13 @@
 
 Request stream `<p>:fn:<ns/name>:requests` (consumer group `workers`), one entry per invocation:
     rid       the request id (also names the reply stream)
-    body      JSON: {"prompt": str | null, "prompt_token_ids": [int] | null, "params": {...}}
+    body      JSON of `lorafn.store.protocol.RequestBody`: prompt or prompt_token_ids, and params
     deadline  unix ms after which no worker should start it (the client has given up)
 
 Reply stream `<p>:reply:<rid>`, written by the worker that holds the entry, read by the gateway. Each
 entry carries `w`, the writing worker, and `e`: a JSON list of the events one engine step produced for
-the request (one XADD per request per step, so the gateway wakes once per step, not once per event):
+the request (one XADD per request per step, so the gateway wakes once per step, not once per event),
+each a `lorafn.store.protocol` model (Accepted, Delta, Restart, Done, Error; `encode_events`):
     type=accepted  worker                       a worker admitted the request into its batch
     type=delta     text, tokens                 new text and the number of new tokens
     type=restart   worker, reason               a worker claimed the entry again after the one that held
@@ -23,16 +24,20 @@ holds only queued and running work.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from lorafn.store.client import Op, eval_script
 from lorafn.store.keys import GROUP, Keys, check_id
-from lorafn.store.protocol import RequestBody
-
-# Event types of a reply stream.
-ACCEPTED, DELTA, RESTART, DONE, ERROR = "accepted", "delta", "restart", "done", "error"
+from lorafn.store.protocol import (
+    FINAL,
+    Accepted,
+    ReplyEvent,
+    RequestBody,
+    Restart,
+    decode_events,
+    encode_events,
+)
 
 
 @dataclass(frozen=True)
@@ -147,17 +152,18 @@ def stream_entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
 # -- gateway side -------------------------------------------------------------------------------
 def read_replies(
     keys: Keys, request_id: str, last_id: str, block_ms: int | None
-) -> Op[list[tuple[str, str, dict[str, Any]]]]:
+) -> Op[list[tuple[str, str, ReplyEvent]]]:
     """Reply events after `last_id` ("0" for all), waiting up to `block_ms` for the first entry.
 
-    Returns (entry id, worker id, event) in order; the events of one entry share its id (the next
-    cursor) and the worker that wrote them."""
+    Returns (entry id, worker id, event) in order, each event a `lorafn.store.protocol` model; the
+    events of one entry share its id (the next cursor) and the worker that wrote them. An entry that
+    does not follow the protocol raises `ProtocolError` naming the field."""
     return Op(
         lambda pipe: pipe.xread({keys.reply(request_id): last_id}, count=256, block=block_ms),
         lambda r: [
             (eid, fields.get("w", ""), event)
             for eid, fields in stream_entries(r[0])
-            for event in json.loads(fields["e"])
+            for event in decode_events(fields.get("e"))
         ],
     )
 
@@ -189,26 +195,26 @@ def read_requests(
 def reply_events(
     keys: Keys,
     worker_id: str,
-    events: list[tuple[str, dict[str, Any]]],
+    events: list[tuple[str, ReplyEvent]],
     ttl_ms: int,
     finished_ttl_ms: int = 60_000,
 ) -> Op[None]:
-    """Append events to reply streams, one entry per request holding its events in order and the
-    writing worker's id (`w`: after a restart the gateway ignores a presumed-dead worker that still writes).
-    `accepted`/`restart` set the stream's expiry to `ttl_ms`; `done`/`error` shorten it to
-    `finished_ttl_ms` (the gateway has read it by then, or never will)."""
-    by_request: dict[str, list[dict[str, Any]]] = {}
+    """Append (request id, protocol event) pairs to reply streams, one entry per request holding its
+    events in order (`encode_events`) and the writing worker's id (`w`: after a restart the gateway
+    ignores a presumed-dead worker that still writes). `Accepted`/`Restart` set the stream's expiry to
+    `ttl_ms`; `Done`/`Error` shorten it to `finished_ttl_ms` (the gateway has read it by then, or never
+    will)."""
+    by_request: dict[str, list[ReplyEvent]] = {}
     for request_id, event in events:
         by_request.setdefault(request_id, []).append(event)
 
     def build(pipe: Any) -> None:
         for request_id, batch in by_request.items():
             key = keys.reply(request_id)
-            pipe.xadd(key, {"e": json.dumps(batch, separators=(",", ":")), "w": worker_id})
-            kinds = {event.get("type") for event in batch}
-            if kinds & {DONE, ERROR}:
+            pipe.xadd(key, {"e": encode_events(batch), "w": worker_id})
+            if any(isinstance(event, FINAL) for event in batch):
                 pipe.pexpire(key, finished_ttl_ms)
-            elif kinds & {ACCEPTED, RESTART}:
+            elif any(isinstance(event, Accepted | Restart) for event in batch):
                 pipe.pexpire(key, ttl_ms)
 
     return Op(build, lambda r: None)

@@ -1,0 +1,53 @@
+"""`WorkerSettings` inherits what components must agree on from `SharedSettings`; its CLI options keep
+overriding the environment."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from lorafn.api.settings import SharedSettings
+from lorafn.cli import app
+from lorafn.runtime import worker
+from lorafn.runtime.worker import WorkerSettings
+
+
+def test_shared_fields_come_from_the_shared_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert issubclass(WorkerSettings, SharedSettings)
+    own = set(WorkerSettings.model_fields) - set(SharedSettings.model_fields)
+    assert not own & {"redis_url", "key_prefix", "heartbeat_ttl_s", "cache_dir"}
+    monkeypatch.setenv("LORAFN_HEARTBEAT_TTL_S", "7.5")
+    monkeypatch.setenv("LORAFN_KEY_PREFIX", "blue")
+    monkeypatch.setenv("LORAFN_FUNCTION", "team-a/fn")
+    s = WorkerSettings()
+    assert (s.heartbeat_ttl_s, s.key_prefix, s.function) == (7.5, "blue", "team-a/fn")
+
+
+def test_cli_options_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[WorkerSettings] = []
+    monkeypatch.setattr(worker, "serve_worker", lambda settings: seen.append(settings) or 0)
+    monkeypatch.setenv("LORAFN_REDIS_URL", "redis://env:1/0")
+    monkeypatch.setenv("LORAFN_FUNCTION", "team-a/env")
+    res = CliRunner().invoke(
+        app,
+        [
+            "worker",
+            "serve",
+            "--function",
+            "team-a/cli",
+            "--redis-url",
+            "redis://cli:2/0",
+            "--keep-alive-seconds",
+            "3",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    (s,) = seen
+    assert (s.function, s.redis_url, s.keep_alive_seconds) == ("team-a/cli", "redis://cli:2/0", 3.0)
+
+
+def test_serve_without_a_function_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LORAFN_FUNCTION", raising=False)
+    res = CliRunner().invoke(app, ["worker", "serve", "--redis-url", "redis://x:1/0"])
+    assert res.exit_code == 2
+    assert "--function (or LORAFN_FUNCTION) is required" in res.output
