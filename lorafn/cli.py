@@ -27,6 +27,7 @@ _GROUPS: list[tuple[str, str, str | None]] = [
     ("lorafn.gateway.cli", "app", "gateway"),
     ("lorafn.runtime.worker", "app", "worker"),
     ("lorafn.operator.cli", "app", "operator"),
+    ("lorafn.controller.cli", "app", "controller"),
     ("lorafn.backbone_server.cli", "app", "backbone-server"),
 ]
 _ROOT_REGISTRARS: list[str] = ["lorafn.local.cli"]

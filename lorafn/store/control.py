@@ -167,3 +167,183 @@ def gpus(keys: Keys) -> Op[dict[str, dict[str, Any]]]:
         lambda pipe: pipe.hgetall(keys.gpus()),
         lambda r: {k: json.loads(v) for k, v in (r[0] or {}).items()},
     )
+
+
+# -- desired pod counts (the Kubernetes executor writes them, the operator reads them) -----------------
+
+_ADD_DESIRED = """
+local raw
+if ARGV[1] == '' then raw = redis.call('GET', KEYS[1]) else raw = redis.call('HGET', KEYS[1], ARGV[1]) end
+local low, high = tonumber(ARGV[3]), tonumber(ARGV[4])
+local current = tonumber(raw) or low
+current = math.max(low, math.min(high, current))
+local new = math.max(0, math.min(high, current + tonumber(ARGV[2])))
+if ARGV[1] == '' then redis.call('SET', KEYS[1], new) else redis.call('HSET', KEYS[1], ARGV[1], new) end
+return new
+"""
+
+
+def _int_or_none(raw: Any) -> int | None:
+    try:
+        return None if raw is None else int(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_bounds(low: int, high: int) -> None:
+    if not 0 <= low <= high:
+        raise ValueError(f"bounds: need 0 <= low ({low}) <= high ({high})")
+
+
+def add_desired_replicas(keys: Keys, function: str, delta: int, low: int, high: int) -> Op[int]:
+    """Move the function's desired replica count by `delta` from what the operator runs now (the stored
+    count held within [low, high] = [minReplicas, maxReplicas], absent = low); returns the new count."""
+    _check_bounds(low, high)
+    return Op(
+        lambda pipe: pipe.eval(_ADD_DESIRED, 1, keys.desired_replicas(function), "", int(delta), low, high),
+        lambda r: int(r[0]),
+    )
+
+
+def add_desired_standby(keys: Keys, backbone: str, gpu: str, delta: int, low: int, high: int) -> Op[int]:
+    """Like `add_desired_replicas`, for the backbone's pool pods on `gpu` ([minStandby, maxStandby])."""
+    _check_bounds(low, high)
+    if not gpu:
+        raise ValueError("gpu: must be a non-empty GPU id")
+    return Op(
+        lambda pipe: pipe.eval(_ADD_DESIRED, 1, keys.desired_standby(backbone), gpu, int(delta), low, high),
+        lambda r: int(r[0]),
+    )
+
+
+def desired_replicas(keys: Keys, functions: list[str]) -> Op[dict[str, int | None]]:
+    """Each function's stored desired replica count (None: the controller has not said)."""
+
+    def build(pipe: Any) -> None:
+        for f in functions:
+            pipe.get(keys.desired_replicas(f))
+
+    return Op(build, lambda r: {f: _int_or_none(v) for f, v in zip(functions, r, strict=True)})
+
+
+def desired_standby(keys: Keys, backbone: str) -> Op[dict[str, int]]:
+    """GPU id -> stored desired pool pods of the backbone (GPUs the controller has not named are absent)."""
+
+    def parse(r: list[Any]) -> dict[str, int]:
+        out = {gpu: _int_or_none(v) for gpu, v in (r[0] or {}).items()}
+        return {gpu: v for gpu, v in out.items() if v is not None}
+
+    return Op(lambda pipe: pipe.hgetall(keys.desired_standby(backbone)), parse)
+
+
+def clear_desired_replicas(keys: Keys, function: str) -> Op[None]:
+    return Op(lambda pipe: pipe.delete(keys.desired_replicas(function)), lambda r: None)
+
+
+def clear_desired_standby(keys: Keys, backbone: str) -> Op[None]:
+    return Op(lambda pipe: pipe.delete(keys.desired_standby(backbone)), lambda r: None)
+
+
+# -- retiring workers, pool workers --------------------------------------------------------------------
+
+
+def retire(keys: Keys, worker_id: str, now_ms: int, keep_ms: int = 3_600_000) -> Op[None]:
+    """Mark a stopped worker's pod as retiring (and forget marks older than `keep_ms`)."""
+
+    def build(pipe: Any) -> None:
+        pipe.zadd(keys.retiring(), {worker_id: int(now_ms)})
+        pipe.zremrangebyscore(keys.retiring(), "-inf", int(now_ms) - int(keep_ms))
+
+    return Op(build, lambda r: None)
+
+
+def retiring(keys: Keys) -> Op[dict[str, int]]:
+    """Retiring worker ids -> when they were stopped (ms)."""
+    return Op(
+        lambda pipe: pipe.zrange(keys.retiring(), 0, -1, withscores=True),
+        lambda r: {wid: int(score) for wid, score in r[0] or []},
+    )
+
+
+def unretire(keys: Keys, worker_ids: list[str]) -> Op[None]:
+    """Drop retiring marks (the pod is gone, or a new pod takes the name)."""
+    if not worker_ids:
+        return Op(lambda pipe: None, lambda r: None)
+    return Op(lambda pipe: pipe.zrem(keys.retiring(), *worker_ids), lambda r: None)
+
+
+def remember_pool_workers(keys: Keys, where: dict[str, tuple[str, str]]) -> Op[None]:
+    """worker id -> (backbone, gpu) of workers seen as standby: they run in pool pods."""
+    if not where:
+        return Op(lambda pipe: None, lambda r: None)
+    mapping = {wid: f"{bb}|{gpu}" for wid, (bb, gpu) in where.items()}
+    return Op(lambda pipe: pipe.hset(keys.pool_workers(), mapping=mapping), lambda r: None)
+
+
+def pool_workers(keys: Keys) -> Op[dict[str, tuple[str, str]]]:
+    def parse(r: list[Any]) -> dict[str, tuple[str, str]]:
+        out = {}
+        for wid, value in (r[0] or {}).items():
+            bb, _, gpu = value.partition("|")
+            out[wid] = (bb, gpu)
+        return out
+
+    return Op(lambda pipe: pipe.hgetall(keys.pool_workers()), parse)
+
+
+def forget_pool_workers(keys: Keys, worker_ids: list[str]) -> Op[None]:
+    if not worker_ids:
+        return Op(lambda pipe: None, lambda r: None)
+    return Op(lambda pipe: pipe.hdel(keys.pool_workers(), *worker_ids), lambda r: None)
+
+
+# -- GPU inventory, one backbone at a time (the operator reconciles each Backbone on its own) -----------
+
+_MERGE_GPU = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+local entry
+if raw then entry = cjson.decode(raw) else entry = {backbones = {}} end
+if type(entry.backbones) ~= 'table' then entry.backbones = {} end
+entry.node = ARGV[2]
+entry.total_bytes = tonumber(ARGV[3])
+if ARGV[5] == '' then entry.backbones[ARGV[4]] = nil else entry.backbones[ARGV[4]] = tonumber(ARGV[5]) end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(entry))
+return 1
+"""
+
+_DROP_BACKBONE = """
+local out = 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local entry = cjson.decode(all[i + 1])
+  if type(entry.backbones) ~= 'table' then entry.backbones = {} end
+  local had = entry.backbones[ARGV[1]] ~= nil
+  entry.backbones[ARGV[1]] = nil
+  if next(entry.backbones) == nil then
+    redis.call('HDEL', KEYS[1], all[i])
+    out = out + 1
+  elseif had then
+    redis.call('HSET', KEYS[1], all[i], cjson.encode(entry))
+    out = out + 1
+  end
+end
+return out
+"""
+
+
+def merge_gpu(
+    keys: Keys, gpu_id: str, node: str, total_bytes: int, backbone: str, resident_bytes: int | None
+) -> Op[None]:
+    """Write a GPU's node and size and whether `backbone` is resident on it (None: not resident), keeping
+    the other backbones of the entry (atomic: two Backbones on one GPU reconcile concurrently)."""
+    if not gpu_id:
+        raise ValueError("gpu_id: must be non-empty")
+    resident = "" if resident_bytes is None else str(int(resident_bytes))
+    args = (gpu_id, node, int(total_bytes), backbone, resident)
+    return Op(lambda pipe: pipe.eval(_MERGE_GPU, 1, keys.gpus(), *args), lambda r: None)
+
+
+def drop_backbone_from_gpus(keys: Keys, backbone: str) -> Op[int]:
+    """Remove `backbone` from every GPU entry; entries left with no backbone go (another Backbone's
+    reconcile writes its GPUs again within one interval). Returns the entries changed."""
+    return Op(lambda pipe: pipe.eval(_DROP_BACKBONE, 1, keys.gpus(), backbone), lambda r: int(r[0]))

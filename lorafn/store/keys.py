@@ -143,3 +143,27 @@ class Keys:
         """hash: GPU id -> JSON inventory (node, total bytes, backbones resident); written by whoever runs
         the backbone servers (`lorafn up`, the operator), read by the controller."""
         return f"{self.prefix}:gpus"
+
+    # -- what the controller asks of the operator (Kubernetes: lorafn.controller.kube_executor) ----
+    def desired_replicas(self, function: str) -> str:
+        """string int: bound-worker pods the controller wants for the function (fresh starts it asked
+        for; standby pods bound to it are not counted here). The operator holds it within
+        [minReplicas, maxReplicas]; absent: minReplicas."""
+        return f"{self.function(function)}:desired_replicas"
+
+    def desired_standby(self, backbone: str) -> str:
+        """hash: GPU id -> pool pods the controller wants for the backbone on that GPU (standby ones,
+        and those whose process got bound and still serves). The operator holds each within
+        [warmPool.minStandby, warmPool.maxStandby]; a GPU not listed: minStandby."""
+        return f"{self.backbone(backbone)}:desired_standby"
+
+    def retiring(self) -> str:
+        """sorted set: worker ids (= pod names) the controller stopped -> when (ms). The operator no longer
+        counts their pods as replicas (so it deletes no other pod for them) and removes each pod once it
+        has ended."""
+        return f"{self.prefix}:retiring"
+
+    def pool_workers(self) -> str:
+        """hash: worker id -> `<backbone>|<gpu>` of the workers that run in a pool (standby) pod, learnt
+        while they heartbeat as standby; a stop of one lowers that pool count, not a function's."""
+        return f"{self.prefix}:pool_workers"

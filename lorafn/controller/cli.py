@@ -1,0 +1,99 @@
+"""`lorafn controller run`: the controller on Kubernetes (the chart's controller Deployment).
+
+It talks to Redis only: it reads the registry, the workers' heartbeats, queues and the GPU inventory the
+operator writes, and asks for pods through desired counts (`lorafn.controller.kube_executor`). One
+controller acts at a time: each round starts by taking or renewing the Redis lease
+(`<prefix>:controller:lease`), so a second replica (a rolling update, a stuck old pod) only waits and
+takes over when the lease expires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+import typer
+from pydantic import Field
+
+from lorafn.api.settings import SharedSettings
+
+if TYPE_CHECKING:
+    from lorafn.controller.driver import Controller
+
+app = typer.Typer(help="The controller: binding, warm pool, scaling, offloading.", no_args_is_help=True)
+
+
+class ControllerSettings(SharedSettings):
+    """The controller's configuration (environment `LORAFN_*`; Redis URL, key prefix and heartbeat TTL
+    from `SharedSettings`, so they match the workers' and the operator's)."""
+
+    interval_s: float = Field(default=0.5, gt=0, description="seconds between decision rounds")
+    lease_ttl_s: float = Field(
+        default=10.0, gt=0, description="the lease lapses this long after its holder's last round"
+    )
+    gpu_utilization: float = Field(
+        default=0.92, gt=0, le=1, description="fraction of each GPU's memory the account may grant"
+    )
+    worker_overhead_mib: int | None = Field(
+        default=None, ge=0, description="one worker's memory besides KV and adapter (default: per device)"
+    )
+    default_kv_mib: int | None = Field(
+        default=None, ge=1, description="KV budget of a function whose spec names none (default: per device)"
+    )
+    device: Literal["cuda", "cpu"] = Field(default="cuda", description="the workers' device kind (sizing)")
+    log_level: str = "INFO"
+
+
+def build_controller(settings: ControllerSettings) -> Controller:
+    """The driver with the Kubernetes executor, from settings (no I/O until its first round)."""
+    from lorafn.api.sizing import MiB
+    from lorafn.controller.driver import Controller, ControllerConfig
+    from lorafn.controller.kube_executor import KubernetesExecutor
+    from lorafn.controller.policy.config import PolicyConfig
+    from lorafn.controller.snapshot import default_sizing
+    from lorafn.store import Keys, Store
+
+    sizing = default_sizing(settings.device)
+    if settings.worker_overhead_mib is not None:
+        sizing = dataclasses.replace(sizing, worker_overhead_bytes=settings.worker_overhead_mib * MiB)
+    if settings.default_kv_mib is not None:
+        sizing = dataclasses.replace(sizing, default_kv_bytes=settings.default_kv_mib * MiB)
+    store, keys = Store(settings.redis_url, socket_timeout_s=5.0), Keys(settings.key_prefix)
+    executor = KubernetesExecutor(store, keys, settings.heartbeat_ttl_s)
+    config = ControllerConfig(
+        interval_s=settings.interval_s,
+        lease_ttl_s=settings.lease_ttl_s,
+        heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        policy=PolicyConfig(gpu_utilization=settings.gpu_utilization),
+    )
+    return Controller(store, keys, executor, sizing, config)
+
+
+@app.command("run")
+def run(
+    redis_url: str = typer.Option(None, "--redis-url", help="env LORAFN_REDIS_URL"),
+    interval_s: float = typer.Option(None, "--interval-s", help="env LORAFN_INTERVAL_S"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Run the controller until interrupted (one active per deployment: the Redis lease)."""
+    import logging
+
+    overrides = {k: v for k, v in {"redis_url": redis_url, "interval_s": interval_s}.items() if v is not None}
+    try:
+        settings = ControllerSettings(**overrides)
+    except ValueError as e:
+        typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(code=2) from None
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else settings.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    controller = build_controller(settings)
+    logging.getLogger("lorafn.controller").info(
+        "controller %s: key prefix %s, device %s, a round every %.2f s (lease %.0f s)",
+        controller.config.holder, settings.key_prefix, settings.device,
+        settings.interval_s, settings.lease_ttl_s,
+    )  # fmt: skip
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C; SIGTERM ends it too (the lease then lapses)
+        controller.serve_forever()

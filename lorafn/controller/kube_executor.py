@@ -1,0 +1,285 @@
+"""The controller's hands on Kubernetes: desired pod counts in Redis, which the operator turns into pods.
+
+It imports no Kubernetes client (only `lorafn.operator` does); everything goes through `lorafn.store`:
+
+- `gpus()`: the GPU inventory the operator writes (`<p>:gpus`: one entry per GPU the Backbones placed,
+  with the backbones whose server pod is Ready there).
+- `start(Start)`: a bound worker raises the function's desired replica count (`<fn>:desired_replicas`:
+  the operator creates a worker pod `fn-...-<i>`); a standby raises the backbone's desired pool count on
+  that GPU (`<bb>:desired_standby[gpu]`: the operator creates a standby pod there). Each count moves from
+  what the operator runs now (the stored value held within the spec's bounds, as the operator holds it),
+  so an increment always means one more pod.
+- `stop(worker_id)`: the driver has already sent `stop` (the worker drains and exits, and its pod ends);
+  this lowers the count the worker's pod belongs to and marks the pod retiring (`<p>:retiring`), so the
+  operator stops counting it at once and deletes no other pod to meet the lower count.
+- `starting()`: per count, desired minus the live workers of those pods (heartbeats; retiring ones left
+  out), as placeholders the policy counts as starting.
+- `exits()`: always empty for now: a pod that failed is not reported (the operator replaces it; a
+  worker that cannot start reports `start_failed`/`bind_failed` on the lifecycle stream itself).
+
+Which count a worker belongs to: a pool (standby) pod's process heartbeats `standby` before anything
+can bind it, so every worker ever seen as standby is remembered as a pool worker (`<p>:pool_workers`,
+kept in Redis so that a restarted controller still knows); any other worker serving a function runs in
+one of that function's pods.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from lorafn.api.specs import BackboneSpec, LoRAFunctionSpec
+from lorafn.controller.driver import Exit
+from lorafn.controller.policy.actions import Start
+from lorafn.controller.policy.model import GPU, Worker
+from lorafn.store import Keys, Store, combine, control, workers
+from lorafn.store.backbones import get_backbone, list_backbones
+from lorafn.store.registry import get_function, list_functions
+
+log = logging.getLogger("lorafn.controller")
+
+# The pods of one count: ("fn", function) or ("pool", backbone, gpu).
+CountKey = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """A worker with a fresh heartbeat, as far as the counts care."""
+
+    id: str
+    state: str  # standby | serving | starting | draining (the worker's own word)
+    function: str | None
+    backbone: str
+    gpu: str
+
+
+@dataclass
+class _Asked:
+    worker_id: str
+    action: Start
+    at: float
+
+
+@dataclass
+class _Bounds:
+    functions: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # fn -> (backbone, min, max)
+    backbones: dict[str, tuple[int, int]] = field(default_factory=dict)  # bb -> (minStandby, maxStandby)
+
+
+def clamp(value: int | None, low: int, high: int) -> int:
+    """What the operator runs for a stored count (None: the controller has not said)."""
+    return low if value is None else max(low, min(high, value))
+
+
+class KubernetesExecutor:
+    def __init__(
+        self, store: Store, keys: Keys, heartbeat_ttl_s: float, clock: object = time.monotonic
+    ) -> None:
+        self.store, self.keys, self.heartbeat_ttl_s = store, keys, heartbeat_ttl_s
+        self._clock = clock
+        self._asked: dict[CountKey, list[_Asked]] = defaultdict(list)
+        self._gpu_ids: set[str] = set()
+
+    def _now(self) -> float:
+        return self._clock()  # type: ignore[operator]
+
+    # -- what the registry says --------------------------------------------------------------------
+    def bounds(self) -> _Bounds:
+        """Each function's backbone and replica bounds, each backbone's standby bounds (from the specs)."""
+        names = self.store.run(list_functions(self.keys))
+        bb_names = self.store.run(list_backbones(self.keys))
+        records = self.store.run(combine(*(get_function(self.keys, n) for n in names))) if names else ()
+        bb_records = (
+            self.store.run(combine(*(get_backbone(self.keys, n) for n in bb_names))) if bb_names else ()
+        )
+        out = _Bounds()
+        for record in records:
+            if record is None:
+                continue
+            spec = LoRAFunctionSpec.model_validate(record.spec)
+            out.functions[record.function] = (
+                spec.backbone,
+                spec.scaling.min_replicas,
+                spec.scaling.max_replicas,
+            )
+        for record in bb_records:
+            if record is None:
+                continue
+            pool = BackboneSpec.model_validate(record.spec).warm_pool if record.spec else None
+            out.backbones[record.name] = (pool.min_standby, pool.max_standby) if pool else (0, 0)
+        return out
+
+    def live_workers(self) -> tuple[list[LiveWorker], set[str]]:
+        """Workers with a fresh heartbeat, and the ids of every worker still registered (fresh or not)."""
+        ids = self.store.run(workers.worker_ids(self.keys))
+        info = self.store.run(workers.worker_info(self.keys, ids)) if ids else {}
+        now_ms = self.store.run(workers.server_time_ms())
+        ttl_ms = self.heartbeat_ttl_s * 1000
+        out = []
+        for wid, h in sorted(info.items()):
+            if now_ms - int(h.get("heartbeat") or now_ms) > ttl_ms:
+                continue
+            out.append(
+                LiveWorker(
+                    id=wid,
+                    state=h.get("state", "serving"),
+                    function=h.get("function") or None,
+                    backbone=h.get("backbone", ""),
+                    gpu=h.get("gpu", ""),
+                )
+            )
+        return out, set(ids)
+
+    # -- Executor ----------------------------------------------------------------------------------
+    def gpus(self) -> list[GPU]:
+        inventory = self.store.run(control.gpus(self.keys))
+        out = []
+        for gid, entry in sorted(inventory.items()):
+            try:
+                out.append(
+                    GPU(
+                        id=gid,
+                        node=str(entry.get("node", "")),
+                        total_bytes=int(entry.get("total_bytes", 0)),
+                        backbones={str(k): int(v) for k, v in (entry.get("backbones") or {}).items()},
+                    )
+                )
+            except (TypeError, ValueError) as e:  # a bad entry costs that GPU, not the round
+                log.error("controller: GPU inventory entry %s is unusable: %s", gid, e)
+        self._gpu_ids = {g.id for g in out}
+        return out
+
+    def start(self, action: Start, worker_id: str) -> None:
+        bounds = self.bounds()
+        if action.function:
+            if action.function not in bounds.functions:
+                log.warning("controller: start for %s, which is not registered", action.function)
+                return
+            _, low, high = bounds.functions[action.function]
+            n = self.store.run(control.add_desired_replicas(self.keys, action.function, 1, low, high))
+            key: CountKey = ("fn", action.function)
+            log.info("controller: %s desired replicas -> %d", action.function, n)
+        else:
+            low, high = bounds.backbones.get(action.backbone, (0, 0))
+            n = self.store.run(
+                control.add_desired_standby(self.keys, action.backbone, action.gpu, 1, low, high)
+            )
+            key = ("pool", action.backbone, action.gpu)
+            log.info("controller: %s pool pods on %s -> %d", action.backbone, action.gpu, n)
+        self._asked[key].append(_Asked(worker_id, action, self._now()))
+
+    def stop(self, worker_id: str) -> None:
+        """Lower the count of the worker's pod and mark the pod retiring (the worker got `stop` already)."""
+        bounds = self.bounds()
+        key = self._key_of(worker_id)
+        if key is None:
+            log.info("controller: stop %s: no pod of a count is known for it", worker_id)
+            return
+        if key[0] == "fn":
+            asked = [a for a in self._asked.get(key, []) if a.worker_id == worker_id]
+            if key[1] in bounds.functions:
+                _, low, high = bounds.functions[key[1]]
+                self.store.run(control.add_desired_replicas(self.keys, key[1], -1, low, high))
+        else:
+            asked = [a for a in self._asked.get(key, []) if a.worker_id == worker_id]
+            low, high = bounds.backbones.get(key[1], (0, 0))
+            self.store.run(control.add_desired_standby(self.keys, key[1], key[2], -1, low, high))
+        if asked:  # a placeholder (nothing runs under that id yet): the count alone says it
+            self._asked[key] = [a for a in self._asked[key] if a.worker_id != worker_id]
+        else:
+            now_ms = self.store.run(workers.server_time_ms())
+            self.store.run(control.retire(self.keys, worker_id, now_ms))
+
+    def _key_of(self, worker_id: str) -> CountKey | None:
+        for key, asked in self._asked.items():
+            if any(a.worker_id == worker_id for a in asked):
+                return key
+        pool = self.store.run(control.pool_workers(self.keys))
+        if worker_id in pool:
+            backbone, gpu = pool[worker_id]
+            return ("pool", backbone, gpu)
+        info = self.store.run(workers.worker_info(self.keys, [worker_id])).get(worker_id)
+        if info and info.get("state") == "standby":
+            return ("pool", info.get("backbone", ""), info.get("gpu", ""))
+        if info and info.get("function"):
+            return ("fn", info["function"])
+        return None
+
+    def starting(self) -> list[Worker]:
+        """Placeholders for the pods asked for and not yet heartbeating (desired minus live, per count)."""
+        bounds = self.bounds()
+        live, registered = self.live_workers()
+        retiring = set(self.store.run(control.retiring(self.keys)))
+        pool = self._learn_pool(live, registered)
+        have: dict[CountKey, int] = defaultdict(int)
+        for w in live:
+            if w.id in retiring or w.state == "draining":
+                continue
+            if w.id in pool:
+                backbone, gpu = pool[w.id]
+                have[("pool", backbone, gpu)] += 1
+            elif w.function:
+                have[("fn", w.function)] += 1
+        fns = sorted(bounds.functions)
+        stored = self.store.run(control.desired_replicas(self.keys, fns)) if fns else {}
+        want: dict[CountKey, tuple[str, int]] = {}  # key -> (backbone, pods the operator runs)
+        for fn in fns:
+            backbone, low, high = bounds.functions[fn]
+            want[("fn", fn)] = (backbone, clamp(stored.get(fn), low, high))
+        for backbone, (low, high) in sorted(bounds.backbones.items()):
+            per_gpu = self.store.run(control.desired_standby(self.keys, backbone))
+            for gpu in sorted(self._gpu_ids | set(per_gpu)):
+                want[("pool", backbone, gpu)] = (backbone, clamp(per_gpu.get(gpu), low, high))
+        out: list[Worker] = []
+        now = self._now()
+        for key, (backbone, n) in want.items():
+            missing = max(0, n - have.get(key, 0))
+            asked = self._asked.get(key, [])
+            # The newest asks are the ones not yet answered; older ones have become live pods.
+            self._asked[key] = asked = asked[len(asked) - missing :] if missing else []
+            for i in range(missing):
+                a = asked[i] if i < len(asked) else None
+                gpu = a.action.gpu if a else (key[2] if key[0] == "pool" else "")
+                if gpu not in self._gpu_ids:
+                    continue  # not on a GPU the account knows (a pod the operator places itself)
+                out.append(
+                    Worker(
+                        id=a.worker_id if a else f"pending-{'-'.join(key)}-{i}",
+                        gpu=gpu,
+                        backbone=backbone,
+                        state="starting",
+                        shape=a.action.shape if a else None,
+                        function=key[1] if key[0] == "fn" else None,
+                        mem_bytes=a.action.mem_bytes if a else 0,
+                        age_s=now - a.at if a else 0.0,
+                    )
+                )
+        for key in [k for k in self._asked if k not in want]:
+            del self._asked[key]
+        return out
+
+    def _learn_pool(self, live: list[LiveWorker], registered: set[str]) -> dict[str, tuple[str, str]]:
+        """Remember workers seen as standby (pool pods); forget those that left the worker registry (a
+        late heartbeat alone does not make a bound pool worker count as a pod of its function)."""
+        pool = self.store.run(control.pool_workers(self.keys))
+        new = {
+            w.id: (w.backbone, w.gpu)
+            for w in live
+            if w.state == "standby" and pool.get(w.id) != (w.backbone, w.gpu)
+        }
+        gone = [wid for wid in pool if wid not in registered]
+        self.store.run(
+            combine(
+                control.remember_pool_workers(self.keys, new), control.forget_pool_workers(self.keys, gone)
+            )
+        )
+        pool.update(new)
+        for wid in gone:
+            pool.pop(wid, None)
+        return pool
+
+    def exits(self) -> list[Exit]:
+        """Not reported on Kubernetes yet (see the module docstring)."""
+        return []

@@ -1,0 +1,199 @@
+"""The Kubernetes executor's desired-count arithmetic, against a real redis-server.
+
+Each count moves from what the operator runs now (the stored value within the spec's bounds), so every
+Start means one more pod and every Stop one fewer; `starting()` is desired minus live, per count, with
+pool pods (workers once seen as standby) counted for their pool even after they are bound.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from lorafn.api.sizing import MiB
+from lorafn.controller.kube_executor import KubernetesExecutor, clamp
+from lorafn.controller.policy.actions import Start
+from lorafn.store import Keys, Store, control, workers
+from lorafn.store.backbones import BackboneRecord, put_backbone
+from lorafn.store.registry import FunctionRecord, put_function
+
+GPU_A, GPU_B = "node-1/GPU-aaaa", "node-1/GPU-bbbb"
+FN = "team-a/french"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def world(redis_server: str) -> Any:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    store.run(
+        put_backbone(
+            keys,
+            BackboneRecord(
+                "tiny", "/models/tiny", "bfloat16",
+                {"model": {"uri": "file:///models/tiny"}, "warmPool": {"minStandby": 1, "maxStandby": 3}},
+            ),
+        )
+    )  # fmt: skip
+    register(store, keys, FN, min_replicas=0, max_replicas=3)
+    for gpu in (GPU_A, GPU_B):
+        store.run(control.merge_gpu(keys, gpu, "node-1", 80_000 * MiB, "tiny", 13_000 * MiB))
+    clock = Clock()
+    executor = KubernetesExecutor(store, keys, heartbeat_ttl_s=5.0, clock=clock)
+    executor.gpus()
+    yield store, keys, executor, clock
+    store.close()
+
+
+def register(store: Store, keys: Keys, fn: str, min_replicas: int, max_replicas: int) -> None:
+    spec = {
+        "backbone": "tiny",
+        "adapter": {"uri": "file:///adapters/x"},
+        "scaling": {"minReplicas": min_replicas, "maxReplicas": max_replicas},
+    }
+    store.run(put_function(keys, FunctionRecord(fn, spec, "/models/tiny", "/adapters/x")))
+
+
+def beat(store: Store, keys: Keys, wid: str, state: str, function: str | None, gpu: str = GPU_A) -> None:
+    fields = {"state": state, "backbone": "tiny", "gpu": gpu}
+    store.run(workers.heartbeat(keys, wid, function, 5000, fields))
+
+
+def bound_start(gpu: str = GPU_A, fn: str = FN) -> Start:
+    return Start(gpu, "tiny", "q_proj:8", fn, 300 * MiB, "queued")
+
+
+def standby_start(gpu: str) -> Start:
+    return Start(gpu, "tiny", None, None, 200 * MiB, "pool")
+
+
+def desired(store: Store, keys: Keys, fn: str = FN) -> int | None:
+    return store.run(control.desired_replicas(keys, [fn]))[fn]
+
+
+def test_clamp_is_what_the_operator_runs() -> None:
+    assert clamp(None, 1, 3) == 1 and clamp(0, 1, 3) == 1 and clamp(7, 1, 3) == 3 and clamp(2, 0, 3) == 2
+
+
+def test_gpus_come_from_the_inventory(world: Any) -> None:
+    store, keys, executor, _ = world
+    store.run(control.merge_gpu(keys, GPU_A, "node-1", 80_000 * MiB, "other", 1 * MiB))
+    by_id = {g.id: g for g in executor.gpus()}
+    assert set(by_id) == {GPU_A, GPU_B}
+    assert by_id[GPU_A].backbones == {"tiny": 13_000 * MiB, "other": 1 * MiB}
+    assert by_id[GPU_A].total_bytes == 80_000 * MiB and by_id[GPU_A].node == "node-1"
+    # The server of `tiny` on B is no longer Ready: B stays a GPU, without the backbone.
+    store.run(control.merge_gpu(keys, GPU_B, "node-1", 80_000 * MiB, "tiny", None))
+    assert {g.id: dict(g.backbones) for g in executor.gpus()}[GPU_B] == {}
+    # The backbone is deleted: it leaves every entry; an entry left with none goes.
+    assert store.run(control.drop_backbone_from_gpus(keys, "tiny")) == 2
+    assert {g.id: dict(g.backbones) for g in executor.gpus()} == {GPU_A: {"other": 1 * MiB}}
+
+
+def test_a_bound_start_raises_the_replica_count_until_its_pod_heartbeats(world: Any) -> None:
+    store, keys, executor, clock = world
+    # One stale standby placeholder per GPU (minStandby 1, nothing live): the operator's pool pods.
+    assert sorted((w.gpu, w.function) for w in executor.starting()) == [(GPU_A, None), (GPU_B, None)]
+    executor.start(bound_start(), "w-1")
+    assert desired(store, keys) == 1
+    clock.t += 3
+    fn_starting = [w for w in executor.starting() if w.function == FN]
+    assert [(w.id, w.gpu, w.state, w.shape, w.mem_bytes, w.age_s) for w in fn_starting] == [
+        ("w-1", GPU_A, "starting", "q_proj:8", 300 * MiB, 3.0)
+    ]
+    executor.start(bound_start(GPU_B), "w-2")
+    assert desired(store, keys) == 2
+    # The operator's first pod heartbeats (under its pod name): one placeholder is left, the newest ask.
+    beat(store, keys, "fn-team-a-french-0", "serving", FN)
+    assert [w.id for w in executor.starting() if w.function == FN] == ["w-2"]
+    beat(store, keys, "fn-team-a-french-1", "starting", FN, gpu=GPU_B)
+    assert [w for w in executor.starting() if w.function == FN] == []
+
+
+def test_counts_move_from_what_the_operator_runs(world: Any) -> None:
+    store, keys, executor, _ = world
+    register(store, keys, FN, min_replicas=2, max_replicas=3)
+    beat(store, keys, "fn-0", "serving", FN)
+    beat(store, keys, "fn-1", "serving", FN)
+    # Nothing stored: the operator runs minReplicas (2) pods; one more Start means 3, not 1.
+    executor.start(bound_start(), "w-1")
+    assert desired(store, keys) == 3
+    executor.start(bound_start(), "w-2")
+    assert desired(store, keys) == 3  # maxReplicas: the operator would not create a 4th
+    store.client.set(keys.desired_replicas(FN), 0)  # below min (written by an older controller)
+    executor.stop("fn-1")
+    assert desired(store, keys) == 1  # from 2 (what runs), not from 0
+    with pytest.raises(ValueError, match="low"):
+        control.add_desired_replicas(keys, FN, 1, 3, 2)
+
+
+def test_stop_lowers_the_count_of_the_pod_and_marks_it_retiring(world: Any) -> None:
+    store, keys, executor, _ = world
+    store.client.set(keys.desired_replicas(FN), 2)
+    beat(store, keys, "fn-0", "serving", FN)
+    beat(store, keys, "fn-1", "serving", FN)
+    executor.stop("fn-0")
+    assert desired(store, keys) == 1
+    assert set(store.run(control.retiring(keys))) == {"fn-0"}
+    # The retiring worker still heartbeats while it drains: it is not counted, and no placeholder appears.
+    assert [w for w in executor.starting() if w.function == FN] == []
+    executor.stop("fn-1")
+    assert desired(store, keys) == 0
+    assert [w for w in executor.starting() if w.function == FN] == []
+    # A worker nothing knows about (already gone) changes nothing.
+    executor.stop("ghost")
+    assert desired(store, keys) == 0 and "ghost" not in store.run(control.retiring(keys))
+
+
+def test_stopping_a_placeholder_lowers_the_count_without_retiring(world: Any) -> None:
+    store, keys, executor, _ = world
+    executor.start(bound_start(), "w-1")
+    executor.starting()
+    executor.stop("w-1")
+    assert desired(store, keys) == 0
+    assert store.run(control.retiring(keys)) == {}
+    assert [w for w in executor.starting() if w.function == FN] == []
+
+
+def test_pool_pods_count_for_their_pool_also_when_bound(world: Any) -> None:
+    store, keys, executor, _ = world
+    executor.start(standby_start(GPU_A), "w-s1")
+    assert store.run(control.desired_standby(keys, "tiny")) == {GPU_A: 2}  # from minStandby 1
+    pool_a = [w for w in executor.starting() if w.function is None and w.gpu == GPU_A]
+    assert [w.id for w in pool_a] == ["w-s1", "pending-pool-tiny-node-1/GPU-aaaa-1"]
+    beat(store, keys, "tiny-x-standby-0", "standby", None)
+    beat(store, keys, "tiny-x-standby-1", "standby", None)
+    assert [w for w in executor.starting() if w.gpu == GPU_A] == []
+    assert store.run(control.pool_workers(keys))["tiny-x-standby-0"] == ("tiny", GPU_A)
+    # The controller binds standby-0 to the function: it serves from its pool pod. It still counts for
+    # the pool (its pod is a pool pod) and not as a pod of the function.
+    beat(store, keys, "tiny-x-standby-0", "serving", FN)
+    assert executor.starting() == [w for w in executor.starting() if w.gpu == GPU_B]
+    assert desired(store, keys) is None
+    # Keep-alive over: the controller stops it; the pool count drops (its pod goes), not the function's.
+    executor.stop("tiny-x-standby-0")
+    assert store.run(control.desired_standby(keys, "tiny")) == {GPU_A: 1}
+    assert desired(store, keys) is None
+    assert "tiny-x-standby-0" in store.run(control.retiring(keys))
+    # Gone from the worker registry: forgotten as a pool worker.
+    store.run(workers.deregister(keys, "tiny-x-standby-0", FN))
+    executor.starting()
+    assert "tiny-x-standby-0" not in store.run(control.pool_workers(keys))
+
+
+def test_standby_count_stays_within_warm_pool_bounds(world: Any) -> None:
+    store, keys, executor, _ = world
+    for i in range(5):
+        executor.start(standby_start(GPU_B), f"w-{i}")
+    assert store.run(control.desired_standby(keys, "tiny")) == {GPU_B: 3}  # maxStandby
+    for _ in range(5):
+        store.run(control.add_desired_standby(keys, "tiny", GPU_B, -1, 1, 3))
+    assert store.run(control.desired_standby(keys, "tiny")) == {GPU_B: 0}  # stored; the operator runs 1
