@@ -127,12 +127,20 @@ def _greedy_once(problem: Problem, tight: bool) -> tuple[Solution, bool]:
     placement: dict[Hashable, str] = {}
     waiting: dict[Hashable, list[Item]] = {}  # prerequisite key -> items seen before it was placed
     fragmented: list[Hashable] = []
+    # (group, bins) -> the lightest weight that found no bin. Room and counts only shrink while
+    # placing, so anything as heavy with the same bins and group fails too: skip the scan. (Many
+    # standbys of a big cluster fail on the per-GPU limit; this keeps them O(1).)
+    failed: dict[tuple[str | None, tuple[str, ...]], int] = {}
+    inf = float("inf")
 
     def place(item: Item) -> None:
         if item.requires is not None and item.requires not in placement:
             waiting.setdefault(item.requires, []).append(item)
             return
         weight, group = item.weight, item.group
+        memo = (group, item.bins)
+        if weight >= failed.get(memo, inf):
+            return
         chosen = None
         preferred = item.preferred
         if preferred is not None and room.get(preferred, -1) >= weight:
@@ -150,9 +158,16 @@ def _greedy_once(problem: Problem, tight: bool) -> tuple[Solution, bool]:
                             continue
                     chosen, best = b, r
         if chosen is None:
+            failed[memo] = weight
             # Left out although the bins together had the room: spreading split it (see `greedy`).
-            if not fragmented and sum(max(0, room[b]) for b in item.bins) >= weight:
-                fragmented.append(item.key)
+            if not fragmented:
+                open_room = 0
+                for b in item.bins:
+                    cap = limit.get((b, group)) if group is not None else None
+                    if cap is None or count.get((b, group), 0) < cap:
+                        open_room += max(0, room[b])
+                if open_room >= weight:
+                    fragmented.append(item.key)
             return
         placement[item.key] = chosen
         room[chosen] -= weight
@@ -222,6 +237,7 @@ def _greedy_once(problem: Problem, tight: bool) -> tuple[Solution, bool]:
         if not improved:
             break
         waiting.clear()
+        failed.clear()  # the swaps gave room back
         for i in order:  # refill the room the swaps left
             if items[i].key not in placement:
                 place(items[i])

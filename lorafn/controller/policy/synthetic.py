@@ -114,3 +114,47 @@ def random_snapshot(
         fresh_start_s=19.8, bind_s=0.05, capture_s=4.4, default_standby_bytes=2 * GiB, standby_bytes=by_shape
     )
     return Snapshot(0.0, tuple(gpus), tuple(backbones), tuple(workers), tuple(functions), costs)
+
+
+def planner_ratios(
+    seeds: range,
+    num_gpus: int,
+    gpu_bytes: int,
+    num_backbones: int = 1,
+    backbones_per_gpu: int = 1,
+    max_items: int = 12,
+) -> list[float]:
+    """Greedy value / exact optimum of the warm-pool problem of small seeded snapshots (8 functions).
+
+    Instances with no item or more than ``max_items`` items (too slow to solve exactly) are skipped.
+    """
+    from lorafn.controller.policy.account import accounts
+    from lorafn.controller.policy.config import PolicyConfig
+    from lorafn.controller.policy.exact import solve_exact
+    from lorafn.controller.policy.knapsack import check_feasible, greedy
+    from lorafn.controller.policy.planner import cold_demand, is_pool_worker, pool_problem
+
+    config = PolicyConfig()
+    out = []
+    for seed in seeds:
+        s = random_snapshot(
+            seed,
+            num_functions=8,
+            num_gpus=num_gpus,
+            num_backbones=num_backbones,
+            num_shapes=3,
+            gpu_bytes=gpu_bytes,
+            max_standby_per_gpu=3,
+            backbones_per_gpu=backbones_per_gpu,
+        )
+        free = {g: a.free_bytes for g, a in accounts(s, config.gpu_utilization).items()}
+        cold = cold_demand(s.functions, set(), s.costs.fresh_start_s)
+        pp = pool_problem(s, free, [w for w in s.workers if is_pool_worker(w)], cold, config)
+        if not pp.problem.items or len(pp.problem.items) > max_items:
+            continue
+        g = greedy(pp.problem)
+        check_feasible(pp.problem, g.placement)
+        e = solve_exact(pp.problem)
+        if e.value > 0:
+            out.append(g.value / e.value)
+    return out

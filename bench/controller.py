@@ -1,0 +1,111 @@
+"""Control plane: how long one decision round of the controller's pure policy takes, and how close
+the warm-pool planner's greedy comes to the exact optimum.
+
+Snapshots are seeded synthetic clusters (`lorafn.controller.policy.synthetic.random_snapshot`):
+4 backbones, 6 adapter shapes, one backbone per GPU, heavy-tailed arrival rates (most functions cold),
+~30% of functions with a bound worker, 5% with queued requests, 0-2 standby workers per GPU.
+Timed: `decide()` (the whole round: account, retire, demand, warm pool) and the planner alone
+(`plan_pool`, the knapsack), best and median of `--repeats` calls, in this process, on one core.
+Quality: greedy / exact (branch and bound) on small instances of the same generator (8 functions,
+2-3 GPUs), on 48 GiB GPUs and on tight 24-32 GiB GPUs where only 1-3 standbys fit.
+
+    python bench/controller.py [--repeats 30] [--quality-seeds 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lorafn.controller.policy import PolicyConfig, decide  # noqa: E402
+from lorafn.controller.policy.account import Ledger, accounts  # noqa: E402
+from lorafn.controller.policy.planner import cold_demand, is_pool_worker, plan_pool, refill_s  # noqa: E402
+from lorafn.controller.policy.synthetic import GiB, planner_ratios, random_snapshot  # noqa: E402
+
+GOAL_MS = 10.0  # issue 10: planner <= 10 ms for 1000 functions x 64 GPUs
+
+
+def _times(call, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t)
+    return sorted(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--quality-seeds", type=int, default=200)
+    args = ap.parse_args()
+    load = os.getloadavg()  # other work on the machine inflates every figure: report it
+    config = PolicyConfig()
+
+    print(
+        f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} before the run; "
+        f"Python {sys.version.split()[0]}; {args.repeats} calls per row"
+    )
+    head = "{:>9s} {:>5s} {:>8s} {:>8s} {:>11s} {:>13s} {:>11s} {:>13s}"
+    row = "{:>9d} {:>5d} {:>8d} {:>8d} {:>11.2f} {:>13.2f} {:>11.2f} {:>13.2f}"
+    columns = ("functions", "GPUs", "workers", "actions", "decide ms", "decide p50 ms", "planner ms")
+    print(head.format(*columns, "planner p50 ms"))
+    goal_row = None
+    for num_gpus in (8, 64):
+        for num_functions in (10, 100, 1000):
+            s = random_snapshot(1, num_functions, num_gpus, num_backbones=4, num_shapes=6)
+            plan = decide(s, config)
+            t_decide = _times(lambda s=s: decide(s, config), args.repeats)
+            free = {g: a.free_bytes for g, a in accounts(s, config.gpu_utilization).items()}
+            cold = cold_demand(s.functions, set(), refill_s(s.costs, config))
+            pool = [w for w in s.workers if is_pool_worker(w)]
+            t_plan = _times(
+                lambda s=s, free=free, cold=cold, pool=pool: plan_pool(s, Ledger(free), pool, cold, config),
+                args.repeats,
+            )
+            ms = 1000.0
+            print(
+                row.format(
+                    num_functions,
+                    num_gpus,
+                    len(s.workers),
+                    len(plan.actions),
+                    t_decide[0] * ms,
+                    statistics.median(t_decide) * ms,
+                    t_plan[0] * ms,
+                    statistics.median(t_plan) * ms,
+                )
+            )
+            if (num_functions, num_gpus) == (1000, 64):
+                goal_row = statistics.median(t_decide) * ms
+    assert goal_row is not None
+    print(
+        f"1000 functions x 64 GPUs: decide() {goal_row:.2f} ms at p50 (goal <= {GOAL_MS:.0f} ms: "
+        f"{'met' if goal_row <= GOAL_MS else 'MISSED'})"
+    )
+
+    print("planner value / exact optimum on small instances (8 functions, <= 12 items):")
+    seeds = range(args.quality_seeds)
+    for label, ratios in (
+        ("2 GPUs x 48 GiB, 1 backbone", planner_ratios(seeds, 2, 48 * GiB)),
+        ("3 GPUs x 48 GiB, 2 backbones on each", planner_ratios(seeds, 3, 48 * GiB, 2, 2)),
+        ("2 GPUs x 24 GiB, 1 backbone (tight)", planner_ratios(seeds, 2, 24 * GiB)),
+        ("3 GPUs x 24 GiB, 1 backbone (tight)", planner_ratios(seeds, 3, 24 * GiB)),
+        ("3 GPUs x 32 GiB, 2 backbones on each (tight)", planner_ratios(seeds, 3, 32 * GiB, 2, 2)),
+    ):
+        below = sum(r < 0.95 for r in ratios)
+        print(
+            f"  {label:46s} {len(ratios):4d} instances: mean {statistics.mean(ratios):.4f}, "
+            f"min {min(ratios):.4f}, below 0.95: {below}"
+        )
+
+
+if __name__ == "__main__":
+    main()
