@@ -44,6 +44,30 @@ class LocalConfig(SharedSettings):
     worker_start_timeout_s: float = Field(default=180.0, gt=0)
     backbone_start_timeout_s: float = Field(default=600.0, gt=0)
     poll_interval_s: float = Field(default=0.2, gt=0, le=5)
+    devices: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="devices the controller places workers on (default: every GPU; on CPU, 1 simulated)",
+    )
+    device_memory_mib: int | None = Field(
+        default=None,
+        ge=64,
+        description="memory of each device for the controller's account (default: the GPU's; CPU: 16384)",
+    )
+    gpu_utilization: float = Field(
+        default=0.92, gt=0, le=1, description="share of a device the account grants"
+    )
+    worker_overhead_mib: int | None = Field(
+        default=None,
+        ge=0,
+        description="a worker's memory besides KV and LoRA (default: measured per device kind)",
+    )
+    default_kv_mib: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV budget of a function without spec.resources (default per device kind)",
+    )
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -1,28 +1,30 @@
 """`lorafn up`: the whole platform on one machine, as real processes.
 
-redis-server, one backbone server per registered backbone (weights loaded once, mapped read-only by
-every worker), the gateway, and workers started on demand. The supervisor loop here is the local
-stand-in for the operator + controller: it reads the gateway's cold-start demand from Redis, starts a
-worker for the function (up to `maxReplicas`), keeps `minReplicas` running, and lets idle workers exit
-after `keepAliveSeconds` (they exit by themselves; a fresh one starts on the next demand).
+redis-server, one backbone server per registered backbone and device (weights loaded once, mapped
+read-only by every worker), the gateway, and the controller (`lorafn.controller`), which decides where
+workers run: it keeps a warm pool of standby workers, binds one to a function on a cold start, starts
+fresh workers within each device's memory account, offloads the least valuable under pressure, and backs
+off failed starts. This module only runs processes; every placement decision is the controller's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorafn.api import LoRAFunctionSpec
+from lorafn.api.sizing import MiB
+from lorafn.controller.driver import Controller, ControllerConfig
+from lorafn.controller.policy.actions import Start
+from lorafn.controller.policy.config import PolicyConfig
+from lorafn.controller.snapshot import SizingConfig, default_sizing
 from lorafn.local.config import LocalConfig, PlatformState
-from lorafn.local.procs import Child, ProcessGroup, lorafn_argv
+from lorafn.local.executor import LocalExecutor, gpu_id
+from lorafn.local.procs import ProcessGroup, lorafn_argv
 from lorafn.local.redis_proc import RedisProcess, free_port
 from lorafn.store import Keys, Store
 from lorafn.store.backbones import get_backbone, list_backbones
-from lorafn.store.registry import get_function, list_functions
 from lorafn.store.streams import read_demand
 from lorafn.store.workers import server_time_ms
 
@@ -37,14 +39,6 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
-@dataclass
-class FunctionWorkers:
-    """Worker processes of one function that this supervisor started (names `worker/<fn>/<n>`)."""
-
-    names: list[str] = field(default_factory=list)
-    next_index: int = 0
-
-
 class LocalPlatform:
     def __init__(self, config: LocalConfig) -> None:
         self.config = config
@@ -55,9 +49,41 @@ class LocalPlatform:
         self.redis = RedisProcess(data_dir=self.state_dir / "redis", port=config.redis_port)
         self.store: Store | None = None
         self.gateway_url = ""
-        self.backbone_sockets: dict[str, Path] = {}
-        self.workers: dict[str, FunctionWorkers] = {}
+        # (backbone, device id) -> the socket of its backbone server; one server per device on GPU,
+        # one per backbone on CPU (shared memory serves every simulated device)
+        self.backbone_sockets: dict[tuple[str, str], Path] = {}
+        self._backbone_bytes: dict[str, int] = {}
+        self.sizing = self._sizing()
+        self.executor = LocalExecutor(
+            self.procs,
+            self.device,
+            env=self._component_env,
+            backbone_socket=self._socket_of,
+            backbone_bytes=self._bytes_of,
+            resident=self._resident_on,
+            kv_budget=self._kv_budget,
+            num_devices=config.devices,
+            device_memory_mib=config.device_memory_mib,
+        )
+        self.controller: Controller | None = None
         self._demand_cursor = "$"
+
+    def _sizing(self) -> SizingConfig:
+        base = default_sizing(self.device)
+        c = self.config
+        return SizingConfig(
+            worker_overhead_bytes=(
+                c.worker_overhead_mib * MiB
+                if c.worker_overhead_mib is not None
+                else base.worker_overhead_bytes
+            ),
+            default_kv_bytes=c.default_kv_mib * MiB
+            if c.default_kv_mib is not None
+            else base.default_kv_bytes,
+            fresh_start_s=base.fresh_start_s,
+            bind_s=base.bind_s,
+            capture_s=base.capture_s,
+        )
 
     # -- start and stop --------------------------------------------------------------------------
     def start(self) -> PlatformState:
@@ -78,6 +104,17 @@ class LocalPlatform:
         )
         state.write(self.state_dir)
         self.sync_backbones()
+        self.controller = Controller(
+            self.store,
+            self.keys,
+            self.executor,
+            self.sizing,
+            ControllerConfig(
+                interval_s=self.config.poll_interval_s,
+                heartbeat_ttl_s=self.config.heartbeat_ttl_s,
+                policy=PolicyConfig(gpu_utilization=self.config.gpu_utilization),
+            ),
+        )
         return state
 
     def _component_env(self) -> dict[str, str]:
@@ -109,110 +146,104 @@ class LocalPlatform:
         PlatformState.path(self.state_dir).unlink(missing_ok=True)
 
     # -- backbones ---------------------------------------------------------------------------------
-    def sync_backbones(self) -> None:
-        """Start a backbone server for each registered backbone that has none (shared-weights mode)."""
+    def _server_devices(self) -> list[tuple[str, str]]:
+        """(device id, torch device) of each backbone server to run: one per GPU, one on CPU."""
+        devices = [(gid, dev) for gid, dev, _ in self.executor.devices]
+        return devices if self.device == "cuda" else devices[:1]
+
+    def _socket_of(self, backbone: str, gpu: str) -> Path | None:
+        if self.device != "cuda":
+            gpu = self.executor.devices[0][0]
+        return self.backbone_sockets.get((backbone, gpu))
+
+    def _resident_on(self, gpu: str) -> list[str]:
+        """Backbones a worker on `gpu` can map (without sharing: every registered one, loaded privately)."""
         if not self.config.share_backbone:
-            return
+            return sorted(self._backbone_bytes)
+        if self.device != "cuda":
+            gpu = self.executor.devices[0][0]
+        return sorted(name for name, g in self.backbone_sockets if g == gpu)
+
+    def _bytes_of(self, backbone: str) -> int:
+        # On CPU the one shared-memory copy is host memory, not a device's: it does not count against
+        # the simulated devices' accounts. On GPU every device holds a copy.
+        if self.device != "cuda" and self.config.share_backbone:
+            return 0
+        return self._backbone_bytes.get(backbone, 0)
+
+    def _kv_budget(self, action: Start) -> int:
+        assert self.controller is not None
+        size = self.controller.reader.sizes.get(action.function or "")
+        return size.kv_bytes if size is not None else self.sizing.default_kv_bytes
+
+    def sync_backbones(self) -> None:
+        """Start a backbone server for each registered backbone and device that has none."""
         assert self.store is not None
         for name in self.store.run(list_backbones(self.keys)):
-            proc_name = f"backbone/{name}"
-            if proc_name in self.procs.children and self.procs.children[proc_name].alive():
-                continue
             record = self.store.run(get_backbone(self.keys, name))
             if record is None:
                 continue
-            socket_path = self.state_dir / "sockets" / f"{name}.sock"
-            socket_path.unlink(missing_ok=True)
-            log.info("loading backbone %s from %s on %s", name, record.model_dir, self.device)
-            child = self.procs.start(
-                proc_name,
-                lorafn_argv(
-                    "backbone-server", "serve", "--model", record.model_dir, "--socket", str(socket_path),
-                    "--device", self.device,
-                ),
-            )  # fmt: skip
-            self.procs.wait_until(
-                child, socket_path.exists, timeout_s=self.config.backbone_start_timeout_s, poll_s=0.2
-            )
-            self.backbone_sockets[name] = socket_path
-            log.info("backbone %s ready (socket %s)", name, socket_path)
+            if name not in self._backbone_bytes:
+                self._backbone_bytes[name] = sum(
+                    p.stat().st_size for p in Path(record.model_dir).glob("*.safetensors")
+                )
+            if not self.config.share_backbone:
+                continue
+            for gid, dev in self._server_devices():
+                proc_name = f"backbone/{name}/{gid.replace('/', '-')}"
+                if proc_name in self.procs.children and self.procs.children[proc_name].alive():
+                    continue
+                socket_path = self.state_dir / "sockets" / f"{name}.{gid.replace('/', '-')}.sock"
+                socket_path.unlink(missing_ok=True)
+                log.info("loading backbone %s from %s on %s", name, record.model_dir, dev)
+                child = self.procs.start(
+                    proc_name,
+                    lorafn_argv(
+                        "backbone-server", "serve", "--model", record.model_dir, "--socket", str(socket_path),
+                        "--device", dev,
+                    ),
+                )  # fmt: skip
+                self.procs.wait_until(
+                    child, socket_path.exists, timeout_s=self.config.backbone_start_timeout_s, poll_s=0.2
+                )
+                self.backbone_sockets[(name, gid)] = socket_path
+                log.info("backbone %s ready on %s (socket %s)", name, gid, socket_path)
 
-    # -- workers -----------------------------------------------------------------------------------
-    def start_worker(self, function: str) -> Child | None:
-        assert self.store is not None
-        record = self.store.run(get_function(self.keys, function))
-        if record is None:
-            log.warning("demand for unknown function %s ignored", function)
-            return None
-        spec = LoRAFunctionSpec.model_validate(record.spec)
-        tracked = self.workers.setdefault(function, FunctionWorkers())
-        if len(tracked.names) >= spec.scaling.max_replicas:
-            return None
-        name = f"worker/{function}/{tracked.next_index}"
-        worker_id = f"{function.replace('/', '.')}.{tracked.next_index}.{int(time.time())}"
-        tracked.next_index += 1
-        env = self._component_env()
-        socket_path = self.backbone_sockets.get(spec.backbone)
-        if socket_path is not None:
-            env["LORAFN_BACKBONE_SOCKET"] = str(socket_path)
-        argv = lorafn_argv(
-            "worker", "serve", "--function", function, "--device", self.device, "--worker-id", worker_id
-        )
-        child = self.procs.start(name, argv, env=env)
-        tracked.names.append(name)
-        log.info("cold start: worker %s for %s (pid %d)", worker_id, function, child.pid)
-        return child
-
+    # -- the loop ------------------------------------------------------------------------------------
     def _reap(self) -> None:
         for child in self.procs.reap():
             code = child.exit_code()
             if child.name.startswith("worker/"):
-                function = child.name.split("/", 1)[1].rsplit("/", 1)[0]
-                tracked = self.workers.get(function)
-                if tracked and child.name in tracked.names:
-                    tracked.names.remove(child.name)
-                if code == 0:
-                    log.info("worker %s exited (idle past keep-alive or drained)", child.name)
-                else:
-                    log.error(
-                        "worker %s died with code %s; log tail:\n%s", child.name, code, child.log_tail()
-                    )
+                self.executor.note_exit(child)
             elif child.name == "gateway":
                 log.error("the gateway died (code %s); restarting it. Log tail:\n%s", code, child.log_tail())
                 self._start_gateway()
             elif child.name.startswith("backbone/"):
                 log.error("backbone server %s died (code %s):\n%s", child.name, code, child.log_tail())
-                self.backbone_sockets.pop(child.name.split("/", 1)[1], None)
-
-    def _keep_min_replicas(self) -> None:
-        assert self.store is not None
-        for function in self.store.run(list_functions(self.keys)):
-            record = self.store.run(get_function(self.keys, function))
-            if record is None:
-                continue
-            spec = LoRAFunctionSpec.model_validate(record.spec)
-            running = len(self.workers.get(function, FunctionWorkers()).names)
-            for _ in range(max(0, spec.scaling.min_replicas - running)):
-                self.start_worker(function)
+                _, name, dev = child.name.split("/", 2)
+                self.backbone_sockets = {
+                    k: v
+                    for k, v in self.backbone_sockets.items()
+                    if not (k[0] == name and k[1].replace("/", "-") == dev)
+                }
 
     def tick(self, block_ms: int) -> None:
-        """One supervisor iteration: reap, start backbones, answer demand, keep minReplicas."""
-        assert self.store is not None
+        """One supervisor iteration: reap, start backbones, wait briefly for demand, one controller round."""
+        assert self.store is not None and self.controller is not None
         self._reap()
         self.sync_backbones()
-        for _entry_id, fields in self.store.run(read_demand(self.keys, self._demand_cursor, block_ms)):
-            self._demand_cursor = _entry_id
-            function = fields.get("function", "")
-            if not function:
-                continue
-            # Demand means a request found no live worker. One that this supervisor already started
-            # may still be loading: start another only when none is tracked for the function.
-            if not self.workers.get(function, FunctionWorkers()).names:
-                self.start_worker(function)
-        self._keep_min_replicas()
+        # The gateway records cold-start demand: waking on it makes the round that answers it start at once.
+        for entry_id, _fields in self.store.run(read_demand(self.keys, self._demand_cursor, block_ms)):
+            self._demand_cursor = entry_id
+        self.controller.round()
 
     def serve_forever(self, stop_after_s: float | None = None) -> None:
+        import time
+
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
         block_ms = int(self.config.poll_interval_s * 1000)
         while deadline is None or time.monotonic() < deadline:
             self.tick(block_ms)
+
+
+__all__ = ["LocalPlatform", "gpu_id", "http_ok"]

@@ -32,6 +32,9 @@ class EngineConfig:
 
     model: str | Path
     adapter: str | Path | None = None
+    # A standby's prepared adapter shape ("q_proj:16,v_proj:16"): zeroed LoRA buffers of that shape (and the
+    # decode graphs over them) until `Engine.bind_adapter` copies an adapter in. Only without `adapter`.
+    lora_shape: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
     tokenizer: str | Path | None = None
@@ -51,6 +54,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not str(self.model):
             raise ValueError("model: a model directory is required")
+        if self.lora_shape is not None and self.adapter is not None:
+            raise ValueError("lora_shape: only for an engine without an adapter (a standby); got both")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):

@@ -158,6 +158,73 @@ def load_lora(
     return out
 
 
+def parse_shape_key(shape: str) -> dict[str, int]:
+    """`"q_proj:16,v_proj:8"` -> {"q_proj": 16, "v_proj": 8} (ValueError naming the bad part)."""
+    ranks: dict[str, int] = {}
+    for part in shape.split(","):
+        module, sep, rank = part.partition(":")
+        if not sep or module not in TARGETS or not rank.isdigit() or int(rank) < 1:
+            raise ValueError(
+                f"shape: {part!r} of {shape!r} is not <projection>:<rank> (projections {TARGETS})"
+            )
+        ranks[module] = int(rank)
+    return ranks
+
+
+def zero_lora(
+    shape: str, model_cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
+) -> LoRAWeights:
+    """LoRA buffers of an adapter shape, all zeros: a standby worker computes the LoRA path with them (so
+    its CUDA graphs include it) and a bind copies an adapter in place (`copy_lora`), graphs unchanged."""
+    ranks = parse_shape_key(shape)
+    shapes = model_cfg.linear_shapes
+    out = LoRAWeights(layers=[{} for _ in range(model_cfg.num_layers)], ranks=dict(ranks))
+    out.target_modules = tuple(t for t in TARGETS if t in ranks)
+    for layer in range(model_cfg.num_layers):
+        for group in SHRINK_GROUPS:
+            present = [p for p in group if p in ranks]
+            if not present:
+                continue
+            in_f = shapes[present[0]][1]
+            a_cat = torch.zeros(sum(ranks[p] for p in present), in_f, device=device, dtype=dtype)
+            targets, off = [], 0
+            for p in present:
+                targets.append(
+                    (p, off, ranks[p], torch.zeros(shapes[p][0], ranks[p], device=device, dtype=dtype))
+                )
+                off += ranks[p]
+            out.layers[layer][group[0]] = LoRAGroup(a_cat=a_cat, targets=targets)
+    return out
+
+
+def fits_shape(adapter: LoRAWeights, buffers: LoRAWeights) -> bool:
+    """True when every projection the adapter targets is in the buffers with at least its rank."""
+    return all(buffers.ranks.get(m, 0) >= r for m, r in adapter.ranks.items())
+
+
+def copy_lora(buffers: LoRAWeights, adapter: LoRAWeights) -> None:
+    """Copy an adapter into buffers of a shape it fits, in place: lower ranks and projections the adapter
+    leaves out are zero-padded (they add exact zeros: y + x·0ᵀ·0ᵀ), so the result equals the adapter's own
+    forward and the buffers' addresses (captured in CUDA graphs) do not change."""
+    if not fits_shape(adapter, buffers):
+        raise ValueError(
+            f"adapter shape {adapter.shape_key!r} does not fit the buffers' {buffers.shape_key!r}"
+        )
+    for layer, groups in enumerate(buffers.layers):
+        src_groups = adapter.layers[layer]
+        for head, dst in groups.items():
+            dst.a_cat.zero_()
+            src = src_groups.get(head)
+            src_targets = {p: (off, r, b) for p, off, r, b in src.targets} if src is not None else {}
+            for p, off, _r, b_dst in dst.targets:
+                b_dst.zero_()
+                if p not in src_targets:
+                    continue
+                s_off, s_r, b_src = src_targets[p]
+                dst.a_cat[off : off + s_r].copy_(src.a_cat[s_off : s_off + s_r])  # type: ignore[union-attr]
+                b_dst[:, :s_r].copy_(b_src)
+
+
 def write_random_adapter(
     model_cfg: ModelConfig,
     out: str | Path,

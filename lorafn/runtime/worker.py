@@ -92,6 +92,8 @@ class ServingConfig:
     max_deliveries: int = 3
     keep_alive_s: float | None = None  # None: serve until stopped
     reply_ttl_s: float = 600.0
+    # What the controller reads besides liveness (gpu, backbone, shape, mem_bytes): see lorafn.controller.
+    heartbeat_fields: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -136,6 +138,7 @@ class Worker:
         self._draining = False
         self._control_cursor = "0"
         self._started = time.time()
+        self._last_busy = clock()
         self.served = 0
 
     # -- public ---------------------------------------------------------------------------------
@@ -159,7 +162,7 @@ class Worker:
         now = self.clock()
         next_heartbeat = now + cfg.heartbeat_s
         next_claim = now
-        last_busy = now
+        last_busy = self._last_busy = now
         outage_since: float | None = None
         try:
             while True:
@@ -179,14 +182,14 @@ class Worker:
                         next_claim = now + cfg.claim_interval_s
                     if self.running:
                         self._step()
-                        last_busy = self.clock()
+                        last_busy = self._last_busy = self.clock()
                         continue
                     if self._draining:
                         self._flush()
                         return 0
                     got = self._read(block_ms=cfg.block_ms)
                     if got or self.running:
-                        last_busy = self.clock()
+                        last_busy = self._last_busy = self.clock()
                     elif cfg.keep_alive_s is not None and self.clock() - last_busy >= cfg.keep_alive_s:
                         log.info("worker %s: idle for %.0f s, exiting", self.worker_id, cfg.keep_alive_s)
                         self._flush()
@@ -248,6 +251,8 @@ class Worker:
             "running": len(self.running),
             "served": self.served,
             "started": int(self._started),
+            "idle_s": round(0.0 if self.running else max(0.0, self.clock() - self._last_busy), 1),
+            **self.config.heartbeat_fields,
         }
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
         store.run(workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields))
@@ -517,6 +522,21 @@ class WorkerSettings(SharedSettings):
         default=None,
         description="Unix socket of the backbone server: map its weights read-only instead of loading them",
     )
+    standby: bool = Field(default=False, description="start tenant-neutral and wait for bind(function)")
+    backbone: str | None = Field(default=None, description="the backbone a standby worker serves")
+    gpu: str = Field(default="", description="the controller's id of this worker's device (e.g. local/0)")
+    shape: str | None = Field(
+        default=None,
+        description="adapter shape a standby prepares LoRA buffers and graphs for (q_proj:16,...)",
+    )
+    kv_budget_mib: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV-cache budget granted by the controller (never the GPU's free memory)",
+    )
+    spawned_at_ms: int | None = Field(
+        default=None, description="unix ms when the process was asked for (a fresh cold start's clock)"
+    )
     log_level: str = "INFO"
 
 
@@ -526,6 +546,8 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
 
     model = settings.model or (record.model_dir if record else "")
     adapter = settings.adapter or (record.adapter_dir if record else "") or None
+    if settings.standby:
+        adapter = None  # a standby holds no tenant's adapter until it is bound
     if not model:
         raise ValueError(f"no model directory for {settings.function}: register the function or pass --model")
     weight_source = None
@@ -542,6 +564,8 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
             dtype=settings.dtype,
             max_num_seqs=settings.max_running,
             weight_source=weight_source,
+            kv_cache_memory_bytes=settings.kv_budget_mib << 20 if settings.kv_budget_mib else None,
+            lora_shape=settings.shape if settings.standby else None,
         )
     )
 
@@ -561,6 +585,10 @@ def serve_worker(settings: WorkerSettings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if settings.standby:
+        from lorafn.runtime.standby import serve_standby
+
+        return serve_standby(settings)
     function = str(FunctionRef.parse(settings.function))
     keys = Keys(settings.key_prefix)
     store = Store(settings.redis_url)
@@ -568,25 +596,53 @@ def serve_worker(settings: WorkerSettings) -> int:
     keep_alive = settings.keep_alive_seconds
     if keep_alive is None and record is not None and record.spec:
         keep_alive = float(LoRAFunctionSpec.model_validate(record.spec).scaling.keep_alive_seconds)
-    factory = _load_factory(settings.engine_factory) if settings.engine_factory else default_engine
-    engine = factory(settings, record)
-    worker = Worker(
-        store,
-        keys,
-        engine,
-        ServingConfig(
-            function=function,
-            worker_id=settings.worker_id or default_worker_id(),
-            max_running=settings.max_running,
-            heartbeat_s=settings.heartbeat_s,
-            heartbeat_ttl_s=settings.heartbeat_ttl_s,
-            claim_min_idle_ms=settings.claim_min_idle_ms,
-            keep_alive_s=keep_alive,
-        ),
-    )
+    engine = make_engine(settings, record)
+    worker = Worker(store, keys, engine, serving_config(settings, function, keep_alive, engine))
     worker.install_signal_handlers()
-    logging.getLogger("lorafn.worker").info("worker %s serving %s", worker.worker_id, function)
+    if settings.spawned_at_ms:  # a fresh cold start: tell the controller how long it took
+        from lorafn.store import control
+
+        ms = max(0.0, time.time() * 1000 - settings.spawned_at_ms)
+        store.run(
+            control.post_event(
+                keys,
+                control.BOUND,
+                worker=worker.worker_id,
+                function=function,
+                ms=round(ms, 1),
+                path=control.PATH_FRESH,
+            )
+        )
+    log.info("worker %s serving %s", worker.worker_id, function)
     return worker.run()
+
+
+def make_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
+    factory = _load_factory(settings.engine_factory) if settings.engine_factory else default_engine
+    return factory(settings, record)
+
+
+def serving_config(
+    settings: WorkerSettings, function: str, keep_alive: float | None, engine: Any
+) -> ServingConfig:
+    """The loop's config, with what the controller reads in the heartbeat (device, backbone, shape, size)."""
+    fields: dict[str, Any] = {"gpu": settings.gpu, "backbone": settings.backbone or ""}
+    shape = getattr(engine, "lora_shape_key", None)
+    if shape:
+        fields["shape"] = shape
+    mem = getattr(engine, "reserved_bytes", None)
+    if callable(mem):
+        fields["mem_bytes"] = int(mem())
+    return ServingConfig(
+        function=function,
+        worker_id=settings.worker_id or default_worker_id(),
+        max_running=settings.max_running,
+        heartbeat_s=settings.heartbeat_s,
+        heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        claim_min_idle_ms=settings.claim_min_idle_ms,
+        keep_alive_s=keep_alive,
+        heartbeat_fields=fields,
+    )
 
 
 @app.command("serve")
@@ -599,13 +655,27 @@ def serve(
     worker_id: str = typer.Option(None, "--worker-id"),
     keep_alive_seconds: float = typer.Option(None, "--keep-alive-seconds"),
     engine_factory: str = typer.Option(None, "--engine-factory", help="module:callable (tests, benchmarks)"),
+    standby: bool = typer.Option(
+        None, "--standby", help="start tenant-neutral (backbone mapped, KV allocated) and wait for a bind"
+    ),
+    backbone: str = typer.Option(None, "--backbone", help="backbone of a standby worker"),
+    gpu: str = typer.Option(None, "--gpu", help="the controller's device id (e.g. local/0)"),
+    shape: str = typer.Option(None, "--shape", help="adapter shape a standby prepares (q_proj:16,v_proj:16)"),
+    kv_budget_mib: int = typer.Option(
+        None, "--kv-budget-mib", help="KV-cache budget granted by the controller"
+    ),
 ) -> None:
-    """Serve one function: read its request stream, run the engine, stream replies; SIGTERM drains."""
+    """Serve one function (--function), or wait as a standby (--standby --backbone B) until bound to one:
+    read its request stream, run the engine, stream replies; SIGTERM drains."""
     overrides = {k: v for k, v in locals().items() if v is not None}
     try:
         settings = WorkerSettings(**overrides)
-        if not settings.function:
-            raise ValueError("--function (or LORAFN_FUNCTION) is required")
+        if settings.standby and not settings.backbone:
+            raise ValueError("--standby needs --backbone (or LORAFN_BACKBONE)")
+        if settings.standby and settings.function:
+            raise ValueError("--standby and --function exclude each other: a standby is bound later")
+        if not settings.standby and not settings.function:
+            raise ValueError("--function (or LORAFN_FUNCTION) is required, or --standby --backbone B")
         code = serve_worker(settings)
     except ValueError as e:
         typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)

@@ -81,7 +81,11 @@ def send_control(keys: Keys, worker_id: str, command: str, **fields: Any) -> Op[
     return Op(build, lambda r: r[0])
 
 
-def read_control(keys: Keys, worker_id: str, last_id: str) -> Op[list[tuple[str, dict[str, str]]]]:
+def read_control(
+    keys: Keys, worker_id: str, last_id: str, block_ms: int | None = None
+) -> Op[list[tuple[str, dict[str, str]]]]:
+    """Commands after `last_id`, waiting up to `block_ms` for one (a standby waits for its bind here)."""
     return Op(
-        lambda pipe: pipe.xread({keys.control(worker_id): last_id}, count=16), lambda r: stream_entries(r[0])
+        lambda pipe: pipe.xread({keys.control(worker_id): last_id}, count=16, block=block_ms),
+        lambda r: stream_entries(r[0]),
     )

@@ -1,0 +1,174 @@
+"""The controller's hands on one machine: worker processes as children of `lorafn up`.
+
+Devices: on a GPU machine, every GPU (`local/<index>`, total memory read with `nvidia-smi`); on CPU,
+`devices` simulated devices of `device_memory_mib` each (the same policy runs; the account is what
+keeps workers from oversubscribing the host). A worker starts as `lorafn worker serve` with the budget
+the controller granted (`--kv-budget-mib`), on its device, mapping the backbone server's copy
+(`LORAFN_BACKBONE_SOCKET`): a standby with `--standby --backbone B [--shape S]`, a bound one with
+`--function F`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafn.api.sizing import MiB
+from lorafn.controller.driver import Exit
+from lorafn.controller.policy.actions import Start
+from lorafn.controller.policy.model import GPU, Worker
+from lorafn.local.procs import Child, ProcessGroup, lorafn_argv
+
+log = logging.getLogger("lorafn.up")
+
+CPU_DEVICE_MIB = 16384
+
+
+@dataclass
+class _Tracked:
+    child: Child
+    action: Start
+    started: float
+
+
+def gpu_id(index: int) -> str:
+    return f"local/{index}"
+
+
+def query_gpus() -> list[tuple[int, int]]:
+    """(index, total bytes) of each GPU, from nvidia-smi (no CUDA context, no torch)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        index, total = (p.strip() for p in line.split(","))
+        gpus.append((int(index), int(total) * MiB))
+    return gpus
+
+
+class LocalExecutor:
+    """Starts worker processes for the controller and tells it which are still coming up or ended."""
+
+    def __init__(
+        self,
+        procs: ProcessGroup,
+        device: str,
+        env: Callable[[], dict[str, str]],
+        backbone_socket: Callable[[str, str], Path | None],
+        backbone_bytes: Callable[[str], int],
+        resident: Callable[[str], list[str]],
+        kv_budget: Callable[[Start], int],
+        num_devices: int | None = None,
+        device_memory_mib: int | None = None,
+        worker_extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.procs, self.device, self.env = procs, device, env
+        self.backbone_socket, self.backbone_bytes, self.resident = backbone_socket, backbone_bytes, resident
+        self.kv_budget = kv_budget
+        self.worker_extra_env = worker_extra_env or {}
+        if device == "cuda":
+            found = query_gpus()
+            if not found:
+                raise ValueError("device: cuda, but nvidia-smi lists no GPU")
+            found = found[: num_devices or len(found)]
+            self.devices = [
+                (gpu_id(i), f"cuda:{i}", device_memory_mib * MiB if device_memory_mib else total)
+                for i, total in found
+            ]
+        else:
+            n = num_devices or 1
+            size = (device_memory_mib or CPU_DEVICE_MIB) * MiB
+            self.devices = [(gpu_id(i), "cpu", size) for i in range(n)]
+        self.tracked: dict[str, _Tracked] = {}
+        self._exits: list[Exit] = []
+
+    # -- Executor ------------------------------------------------------------------------------
+    def gpus(self) -> list[GPU]:
+        out = []
+        for gid, _dev, total in self.devices:
+            backbones = {name: self.backbone_bytes(name) for name in self.resident(gid)}
+            out.append(GPU(id=gid, node="local", total_bytes=total, backbones=backbones))
+        return out
+
+    def torch_device(self, gid: str) -> str:
+        for g, dev, _ in self.devices:
+            if g == gid:
+                return dev
+        raise ValueError(f"gpu {gid!r} is not one of this machine's devices {[d[0] for d in self.devices]}")
+
+    def start(self, action: Start, worker_id: str) -> None:
+        argv = [
+            "worker", "serve", "--worker-id", worker_id, "--device", self.torch_device(action.gpu),
+            "--gpu", action.gpu, "--kv-budget-mib", str(max(1, self.kv_budget(action) // MiB)),
+        ]  # fmt: skip
+        if action.function:
+            argv += ["--function", action.function]
+        else:
+            argv += ["--standby", "--backbone", action.backbone]
+            if action.shape:
+                argv += ["--shape", action.shape]
+        env = {**self.env(), **self.worker_extra_env}
+        socket = self.backbone_socket(action.backbone, action.gpu)
+        if socket is not None:
+            env["LORAFN_BACKBONE_SOCKET"] = str(socket)
+        child = self.procs.start(f"worker/{worker_id}", lorafn_argv(*argv), env=env)
+        self.tracked[worker_id] = _Tracked(child, action, time.monotonic())
+        what = action.function or f"standby of {action.backbone}"
+        log.info("worker %s (%s) on %s started, pid %d", worker_id, what, action.gpu, child.pid)
+
+    def stop(self, worker_id: str) -> None:
+        """SIGTERM: the worker drains (finishes what it runs) and exits; the reaper collects it."""
+        tracked = self.tracked.get(worker_id)
+        if tracked is not None and tracked.child.alive():
+            tracked.child.proc.terminate()
+
+    def starting(self) -> list[Worker]:
+        """Every worker process still alive, as the controller counts it until its heartbeat replaces it."""
+        now = time.monotonic()
+        return [
+            Worker(
+                id=wid,
+                gpu=t.action.gpu,
+                backbone=t.action.backbone,
+                state="starting",
+                shape=t.action.shape,
+                function=t.action.function,
+                mem_bytes=t.action.mem_bytes,
+                age_s=now - t.started,
+            )
+            for wid, t in self.tracked.items()
+            if t.child.alive()
+        ]
+
+    def exits(self) -> list[Exit]:
+        out, self._exits = self._exits, []
+        return out
+
+    # -- called by the platform's reaper ---------------------------------------------------------
+    def note_exit(self, child: Child) -> None:
+        wid = child.name.removeprefix("worker/")
+        tracked = self.tracked.pop(wid, None)
+        code = child.exit_code()
+        if code == 0:
+            log.info("worker %s exited (idle past keep-alive, drained or stopped)", wid)
+        else:
+            log.error("worker %s died with code %s; log tail:\n%s", wid, code, child.log_tail())
+        function = tracked.action.function if tracked else None
+        last_line = (child.log_tail(2000).strip().splitlines() or [""])[-1]
+        self._exits.append(Exit(wid, function, code, last_line))
+
+    def stop_all(self) -> None:
+        for wid in list(self.tracked):
+            self.stop(wid)

@@ -1,0 +1,181 @@
+"""Standby workers: tenant-neutral processes that wait, fully warmed, for `bind(function)`.
+
+A standby has done everything a cold start would otherwise wait for: libraries imported, CUDA context
+up, the backbone mapped read-only, its KV cache allocated from the budget the controller granted, and,
+when the controller named an adapter shape, zeroed LoRA buffers of that shape with the decode graphs
+captured over them. It heartbeats as `state=standby` (no function) and blocks on its control stream.
+
+`bind(function)` (a control command from the controller): read the function's registration, check it
+is on this worker's backbone, load the adapter into the prepared buffers (a copy: the graphs stay valid;
+an adapter of another shape is loaded fresh and the graphs are captured again), tell the controller
+(`bound`, with the milliseconds it took) and become that function's worker: the ordinary serving loop
+(`lorafn.runtime.worker.Worker`) from then on. A bound worker never returns to the pool (one tenant per
+process); the controller starts a fresh standby in its place. A bind that fails (the adapter is unreadable
+or does not fit the backbone) is reported (`bind_failed`, with the reason) and the process exits 3: it
+may hold part of a tenant's adapter, so it is not reused either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, control, workers
+
+log = logging.getLogger("lorafn.worker")
+
+EXIT_BIND_FAILED = 3
+
+
+class Standby:
+    """The waiting part of a standby worker's life. `wait()` returns the function to serve, or None."""
+
+    def __init__(self, store: Store, keys: Keys, settings: Any, engine: Any, worker_id: str) -> None:
+        self.store, self.keys, self.settings, self.engine, self.worker_id = (
+            store,
+            keys,
+            settings,
+            engine,
+            worker_id,
+        )
+        self._cursor = "0"
+        self._stopping = False
+        self._started = time.time()
+
+    def stop(self, *_: Any) -> None:
+        self._stopping = True
+
+    def fields(self, state: str) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "state": state,
+            "running": 0,
+            "started": int(self._started),
+            "gpu": self.settings.gpu,
+            "backbone": self.settings.backbone,
+        }
+        shape = getattr(self.engine, "lora_shape_key", None)
+        if shape:
+            out["shape"] = shape
+        mem = getattr(self.engine, "reserved_bytes", None)
+        if callable(mem):
+            out["mem_bytes"] = int(mem())
+        return out
+
+    def _beat(self, state: str = "standby", function: str | None = None) -> None:
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        self.store.run(workers.heartbeat(self.keys, self.worker_id, function, ttl_ms, self.fields(state)))
+
+    def wait(self) -> str | None:
+        """Heartbeat and read the control stream until a `bind` (its function) or a `stop` (None)."""
+        block_ms = int(self.settings.heartbeat_s * 1000)
+        log.info(
+            "standby %s ready (backbone %s, shape %s)",
+            self.worker_id,
+            self.settings.backbone,
+            self.settings.shape,
+        )
+        while not self._stopping:
+            try:
+                self._beat()
+                commands = self.store.run(
+                    workers.read_control(self.keys, self.worker_id, self._cursor, block_ms)
+                )
+            except UNAVAILABLE_ERRORS as e:
+                log.warning("standby %s: Redis unreachable (%s); retrying", self.worker_id, e)
+                time.sleep(1.0)
+                continue
+            for entry_id, body in commands:
+                self._cursor = entry_id
+                cmd = body.get("cmd")
+                if cmd in ("stop", "drain"):
+                    return None
+                if cmd == "bind" and body.get("function"):
+                    return body["function"]
+                log.warning("standby %s: ignoring control command %r", self.worker_id, body)
+        return None
+
+    def bind(self, function: str) -> tuple[Any, float]:
+        """Load the function's adapter: (its registration record, bind ms); ValueError on failure."""
+        from lorafn.api import LoRAFunctionSpec
+        from lorafn.store.registry import get_function
+
+        t0 = time.perf_counter()
+        self._beat("binding", function)  # counted as the function's from now on, by the controller too
+        record = self.store.run(get_function(self.keys, function))
+        if record is None:
+            raise ValueError(f"function {function} is not registered")
+        spec = LoRAFunctionSpec.model_validate(record.spec)
+        if spec.backbone != self.settings.backbone:
+            raise ValueError(
+                f"function {function} runs on backbone {spec.backbone!r}; "
+                f"this standby holds {self.settings.backbone!r}"
+            )
+        if not record.adapter_dir:
+            raise ValueError(f"function {function} has no adapter directory")
+        how = self.engine.bind_adapter(record.adapter_dir)
+        ms = (time.perf_counter() - t0) * 1000
+        log.info("standby %s bound to %s in %.1f ms (%s)", self.worker_id, function, ms, how)
+        return record, ms
+
+
+def serve_standby(settings: Any) -> int:
+    """`lorafn worker serve --standby`: warm up, wait for a bind, then serve the function; the exit code."""
+    from lorafn.runtime.worker import Worker, default_worker_id, make_engine, serving_config
+
+    keys = Keys(settings.key_prefix)
+    store = Store(settings.redis_url)
+    worker_id = settings.worker_id or default_worker_id()
+    from lorafn.store.backbones import get_backbone
+
+    backbone = store.run(get_backbone(keys, settings.backbone))
+    if backbone is None and not settings.model:
+        raise ValueError(f"backbone {settings.backbone!r} is not registered (and no --model was given)")
+    if not settings.model:
+        settings = settings.model_copy(update={"model": backbone.model_dir})
+    engine = make_engine(settings, None)
+    standby = Standby(store, keys, settings, engine, worker_id)
+    signal.signal(signal.SIGTERM, standby.stop)
+    signal.signal(signal.SIGINT, standby.stop)
+    function = standby.wait()
+    if function is None:
+        with contextlib.suppress(*UNAVAILABLE_ERRORS):
+            store.run(workers.deregister(keys, worker_id, None))
+        log.info("standby %s stopped without being bound", worker_id)
+        return 0
+    try:
+        record, ms = standby.bind(function)
+    except (ValueError, OSError) as e:
+        log.error("standby %s: bind to %s failed: %s", worker_id, function, e)
+        with contextlib.suppress(*UNAVAILABLE_ERRORS):
+            store.run(
+                control.post_event(
+                    keys, control.BIND_FAILED, worker=worker_id, function=function, reason=str(e)
+                )
+            )
+            store.run(workers.deregister(keys, worker_id, None))
+        return EXIT_BIND_FAILED
+    from lorafn.api import LoRAFunctionSpec
+
+    keep_alive = settings.keep_alive_seconds
+    if keep_alive is None:
+        keep_alive = float(LoRAFunctionSpec.model_validate(record.spec).scaling.keep_alive_seconds)
+    worker = Worker(store, keys, engine, serving_config(settings, function, keep_alive, engine))
+    worker.install_signal_handlers()
+    store.run(
+        control.post_event(
+            keys,
+            control.BOUND,
+            worker=worker_id,
+            function=function,
+            ms=round(ms, 1),
+            path=control.PATH_STANDBY,
+        )
+    )
+    return worker.run()

@@ -1,0 +1,153 @@
+"""The serverless core on one machine, as real processes: `lorafn up` on CPU with the controller deciding.
+
+Three functions of two adapter shapes on one backbone all serve; their cold starts go through standby
+workers (the warm pool); a function whose budget cannot fit gets an explicit 503 naming why, and the
+others are untouched; kill -9 of a standby worker loses nothing and the pool refills.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.integration.runtime.engine_helpers import write_peft_adapter
+
+pytestmark = pytest.mark.slow
+
+
+def _lorafn(*args: str, state_dir: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lorafn.cli", *args, "--state-dir", str(state_dir)],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def _wait(what: str, check: Any, timeout_s: float, up: subprocess.Popen[str]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if up.poll() is not None:
+            raise AssertionError(f"lorafn up exited ({up.returncode}) while waiting for {what}")
+        got = check()
+        if got:
+            return got
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _workers(r: redis.Redis) -> dict[str, dict[str, str]]:
+    out = {}
+    for wid in r.zrange("lorafn:workers", 0, -1):
+        h = r.hgetall(f"lorafn:worker:{wid}")
+        if h:
+            out[wid] = h
+    return out
+
+
+def _invoke(state_dir: Path, function: str, key: str) -> subprocess.CompletedProcess[str]:
+    return _lorafn(
+        "invoke", function, "hello", "--api-key", key, "--max-tokens", "4", "--raw", state_dir=state_dir
+    )
+
+
+def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    small_a = write_peft_adapter(
+        tiny_model_dir, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+    )
+    small_b = write_peft_adapter(
+        tiny_model_dir, tmp_path / "b", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=1
+    )
+    wide = write_peft_adapter(tiny_model_dir, tmp_path / "c", r=8, lora_alpha=16, target_modules="all-linear")
+    state_dir = tmp_path / "state"
+    config = tmp_path / "up.yaml"
+    # One simulated device of 600 MiB (552 granted): a worker is 64 MiB overhead + 16 MiB KV + LoRA.
+    config.write_text(
+        "device: cpu\ndevices: 1\ndevice_memory_mib: 600\nworker_overhead_mib: 64\ndefault_kv_mib: 16\n"
+        "gateway_port: 0\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LORAFN_COLD_START_TIMEOUT_S": "15"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "lorafn.cli", "up", "--config", str(config), "--state-dir", str(state_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        state = _wait("platform.json", lambda: (state_dir / "platform.json").exists(), 120, up)
+        state = json.loads((state_dir / "platform.json").read_text())
+        r = redis.Redis.from_url(state["redis_url"], decode_responses=True)
+        functions = [("t/fa", small_a, ""), ("t/fb", small_b, ""), ("t/fc", wide, "")]
+        docs = [
+            "apiVersion: lorafn.io/v1alpha1\nkind: Backbone\nmetadata: {name: tiny}\n"
+            f"spec: {{model: {{uri: 'file://{tiny_model_dir}'}}, dtype: float32, "
+            "warmPool: {minStandby: 1, maxStandby: 2}}\n"
+        ]
+        for name, adapter, _ in functions:
+            docs.append(
+                "apiVersion: lorafn.io/v1alpha1\nkind: LoRAFunction\n"
+                f"metadata: {{name: {name.split('/')[1]}, namespace: t}}\n"
+                f"spec: {{backbone: tiny, adapter: {{uri: 'file://{adapter}'}}, "
+                "scaling: {keepAliveSeconds: 300}}\n"
+            )
+        docs.append(
+            "apiVersion: lorafn.io/v1alpha1\nkind: LoRAFunction\nmetadata: {name: huge, namespace: t}\n"
+            f"spec: {{backbone: tiny, adapter: {{uri: 'file://{small_a}'}}, "
+            "resources: {kvCacheMiB: 4096}}\n"
+        )
+        for i, doc in enumerate(docs):  # one file each: a key opens one function
+            manifest = tmp_path / f"doc{i}.yaml"
+            manifest.write_text(doc)
+            key = ["--api-key", f"key-{i}"] if i else []
+            applied = _lorafn("apply", "-f", str(manifest), *key, state_dir=state_dir)
+            assert applied.returncode == 0, applied.stderr
+        keys = {name: f"key-{i + 1}" for i, (name, _, _) in enumerate(functions)} | {"t/huge": "key-4"}
+
+        def standbys() -> list[str]:
+            return [w for w, h in _workers(r).items() if h.get("state") == "standby"]
+
+        _wait("a standby worker", standbys, 150, up)
+
+        for name, _adapter, _ in functions:
+            done = _invoke(state_dir, name, keys[name])
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.strip(), f"{name} answered with no text"
+            status = r.hgetall(f"lorafn:fn:{name}:status")
+            assert status.get("last_cold_path") in ("standby", "fresh"), status
+            assert int(status["last_cold_start_ms"]) >= 0
+        paths = [r.hget(f"lorafn:fn:{n}:status", "last_cold_path") for n, _, _ in functions]
+        assert "standby" in paths, paths  # the warm pool served at least the first cold start
+        bound = {h.get("function") for h in _workers(r).values() if h.get("state") != "standby"}
+        assert {"t/fa", "t/fb", "t/fc"} <= bound
+
+        # A function whose budget cannot fit on the device waits, then gets an explicit 503 with the reason.
+        refused = _invoke(state_dir, "t/huge", keys["t/huge"])
+        assert refused.returncode != 0
+        assert "503" in refused.stderr and "memory" in refused.stderr, refused.stderr
+        assert "memory" in (r.hget("lorafn:fn:t/huge:status", "wait_reason") or "")
+        # ... and the others still serve.
+        again = _invoke(state_dir, "t/fa", keys["t/fa"])
+        assert again.returncode == 0, again.stderr
+
+        # kill -9 of a standby: no request is lost, the pool refills with a new process.
+        victims = _wait("a standby to kill", standbys, 120, up)
+        pid = int(_workers(r)[victims[0]]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        _wait("a new standby", lambda: [w for w in standbys() if w != victims[0]], 150, up)
+        assert _invoke(state_dir, "t/fb", keys["t/fb"]).returncode == 0
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    out = up.stdout.read() if up.stdout else ""
+    assert up.returncode == 0, out
