@@ -120,6 +120,8 @@ class LocalExecutor:
             if action.shape:
                 argv += ["--shape", action.shape]
         env = {**self.env(), **self.worker_extra_env}
+        if action.function:  # a fresh cold start: the worker reports spawn -> serving to the controller
+            env["LORAFN_SPAWNED_AT_MS"] = str(int(time.time() * 1000))
         socket = self.backbone_socket(action.backbone, action.gpu)
         if socket is not None:
             env["LORAFN_BACKBONE_SOCKET"] = str(socket)
