@@ -32,13 +32,16 @@ from lorafn.controller.policy.synthetic import GiB, planner_ratios, random_snaps
 GOAL_MS = 10.0  # issue 10: planner <= 10 ms for 1000 functions x 64 GPUs
 
 
-def _times(call, repeats: int) -> list[float]:
-    out = []
+def _times(call, repeats: int) -> tuple[list[float], list[float]]:
+    """Sorted wall-clock and CPU (this thread) seconds per call; CPU time is what other load on a
+    shared machine inflates least."""
+    wall, cpu = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         call()
-        out.append(time.perf_counter() - t)
-    return sorted(out)
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - t)
+    return sorted(wall), sorted(cpu)
 
 
 def main() -> None:
@@ -53,20 +56,21 @@ def main() -> None:
         f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} before the run; "
         f"Python {sys.version.split()[0]}; {args.repeats} calls per row"
     )
-    head = "{:>9s} {:>5s} {:>8s} {:>8s} {:>11s} {:>13s} {:>11s} {:>13s}"
-    row = "{:>9d} {:>5d} {:>8d} {:>8d} {:>11.2f} {:>13.2f} {:>11.2f} {:>13.2f}"
-    columns = ("functions", "GPUs", "workers", "actions", "decide ms", "decide p50 ms", "planner ms")
-    print(head.format(*columns, "planner p50 ms"))
+    print("times in ms: best and p50 wall clock, p50 CPU time of this thread")
+    head = "{:>9s} {:>5s} {:>7s} {:>7s} | {:>11s} {:>10s} {:>10s} | {:>12s} {:>11s} {:>11s}"
+    row = "{:>9d} {:>5d} {:>7d} {:>7d} | {:>11.2f} {:>10.2f} {:>10.2f} | {:>12.2f} {:>11.2f} {:>11.2f}"
+    columns = ("functions", "GPUs", "workers", "actions", "decide best", "p50 wall", "p50 CPU")
+    print(head.format(*columns, "planner best", "p50 wall", "p50 CPU"))
     goal_row = None
     for num_gpus in (8, 64):
         for num_functions in (10, 100, 1000):
             s = random_snapshot(1, num_functions, num_gpus, num_backbones=4, num_shapes=6)
             plan = decide(s, config)
-            t_decide = _times(lambda s=s: decide(s, config), args.repeats)
+            t_decide, c_decide = _times(lambda s=s: decide(s, config), args.repeats)
             free = {g: a.free_bytes for g, a in accounts(s, config.gpu_utilization).items()}
             cold = cold_demand(s.functions, set(), refill_s(s.costs, config))
             pool = [w for w in s.workers if is_pool_worker(w)]
-            t_plan = _times(
+            t_plan, c_plan = _times(
                 lambda s=s, free=free, cold=cold, pool=pool: plan_pool(s, Ledger(free), pool, cold, config),
                 args.repeats,
             )
@@ -79,16 +83,18 @@ def main() -> None:
                     len(plan.actions),
                     t_decide[0] * ms,
                     statistics.median(t_decide) * ms,
+                    statistics.median(c_decide) * ms,
                     t_plan[0] * ms,
                     statistics.median(t_plan) * ms,
+                    statistics.median(c_plan) * ms,
                 )
             )
             if (num_functions, num_gpus) == (1000, 64):
-                goal_row = statistics.median(t_decide) * ms
+                goal_row = (statistics.median(c_decide) * ms, statistics.median(t_decide) * ms)
     assert goal_row is not None
     print(
-        f"1000 functions x 64 GPUs: decide() {goal_row:.2f} ms at p50 (goal <= {GOAL_MS:.0f} ms: "
-        f"{'met' if goal_row <= GOAL_MS else 'MISSED'})"
+        f"1000 functions x 64 GPUs: decide() {goal_row[0]:.2f} ms CPU at p50 ({goal_row[1]:.2f} ms wall) "
+        f"(goal <= {GOAL_MS:.0f} ms: {'met' if goal_row[0] <= GOAL_MS else 'MISSED'})"
     )
 
     print("planner value / exact optimum on small instances (8 functions, <= 12 items):")

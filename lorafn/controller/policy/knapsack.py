@@ -62,12 +62,16 @@ class Problem:
             if item.key in keys:
                 raise ValueError(f"Problem.items: duplicate key {item.key!r}")
             keys.add(item.key)
+        checked: set[tuple[str, ...]] = set()  # items of one backbone share their bins: check once
         for item in self.items:
             if item.requires is not None and item.requires not in keys:
                 raise ValueError(f"Item {item.key!r}: requires unknown item {item.requires!r}")
+            if item.bins in checked:
+                continue
             for b in item.bins:
                 if b not in self.capacity:
                     raise ValueError(f"Item {item.key!r}: bin {b!r} has no capacity")
+            checked.add(item.bins)
 
 
 @dataclass(frozen=True)

@@ -53,13 +53,18 @@ class ColdDemand:
     max_mem: Mapping[Key, int]
     window_s: float
     members: Mapping[Key, tuple[Function, ...]] = field(default_factory=dict)
+    key_of: Mapping[str, Key] = field(default_factory=dict)  # cold function -> its (backbone, shape)
 
     def rate(self, key: Key) -> float:
         return self.wake.get(key, 0.0) / self.window_s
 
     def without(self, names: set[str]) -> ColdDemand:
         """The same demand once the functions ``names`` are warm: only their keys are recomputed."""
-        keys = {k for k, fs in self.members.items() if any(f.name in names for f in fs)}
+        keys: set[Key] = set()
+        for name in names:
+            key = self.key_of.get(name)
+            if key is not None:
+                keys.update((key, (key[0], None)))
         if not keys:
             return self
         wake, max_mem, members = dict(self.wake), dict(self.max_mem), dict(self.members)
@@ -70,7 +75,8 @@ class ColdDemand:
             max_mem[k] = max((f.mem_bytes for f in left), default=0)
             if not left:
                 del members[k], wake[k], max_mem[k]
-        return ColdDemand(wake, max_mem, self.window_s, members)
+        key_of = {n: k for n, k in self.key_of.items() if n not in names}
+        return ColdDemand(wake, max_mem, self.window_s, members, key_of)
 
 
 def cold_demand(functions: Iterable[Function], warm: set[str], window_s: float) -> ColdDemand:
@@ -80,17 +86,19 @@ def cold_demand(functions: Iterable[Function], warm: set[str], window_s: float) 
     wake: dict[Key, float] = defaultdict(float)
     max_mem: dict[Key, int] = defaultdict(int)
     members: dict[Key, list[Function]] = defaultdict(list)
+    key_of: dict[str, Key] = {}
     exp = math.exp
     for f in functions:
         if f.arrival_rate <= 0 or f.name in warm:
             continue
         p = 1.0 - exp(-f.arrival_rate * window_s)
+        key_of[f.name] = (f.backbone, f.shape)
         for key in ((f.backbone, f.shape), (f.backbone, None)):
             wake[key] += p
             members[key].append(f)
             if f.mem_bytes > max_mem[key]:
                 max_mem[key] = f.mem_bytes
-    return ColdDemand(dict(wake), dict(max_mem), window_s, {k: tuple(v) for k, v in members.items()})
+    return ColdDemand(dict(wake), dict(max_mem), window_s, {k: tuple(v) for k, v in members.items()}, key_of)
 
 
 def refill_s(costs: Costs, config: PolicyConfig) -> float:
