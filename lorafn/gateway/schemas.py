@@ -1,10 +1,10 @@
 """Request and response bodies of the HTTP API (OpenAI-compatible + native).
 
 Limits that do not depend on the function (ranges, n=1, list sizes) live here; limits that do (prompt
-tokens against the backbone's context, max_tokens against what is left) are checked in `app` once the
-function is known. Unknown fields are ignored, as OpenAI clients send fields this server does not use;
-fields whose non-default values it cannot honour (n > 1, logprobs, echo, best_of, suffix, tools,
-penalties) are refused by name.
+tokens against the backbone's context, max_tokens against what is left) are checked in
+`admission.prepare` once the function is known. Unknown fields are ignored, as OpenAI clients send
+fields this server does not use; fields whose non-default values it cannot honour (n > 1, logprobs,
+echo, best_of, suffix, tools, penalties) are refused by name.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class SamplingRequest(_Body):
     max_tokens: int | None = Field(
         default=None, ge=1, description="tokens to generate (default: the function's)"
     )
@@ -53,7 +53,7 @@ class _Sampling(_Body):
         return v
 
     @model_validator(mode="after")
-    def _unsupported(self) -> _Sampling:
+    def _unsupported(self) -> SamplingRequest:
         if self.n not in (None, 1):
             raise ValueError("n: only n=1 is supported")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -67,7 +67,7 @@ class _Sampling(_Body):
         return [self.stop] if isinstance(self.stop, str) else self.stop
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     model: str = Field(description="the function, written namespace/name", min_length=1, max_length=253)
@@ -116,7 +116,7 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     model: str = Field(description="the function, written namespace/name", min_length=1, max_length=253)
@@ -133,7 +133,7 @@ class ChatCompletionRequest(_Sampling):
         return self
 
 
-class InvokeRequest(_Sampling):
+class InvokeRequest(SamplingRequest):
     """POST /v1/functions/{namespace}/{name}:invoke — give `prompt` or `messages` (chat template)."""
 
     prompt: str | None = None

@@ -1,16 +1,17 @@
-"""The gateway's one typed configuration (environment variables `LORAFN_*`)."""
+"""The gateway's one typed configuration (environment variables `LORAFN_*`).
+
+`redis_url`, `key_prefix` and `heartbeat_ttl_s` come from `lorafn.api.settings.SharedSettings`: workers,
+the controller and the operator read the same fields, so a deployment sets them once.
+"""
 
 from __future__ import annotations
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from lorafn.api.settings import SharedSettings
 
 
-class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LORAFN_", extra="ignore")
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "lorafn"
+class GatewaySettings(SharedSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
 
@@ -29,9 +30,6 @@ class GatewaySettings(BaseSettings):
         default=120.0, gt=0, description="... or, with none live, within this"
     )
     request_timeout_s: float = Field(default=600.0, gt=0, description="a whole request, first byte to last")
-    heartbeat_ttl_s: float = Field(
-        default=5.0, gt=0, description="a worker is live while its heartbeat is younger"
-    )
     demand_guard_ms: int = Field(
         default=2000, ge=1, description="at most one demand record per function per period"
     )

@@ -25,6 +25,7 @@ from lorafn.gateway.tokenizer import GatewayTokenizer
 from lorafn.store import Keys, Store
 from lorafn.store import stats as store_stats
 from lorafn.store import streams as st
+from lorafn.store.protocol import Done, ReplyEvent
 from tests.integration.gateway.harness import RecordingEngine, expected_text, gateway, register, worker_thread
 
 FN, KEY = "team-a/cancel", "sk-cancel-0123456789"
@@ -68,7 +69,7 @@ def _raw_post(url: str, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def _last_event(store: Store, keys: Keys, rid: str) -> dict[str, Any] | None:
+def _last_event(store: Store, keys: Keys, rid: str) -> ReplyEvent | None:
     events = store.run(st.read_replies(keys, rid, "0", None))
     return events[-1][2] if events else None
 
@@ -108,8 +109,8 @@ def test_streamed_client_that_closes_aborts_the_request(env) -> None:
         assert counters["cancelled"] == 1
         assert engine.generated[rid] < MAX // 2
         last = _wait("the final event", lambda: _last_event(store, keys, rid))
-        assert last["type"] == "done" and last["finish_reason"] == "abort"
-        assert last["completion_tokens"] == engine.generated[rid]
+        assert isinstance(last, Done) and last.finish_reason == "abort"
+        assert last.completion_tokens == engine.generated[rid]
         neighbour.join(timeout=60)
     r = others["neighbour"]
     assert r.status_code == 200, r.text
@@ -136,7 +137,7 @@ def test_non_streamed_client_that_disconnects_aborts_the_request(env) -> None:
         )
         assert counters["cancelled"] == 1
         last = _wait("the final event", lambda: _last_event(store, keys, rid))
-        assert last["type"] == "done" and last["finish_reason"] == "abort"
+        assert isinstance(last, Done) and last.finish_reason == "abort"
         neighbour.join(timeout=60)
     r = others["neighbour"]
     assert r.status_code == 200, r.text
