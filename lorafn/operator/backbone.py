@@ -7,11 +7,14 @@ handlers in `handlers.py` validate and call it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from lorafn.api.adapters import AdapterProblem, resolve_local_path
 from lorafn.api.errors import format_validation_error
+from lorafn.api.sizing import MiB
 from lorafn.api.specs import BackboneSpec
 from lorafn.operator import builders, events, kube, reducers, registry
 from lorafn.operator.config import OperatorConfig
@@ -24,9 +27,7 @@ def reconcile(
     name = body["metadata"]["name"]
     spec = BackboneSpec.model_validate(body.get("spec") or {})
     slots, problems = builders.select_gpu_slots(spec, k8s.list(kube.NODES), config)
-    num_standby = reducers.clamp_replicas(
-        reg.desired_standby(name), spec.warm_pool.min_standby, spec.warm_pool.max_standby
-    )
+    asked = reg.desired_standby(name)
     reg.register_backbone(name, builders.pod_path(spec.model.uri), spec.dtype, spec.to_k8s())
     claims: dict[str, str] = {}
     if config.gpu_sharing == "dra":
@@ -43,35 +44,66 @@ def reconcile(
             if claim["metadata"]["name"] not in wanted_claims:
                 k8s.delete(f"{kube.resource_claims(config)}/{claim['metadata']['name']}")
 
-    wanted: dict[str, dict[str, Any]] = {}
-    servers: dict[str, str] = {}
-    for slot in slots:
-        server = builders.build_server_pod(body, spec, slot, config)
-        wanted[server["metadata"]["name"]] = server
-        servers[slot.slot_id] = server["metadata"]["name"]
-        for k in range(num_standby):
-            standby = builders.build_standby_pod(body, spec, slot, k, config)
-            wanted[standby["metadata"]["name"]] = standby
     existing = [
         p
         for p in k8s.list(kube.pods(config.namespace), {builders.LABEL_BACKBONE: name})
         if p["metadata"]["labels"].get(builders.LABEL_COMPONENT)
         in (builders.COMPONENT_SERVER, builders.COMPONENT_STANDBY)
     ]
-    plan = reducers.plan_pods(list(wanted), existing)
-    for pod_name in plan.delete:
+    servers: dict[str, str] = {}
+    wanted_servers: dict[str, dict[str, Any]] = {}
+    for slot in slots:
+        server = builders.build_server_pod(body, spec, slot, config)
+        wanted_servers[server["metadata"]["name"]] = server
+        servers[slot.slot_id] = server["metadata"]["name"]
+    server_pods = [p for p in existing if _component(p) == builders.COMPONENT_SERVER]
+    plan = reducers.plan_pods(list(wanted_servers), server_pods)
+    to_create = {n: wanted_servers[n] for n in plan.create}
+    to_delete = list(plan.delete)
+    # Pool (standby) pods per GPU: as many as the controller asks there (standby ones and those bound and
+    # still serving), within the warm-pool bounds; the pods it stopped end by themselves.
+    retiring = reg.retiring()
+    now_ms = reg.now_ms() if retiring else 0
+    by_slot = {s.slot_id: s for s in slots}
+    standby_pods = [p for p in existing if _component(p) == builders.COMPONENT_STANDBY]
+    for pod in standby_pods:  # pods of GPUs no longer selected
+        slot_id = (pod["metadata"].get("labels") or {}).get(builders.LABEL_SLOT)
+        if slot_id not in by_slot and not reducers.pod_deleting(pod):
+            to_delete.append(pod["metadata"]["name"])
+    for slot in slots:
+        count = reducers.clamp_replicas(
+            asked.get(slot.gpu_id), spec.warm_pool.min_standby, spec.warm_pool.max_standby
+        )
+        on_slot = [
+            p for p in standby_pods if p["metadata"]["labels"].get(builders.LABEL_SLOT) == slot.slot_id
+        ]
+        slot_plan = reducers.plan_counted_pods(
+            count,
+            on_slot,
+            lambda k, slot=slot: builders.standby_pod_name(name, slot, k),
+            retiring,
+            now_ms,
+            int(config.retire_grace_s * 1000),
+        )
+        to_delete += slot_plan.delete
+        for pod_name in slot_plan.create:
+            k = int(pod_name.rsplit("-", 1)[1])
+            to_create[pod_name] = builders.build_standby_pod(body, spec, slot, k, config)
+    for pod_name in to_delete:
         k8s.delete(f"{kube.pods(config.namespace)}/{pod_name}")
-    for pod_name in plan.create:
-        k8s.ensure(kube.pods(config.namespace), wanted[pod_name])
-    if plan.create or plan.delete:
+    for pod in to_create.values():
+        k8s.ensure(kube.pods(config.namespace), pod)
+    reg.unretire([n for n in [*to_delete, *to_create] if n in retiring])
+    if to_create or to_delete:
         events.post(
             body,
             "Normal",
             "Reconciled",
-            f"created {len(plan.create)} pod(s), deleted {len(plan.delete)} on {len(slots)} GPU(s)",
+            f"created {len(to_create)} pod(s), deleted {len(to_delete)} on {len(slots)} GPU(s)",
         )
-    observed = [p for p in existing if p["metadata"]["name"] not in plan.delete]
-    observed += [wanted[name] for name in plan.create]  # just created: exist, not ready
+    observed = [p for p in existing if p["metadata"]["name"] not in to_delete]
+    observed += list(to_create.values())  # just created: exist, not ready
+    _write_inventory(name, spec, slots, observed, servers, config, reg, logger)
     return reducers.backbone_status(
         slots=slots,
         problems=problems,
@@ -82,6 +114,46 @@ def reconcile(
         now=events.now(),
         previous=body.get("status"),
     )
+
+
+def _component(pod: dict[str, Any]) -> str | None:
+    return (pod["metadata"].get("labels") or {}).get(builders.LABEL_COMPONENT)
+
+
+def _write_inventory(
+    name: str,
+    spec: BackboneSpec,
+    slots: list[builders.GPUSlot],
+    pods: list[dict[str, Any]],
+    servers: dict[str, str],
+    config: OperatorConfig,
+    reg: registry.Registry,
+    logger: Any,
+) -> None:
+    """Each selected GPU into the controller's inventory, with this backbone resident where its server pod
+    is Ready. A GPU of unknown size (no memory label, no placement.devices memoryMiB) is left out: the
+    controller cannot account for it."""
+    ready = {p["metadata"]["name"] for p in pods if reducers.pod_ready(p)}
+    size = _model_bytes(spec, config)
+    for slot in slots:
+        if slot.memory_mib is None:
+            logger.warning(
+                "GPU %s of %s: size unknown (label %s or placement.devices memoryMiB); not offered to the "
+                "controller", slot.gpu_id, name, config.gpu_memory_label,
+            )  # fmt: skip
+            continue
+        resident = size if servers[slot.slot_id] in ready else None
+        reg.put_gpu(slot.gpu_id, slot.node, slot.memory_mib * MiB, name, resident)
+
+
+def _model_bytes(spec: BackboneSpec, config: OperatorConfig) -> int:
+    """The backbone's weight bytes on a GPU: its safetensors files, where the operator can see them (0 when
+    it cannot: a file:// model on the node only)."""
+    try:
+        model_dir = resolve_local_path(spec.model.uri, config.pvc_root)
+        return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    except (AdapterProblem, OSError):
+        return 0
 
 
 def invalid_status(body: dict[str, Any], exc: ValidationError) -> tuple[dict[str, Any], str]:

@@ -83,6 +83,12 @@ class GPUSlot:
     def slot_id(self) -> str:
         return short_hash(f"{self.node}/{self.index}", 8)
 
+    @property
+    def gpu_id(self) -> str:
+        """The GPU's id in the controller's inventory and in its workers' heartbeats: `<node>/<uuid>`
+        (`<node>/<index>` when the UUID is unknown, e.g. DRA without placement.devices)."""
+        return f"{self.node}/{self.uuid or self.index}"
+
 
 @dataclass(frozen=True)
 class SlotProblem:
@@ -430,11 +436,24 @@ def build_standby_pod(
         slot=slot,
         labels=_labels(COMPONENT_STANDBY, **{LABEL_BACKBONE: backbone, LABEL_SLOT: slot.slot_id}),
         owner=owner_reference(backbone_body, "Backbone"),
-        # Tenant-neutral: bound later by the controller (`bind` on its control stream).
-        args=[*WORKER_COMMAND, "--standby", "--backbone", backbone],
+        # Tenant-neutral: bound later by the controller (`bind` on its control stream). A bound process
+        # stays in this pod and exits after keep-alive (or a `stop`) with code 0: OnFailure lets the pod
+        # end then (the operator replaces it with a fresh pod while the pool count asks for one), so no
+        # process that served a tenant ever waits in the pool; a crash restarts the container under
+        # the kubelet's backoff instead of a new pod every reconcile (docs/operator.md#standby-pods).
+        args=[
+            *WORKER_COMMAND,
+            "--gpu",
+            slot.gpu_id,
+            "--kv-budget-mib",
+            str(config.default_kv_mib),
+            "--standby",
+            "--backbone",
+            backbone,
+        ],
         env=_worker_env(config, spec),
         resources=config.standby_resources,
-        restart_policy="Never",
+        restart_policy="OnFailure",
     )
 
 
@@ -446,8 +465,10 @@ def build_worker_pod(
     backbone_spec: BackboneSpec,
     slot: GPUSlot,
     config: OperatorConfig,
+    kv_budget_mib: int | None = None,
 ) -> dict[str, Any]:
-    """Bound worker `replica` of a function, on one GPU that holds its backbone."""
+    """Bound worker `replica` of a function, on one GPU that holds its backbone. `kv_budget_mib`: its KV
+    budget (the function's spec.resources, else the default; never sized from the GPU's free memory)."""
     backbone = backbone_body["metadata"]["name"]
     adapter_volume, adapter_mount, adapter_path = _artifact_volume(fn_spec.adapter.uri, "adapter")
     return _gpu_pod(
@@ -469,7 +490,15 @@ def build_worker_pod(
         # Owned by the Backbone: an owner must be cluster-scoped or in the pod's namespace, and the
         # function lives elsewhere. Its finalizer deletes these pods.
         owner=owner_reference(backbone_body, "Backbone"),
-        args=[*WORKER_COMMAND, "--function", str(ref)],
+        args=[
+            *WORKER_COMMAND,
+            "--gpu",
+            slot.gpu_id,
+            "--kv-budget-mib",
+            str(kv_budget_mib or config.default_kv_mib),
+            "--function",
+            str(ref),
+        ],
         env=_worker_env(
             config,
             backbone_spec,

@@ -54,6 +54,18 @@ class OperatorConfig(SharedSettings):
     )
     pvc_root: str = Field(default="/mnt/pvc", description="where the operator pod mounts pvc:// claims")
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="level-based re-check period")
+    default_kv_mib: int = Field(
+        default=256,
+        ge=1,
+        description="KV budget of a worker pod whose function names none (spec.resources), and of standby "
+        "pods; the controller's LORAFN_DEFAULT_KV_MIB must match (the chart sets both from one value)",
+    )
+    retire_grace_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="a worker pod the controller stopped is deleted if it still runs this long after (it "
+        "normally drains and ends by itself)",
+    )
     workload_service_account: str = "lorafn-workload"
     server_resources: dict[str, Any] = Field(default_factory=lambda: _resources("1", "4Gi", "64Gi"))
     worker_resources: dict[str, Any] = Field(default_factory=lambda: _resources("1", "2Gi", "16Gi"))

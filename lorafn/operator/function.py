@@ -6,12 +6,15 @@ Level-based like `backbone.py`; the kopf handlers in `handlers.py` validate and 
 from __future__ import annotations
 
 import base64
+import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from lorafn.api.adapters import AdapterProblem, parse_api_keys, resolve_local_path, validate_adapter
 from lorafn.api.errors import format_validation_error
+from lorafn.api.sizing import MiB, kv_budget_bytes, kv_bytes_per_token
 from lorafn.api.specs import BackboneSpec, FunctionRef, LoRAFunctionSpec
 from lorafn.operator import builders, events, kube, reducers, registry
 from lorafn.operator.config import OperatorConfig
@@ -71,6 +74,7 @@ def reconcile(
     bb_state = reducers.backbone_ready(backbone_body)
     adapter_info = None
     backbone_spec = None
+    kv_budget_mib: int | None = None
     try:
         adapter_dir = resolve_local_path(spec.adapter.uri, config.pvc_root)
         if backbone_body is None:
@@ -80,6 +84,7 @@ def reconcile(
         backbone_spec = BackboneSpec.model_validate(backbone_body.get("spec") or {})
         backbone_dir = resolve_local_path(backbone_spec.model.uri, config.pvc_root)
         info = validate_adapter(adapter_dir, backbone_dir)
+        kv_budget_mib = _kv_budget_mib(spec, backbone_spec, backbone_dir, config)
         adapter_info = info.to_status()
         modules = ", ".join(info.target_modules)
         ad_state = (True, "AdapterValid", f"LoRA rank {info.rank} on {modules} ({info.dtype})")
@@ -123,20 +128,30 @@ def reconcile(
     slots = _ready_slots(backbone_body)
     if not slots:
         desired = 0
-    wanted = [builders.worker_pod_name(ref, i) for i in range(desired)]
     existing = _fn_pods(k8s, config, ref)
-    plan = reducers.plan_pods(wanted, existing)
+    # Pods the controller stopped drain and end by themselves: not counted, and no other pod goes for them.
+    retiring = reg.retiring()
+    plan = reducers.plan_counted_pods(
+        desired,
+        existing,
+        lambda i: builders.worker_pod_name(ref, i),
+        retiring,
+        reg.now_ms() if retiring else 0,
+        int(config.retire_grace_s * 1000),
+    )
     for pod_name in plan.delete:
         k8s.delete(f"{kube.pods(config.namespace)}/{pod_name}")
     created: list[dict[str, Any]] = []
     if plan.create and backbone_body is not None and backbone_spec is not None:
         for pod_name in plan.create:
-            replica = wanted.index(pod_name)
+            replica = int(pod_name.rsplit("-", 1)[1])
             pod = builders.build_worker_pod(
-                ref, replica, spec, backbone_body, backbone_spec, slots[replica % len(slots)], config
-            )
+                ref, replica, spec, backbone_body, backbone_spec, slots[replica % len(slots)], config,
+                kv_budget_mib,
+            )  # fmt: skip
             k8s.ensure(kube.pods(config.namespace), pod)
             created.append(pod)
+    reg.unretire([n for n in [*plan.delete, *plan.create] if n in retiring])
     if plan.create or plan.delete:
         events.post(
             body, "Normal", "Scaled", f"replicas -> {desired} (+{len(plan.create)} -{len(plan.delete)})"
@@ -145,6 +160,7 @@ def reconcile(
         k8s.ensure(kube.services(ref.namespace), builders.build_function_service(body, config))
 
     observed = [p for p in existing if p["metadata"]["name"] not in plan.delete] + created
+    controller_view = reg.function_status(ref)
     status = reducers.function_status(
         generation=meta.get("generation"),
         now=events.now(),
@@ -157,10 +173,24 @@ def reconcile(
         registration=registration,
         desired=desired,
         pods=observed,
-        last_cold_start_ms=reg.last_cold_start_ms(ref),
+        last_cold_start_ms=controller_view.last_cold_start_ms,
+        wait_reason=controller_view.wait_reason if registered else None,
     )
     _emit_transitions(body, previous, status)
     return status
+
+
+def _kv_budget_mib(
+    spec: LoRAFunctionSpec, backbone_spec: BackboneSpec, backbone_dir: Path, config: OperatorConfig
+) -> int | None:
+    """One worker's KV budget (the same rule as the controller's account: `api.sizing`); None when the
+    backbone's config.json cannot be read (the pod then gets the default)."""
+    try:
+        model_config = json.loads((Path(backbone_dir) / "config.json").read_text())
+        per_token = kv_bytes_per_token(model_config, backbone_spec.dtype)
+    except (OSError, ValueError):
+        return None
+    return max(1, kv_budget_bytes(spec.resources, per_token, config.default_kv_mib * MiB) // MiB)
 
 
 def _emit_transitions(body: dict[str, Any], previous: dict[str, Any], status: dict[str, Any]) -> None:

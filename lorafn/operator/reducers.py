@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,47 @@ def plan_pods(wanted: list[str], existing: list[dict[str, Any]]) -> PodPlan:
         if name not in wanted or pod_finished(pod):
             delete.append(name)
     return PodPlan(create=create, delete=delete)
+
+
+def plan_counted_pods(
+    desired: int,
+    existing: list[dict[str, Any]],
+    name_of: Callable[[int], str],
+    retiring: dict[str, int],
+    now_ms: int,
+    retire_grace_ms: int,
+) -> PodPlan:
+    """Reach `desired` running pods named `name_of(i)`, given the pods the controller stopped.
+
+    A retiring pod (its worker got `stop` and drains) is not counted and not replaced by deleting another:
+    it ends by itself and is then removed like every finished pod; one still running `retire_grace_ms`
+    after its stop is deleted. Pods are created at the lowest free indices; a surplus goes not-ready
+    first, then highest index. `create` lists names in index order.
+    """
+    if desired < 0:
+        raise ValueError(f"desired: must be >= 0, got {desired}")
+    horizon = len(existing) + desired + 1
+    index_of = {name_of(i): i for i in range(horizon)}
+    delete: list[str] = []
+    counted: list[tuple[str, dict[str, Any]]] = []
+    for pod in existing:
+        name = pod["metadata"]["name"]
+        if pod_deleting(pod):
+            continue
+        if pod_finished(pod) or name not in index_of:
+            delete.append(name)
+        elif name in retiring:
+            if now_ms - retiring[name] > retire_grace_ms:
+                delete.append(name)
+        else:
+            counted.append((name, pod))
+    surplus = len(counted) - desired
+    if surplus > 0:
+        counted.sort(key=lambda item: (pod_ready(item[1]), -index_of[item[0]]))
+        delete += [name for name, _ in counted[:surplus]]
+    taken = {p["metadata"]["name"] for p in existing}
+    create = [n for n in (name_of(i) for i in range(horizon)) if n not in taken][: max(0, -surplus)]
+    return PodPlan(create=create, delete=sorted(delete))
 
 
 def backbone_status(
@@ -203,8 +245,10 @@ def function_status(
     desired: int,
     pods: list[dict[str, Any]],
     last_cold_start_ms: int | None,
+    wait_reason: str | None = None,
 ) -> dict[str, Any]:
-    """Status of a LoRAFunction. Ready means invocable: a warm worker or a cold start can serve it."""
+    """Status of a LoRAFunction. Ready means invocable: a warm worker or a cold start can serve it; while
+    the controller says its requests wait (`wait_reason`: no GPU has room, start backoff), it is not."""
     previous = previous or {}
     old = previous.get("conditions") or []
     live = [p for p in pods if not pod_deleting(p) and not pod_finished(p)]
@@ -212,7 +256,9 @@ def function_status(
     bb_ok, bb_reason, bb_msg = backbone
     ad_ok, ad_reason, ad_msg = adapter
     invocable = bb_ok and ad_ok and registered
-    if invocable:
+    if invocable and wait_reason:
+        ready = (FALSE, "WaitingForCapacity", wait_reason)
+    elif invocable:
         ready = (TRUE, "Invocable", f"{ready_pods} warm replica(s); others start on demand")
     elif not ad_ok:
         ready = (FALSE, ad_reason, ad_msg)

@@ -3,23 +3,22 @@
 Registration uses the store's registry, so the gateway sees exactly what the operator wrote: the
 function's record (spec, model and adapter directories as the pods see them), the HMAC-SHA256 hashes
 of its API keys under the deployment's salt (`set_api_keys`; plaintext keys never reach Redis), and the
-backbone's record. Three values have no store operation yet and are read here, under the store's key
-names; nothing writes them until the controller of issue 10 does (so replicas and standby counts stay at
-their minimum and status.lastColdStartMs is null):
-
-    <keys.function(fn)>:desired_replicas       string int, the controller's ask
-    <keys.backbone(name)>:desired_standby      string int (standby workers per GPU), the controller's ask
-    <keys.stats(fn)> field last_cold_start_ms  for status.lastColdStartMs
+backbone's record. What the controller asks for and knows is read through `lorafn.store.control`:
+desired replica counts per function, desired pool pods per backbone and GPU, the pods it stopped
+(retiring), and each function's status (last cold start, why it waits). The operator writes the GPU
+inventory the controller plans over (`merge_gpu`: one entry per selected GPU, with the backbones whose
+server pod is Ready there).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from lorafn.api.specs import FunctionRef
-from lorafn.store import Keys, Store
+from lorafn.store import Keys, Store, combine, control
 from lorafn.store.backbones import BackboneRecord, delete_backbone, get_backbone, put_backbone
 from lorafn.store.registry import (
     FunctionRecord,
@@ -30,6 +29,7 @@ from lorafn.store.registry import (
     put_function,
     set_api_keys,
 )
+from lorafn.store.workers import server_time_ms
 
 
 class RegistrationProblem(ValueError):
@@ -41,17 +41,9 @@ class RegistrationProblem(ValueError):
         self.message = message
 
 
-def desired_replicas_key(keys: Keys, ref: FunctionRef) -> str:
-    return f"{keys.function(str(ref))}:desired_replicas"
-
-
-def desired_standby_key(keys: Keys, backbone: str) -> str:
-    return f"{keys.backbone(backbone)}:desired_standby"
-
-
 def _read_int(raw: Any) -> int | None:
     try:
-        return None if raw is None else int(raw)
+        return None if raw in (None, "") else int(raw)
     except (TypeError, ValueError):
         return None
 
@@ -103,8 +95,9 @@ class Registry:
                 raise
 
     def unregister_function(self, ref: FunctionRef) -> None:
-        self.store.run(delete_function(self.keys, str(ref)))
-        self.store.client.delete(desired_replicas_key(self.keys, ref))
+        self.store.run(
+            combine(delete_function(self.keys, str(ref)), control.clear_desired_replicas(self.keys, str(ref)))
+        )
 
     def register_backbone(self, name: str, model_dir: str, dtype: str, spec: dict[str, Any]) -> None:
         record = BackboneRecord(name=name, model_dir=model_dir, dtype=dtype, spec=spec)
@@ -112,14 +105,47 @@ class Registry:
             self.store.run(put_backbone(self.keys, record))
 
     def unregister_backbone(self, name: str) -> None:
-        self.store.run(delete_backbone(self.keys, name))
-        self.store.client.delete(desired_standby_key(self.keys, name))
+        self.store.run(
+            combine(
+                delete_backbone(self.keys, name),
+                control.clear_desired_standby(self.keys, name),
+                control.drop_backbone_from_gpus(self.keys, name),
+            )
+        )
 
     def desired_replicas(self, ref: FunctionRef) -> int | None:
-        return _read_int(self.store.client.get(desired_replicas_key(self.keys, ref)))
+        """The controller's ask (None when it has not said)."""
+        return self.store.run(control.desired_replicas(self.keys, [str(ref)]))[str(ref)]
 
-    def desired_standby(self, backbone: str) -> int | None:
-        return _read_int(self.store.client.get(desired_standby_key(self.keys, backbone)))
+    def desired_standby(self, backbone: str) -> dict[str, int]:
+        """GPU id -> the controller's ask of pool pods there (GPUs it has not named are absent)."""
+        return self.store.run(control.desired_standby(self.keys, backbone))
 
-    def last_cold_start_ms(self, ref: FunctionRef) -> int | None:
-        return _read_int(self.store.client.hget(self.keys.stats(str(ref)), "last_cold_start_ms"))
+    def function_status(self, ref: FunctionRef) -> FunctionStatus:
+        fields = self.store.run(control.statuses(self.keys, [str(ref)]))[str(ref)]
+        return FunctionStatus(
+            last_cold_start_ms=_read_int(fields.get("last_cold_start_ms")),
+            wait_reason=fields.get("wait_reason") or None,
+        )
+
+    def retiring(self) -> dict[str, int]:
+        """Pods (worker ids) the controller stopped -> when (ms)."""
+        return self.store.run(control.retiring(self.keys))
+
+    def unretire(self, names: list[str]) -> None:
+        self.store.run(control.unretire(self.keys, names))
+
+    def put_gpu(self, gpu_id: str, node: str, total_bytes: int, backbone: str, resident: int | None) -> None:
+        """One GPU of `backbone` in the inventory; `resident`: its bytes there when its server is Ready."""
+        self.store.run(control.merge_gpu(self.keys, gpu_id, node, total_bytes, backbone, resident))
+
+    def now_ms(self) -> int:
+        return self.store.run(server_time_ms())
+
+
+@dataclass(frozen=True)
+class FunctionStatus:
+    """What the controller wrote about a function (`<fn>:status`), as its LoRAFunction status shows it."""
+
+    last_cold_start_ms: int | None = None
+    wait_reason: str | None = None

@@ -15,7 +15,7 @@ import redis
 from lorafn.operator import events as operator_events
 from lorafn.operator import handlers, registry
 from lorafn.operator.config import OperatorConfig
-from lorafn.store import Keys, Store
+from lorafn.store import Keys, Store, control
 from lorafn.store.registry import hash_api_key, lookup_api_key
 from tests.unit.operator._peft import write_adapter, write_backbone
 
@@ -132,12 +132,67 @@ def test_backbone_handler_creates_pods_and_patches_status(world: Any) -> None:
 
 
 def test_backbone_controller_can_raise_standby_within_bounds(world: Any) -> None:
-    world.redis.set("lorafn:bb:tiny:desired_standby", 99)
+    # Per GPU (`<node>/<uuid>`, as the inventory and the workers' --gpu name it).
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa", 99)
     run(handlers.backbone_changed, backbone_body(world.tmp), world)
     standby = world.kube.list(
         "/api/v1/namespaces/lorafn-system/pods", {"app.kubernetes.io/component": "standby-worker"}
     )
     assert len(standby) == 4  # maxStandby
+    assert all(p["spec"]["restartPolicy"] == "OnFailure" for p in standby)
+    assert {p["spec"]["containers"][0]["args"][6] for p in standby} == {"n1/GPU-00aa"}  # --gpu <id>
+
+
+def _pod_names(world: Any, **labels: str) -> list[str]:
+    pods = world.kube.list("/api/v1/namespaces/lorafn-system/pods", labels)
+    return sorted(p["metadata"]["name"] for p in pods)
+
+
+def test_stopped_pool_pods_are_not_counted_and_no_other_pod_goes(world: Any) -> None:
+    """The controller stops standby-0 (retiring) and lowers the count 3 -> 2: standby-0 drains and ends
+    by itself; the operator deletes neither it nor a busy sibling, then replaces nothing."""
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa", 3)
+    body = backbone_body(world.tmp)
+    run(handlers.backbone_changed, body, world)
+    pool = _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"})
+    assert [n.rsplit("-", 1)[1] for n in pool] == ["0", "1", "2"]
+    world.redis.zadd("lorafn:retiring", {pool[0]: world.registry.now_ms()})
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa", 2)
+    run(handlers.backbone_changed, body, world)
+    assert _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"}) == pool
+    # It ended (exit 0 after its drain: restartPolicy OnFailure leaves the pod Succeeded): removed, not
+    # replaced, and its retiring mark goes with it.
+    world.kube.objects["/api/v1/namespaces/lorafn-system/pods"][pool[0]]["status"] = {"phase": "Succeeded"}
+    run(handlers.backbone_changed, body, world)
+    assert _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"}) == pool[1:]
+    assert world.redis.zcard("lorafn:retiring") == 0
+    # The controller asks one more: the lowest free name comes back as a fresh pod.
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa", 3)
+    run(handlers.backbone_changed, body, world)
+    assert _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"}) == pool
+
+
+def test_backbone_writes_the_gpu_inventory(world: Any) -> None:
+    node = world.kube.get("/api/v1/nodes/n1")
+    node["metadata"]["labels"]["nvidia.com/gpu.memory"] = "81559"
+    world.kube.put("/api/v1/nodes", node)
+    body = backbone_body(world.tmp)
+    run(handlers.backbone_changed, body, world)
+    store, keys = Store(world.registry.store.url), Keys()
+    assert store.run(control.gpus(keys)) == {
+        "n1/GPU-00aa": {"node": "n1", "total_bytes": 81559 * 2**20, "backbones": {}}
+    }
+    server = _pod_names(world, **{"app.kubernetes.io/component": "backbone-server"})[0]
+    world.kube.objects["/api/v1/namespaces/lorafn-system/pods"][server]["status"] = {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True"}],
+    }
+    (world.tmp / "models" / "tiny" / "model.safetensors").write_bytes(b"\0" * 4096)
+    run(handlers.backbone_changed, body, world)
+    weights = 4096
+    assert store.run(control.gpus(keys))["n1/GPU-00aa"]["backbones"] == {"tiny": weights}
+    handlers.backbone_deleted(body=kopf.Body(body), memo=world, logger=LOG)
+    assert store.run(control.gpus(keys)) == {}
 
 
 def test_invalid_backbone_is_a_permanent_error_with_a_condition(world: Any) -> None:

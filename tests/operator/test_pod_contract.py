@@ -30,6 +30,7 @@ SETTINGS_OF: dict[tuple[str, ...], str | None] = {
     ("worker", "serve"): "lorafn.runtime.worker:WorkerSettings",
     ("gateway", "serve"): "lorafn.gateway.settings:GatewaySettings",
     ("operator", "run"): "lorafn.operator.config:OperatorConfig",
+    ("controller", "run"): "lorafn.controller.cli:ControllerSettings",
 }
 
 BACKBONE = {
@@ -148,6 +149,10 @@ def test_operator_pod_command_parses_and_env_names_settings(kind: str, mode: str
         return
     assert parsed.path == ("worker", "serve")
     assert parsed.params["device"] == "cuda"
+    # The GPU id the controller's inventory uses (the operator writes it: `<node>/<uuid>`), and a KV
+    # budget: a worker never sizes its KV cache from the GPU's free memory.
+    assert parsed.params["gpu"] == "node-1/GPU-1234"
+    assert parsed.params["kv_budget_mib"] == OperatorConfig().default_kv_mib
     # What the workers and the gateway must agree on comes from the operator's config, under shared names.
     assert env["LORAFN_REDIS_URL"]["value"] == OperatorConfig().redis_url
     assert env["LORAFN_KEY_PREFIX"]["value"] == OperatorConfig().key_prefix
@@ -185,4 +190,24 @@ def test_chart_pod_commands_parse_and_env_names_settings(variant: str) -> None:
     for deployment in deployments:
         for container in deployment["spec"]["template"]["spec"]["containers"]:
             paths.add(check_pod(container).path)
-    assert paths == {("gateway", "serve"), ("operator", "run")}
+    assert paths == {("gateway", "serve"), ("operator", "run"), ("controller", "run")}
+
+
+def test_chart_controller_and_operator_agree_on_the_default_kv_budget() -> None:
+    objs = render(["--set", "controller.defaultKvMiB=384", "--set", "controller.workerOverheadMiB=600"])
+    env = {}
+    for obj in objs:
+        if obj["kind"] == "Deployment":
+            for container in obj["spec"]["template"]["spec"]["containers"]:
+                env[container["name"]] = {e["name"]: e.get("value") for e in container["env"]}
+    assert (
+        env["controller"]["LORAFN_DEFAULT_KV_MIB"]
+        == env["operator"]["LORAFN_OPERATOR_DEFAULT_KV_MIB"]
+        == "384"
+    )
+    assert env["controller"]["LORAFN_WORKER_OVERHEAD_MIB"] == "600"
+    controller = next(
+        o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-controller")
+    )
+    assert controller["spec"]["replicas"] == 1
+    assert controller["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
