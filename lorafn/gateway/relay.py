@@ -25,7 +25,7 @@ from lorafn.gateway.admission import Job
 from lorafn.gateway.errors import APIError, bad_request, unavailable
 from lorafn.gateway.metrics import Metrics
 from lorafn.gateway.settings import GatewaySettings
-from lorafn.store import UNAVAILABLE_ERRORS, AsyncStore, Keys, cancel, streams, workers
+from lorafn.store import UNAVAILABLE_ERRORS, AsyncStore, Keys, cancel, control, streams, workers
 from lorafn.store.protocol import Accepted, Delta, Done, Error, ProtocolError, ReplyEvent, Restart
 
 log = logging.getLogger("lorafn.gateway")
@@ -67,9 +67,13 @@ class Relay:
                     raise client_gone()
                 next_poll = now + DISCONNECT_POLL_S
             if not accepted and now > accept_by:
+                # The controller says why no worker serves the function (e.g. no GPU memory fits it).
+                status = await self.store.run(control.statuses(self.keys, [job.function]))
+                why = status[job.function].get("wait_reason", "")
                 raise unavailable(
                     f"no worker of function {job.function!r} took the request within "
-                    f"{accept_by - job.t0:.0f} s" + (" (cold start did not complete)" if job.cold else ""),
+                    f"{accept_by - job.t0:.0f} s"
+                    + (f": {why}" if why else " (cold start did not complete)" if job.cold else ""),
                     code="no_worker",
                     retry_after_s=5,
                 )

@@ -157,8 +157,18 @@ def test_cold_start_records_demand_and_times_out_with_503(redis_server: str, tin
         r = client(url, KEY_A).post("/v1/completions", json={"model": A, "prompt": "hi"})
         assert r.status_code == 503 and _err(r)["code"] == "no_worker"
         assert "Retry-After" in r.headers
+        assert "cold start did not complete" in _err(r)["message"]
         demand = store.run(streams.read_demand(keys, "0", None))
         assert [d["function"] for _, d in demand] == [A]
+        # the controller's reason for not starting a worker reaches the client
+        from lorafn.store import control
+
+        store.run(
+            control.set_status(keys, A, wait_reason="needs 4.0 GiB; the most any GPU can free is 1.0 GiB")
+        )
+        r = client(url, KEY_A).post("/v1/completions", json={"model": A, "prompt": "hi"})
+        assert r.status_code == 503 and "needs 4.0 GiB" in _err(r)["message"], _err(r)
+        store.run(control.set_status(keys, A, wait_reason=None))
         # with a worker started on demand, the next request is served and reported as a cold start
         with worker_thread(redis_server, prefix, A):
             r = client(url, KEY_A).post(
