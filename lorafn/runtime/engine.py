@@ -1,11 +1,13 @@
-"""The Engine: one worker's model + adapter + paged KV cache + scheduler + sampler, one step at a time.
+"""The Engine: one worker's requests, scheduler, sampler and detokenizers, one step at a time.
+
+All GPU work (the model + adapter, the paged KV cache, CUDA graphs) is the `ModelRunner`'s
+(model_runner.py); the engine never touches a model tensor.
 
 Data flow of one `step()`:
   1. `Scheduler.schedule()` plans the step: decodes, then partial prefills, then new requests, under
      the token budget (pure policy, scheduler.py).
-  2. The chunks become one flattened batch: single-token chunks first (paged decode attention), then
-     multi-token chunks (SDPA over cached prefix + chunk). A step of decodes only, on CUDA, replays
-     the CUDA graph of its batch bucket instead (cuda_graphs.py).
+  2. `ModelRunner.execute()` runs the plan as one forward (one flattened batch, or the replay of a
+     decode CUDA graph) and returns the logits of the chunks that sample.
   3. Logits of the chunks that sample (a decode, or a prompt's last chunk) -> `sample()`; one host
      sync per step to read the tokens.
   4. `Scheduler.update()` advances the sequences; each new token goes through the request's
@@ -23,31 +25,17 @@ from pathlib import Path
 
 import torch
 
-from lorafn.runtime.block_manager import blocks_for_tokens, slot_mapping
+from lorafn.runtime.block_manager import blocks_for_tokens
 from lorafn.runtime.config import EngineConfig, ModelConfig
-from lorafn.runtime.cuda_graphs import DecodeGraphRunner
 from lorafn.runtime.detokenizer import IncrementalOutput
-from lorafn.runtime.kv_cache import (
-    KVCache,
-    block_bytes,
-    blocks_for_budget,
-    cpu_default_blocks,
-    kv_init_key,
-    load_kv_init,
-    save_kv_init,
-)
-from lorafn.runtime.local_weights import SafetensorsWeightSource
-from lorafn.runtime.lora import LoRAWeights, load_lora
-from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
+from lorafn.runtime.model_runner import ModelRunner, resolve_dtype
 from lorafn.runtime.outputs import RequestOutput, StreamDelta
 from lorafn.runtime.sampling import make_generator, sample
 from lorafn.runtime.sampling_params import SamplingParams
-from lorafn.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from lorafn.runtime.scheduler import Scheduler, SchedulerConfig
 from lorafn.runtime.sequence import Sequence as Seq
 
 log = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -56,12 +44,6 @@ class _Request:
     output: RequestOutput
     incremental: IncrementalOutput
     generator: torch.Generator | None
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _TORCH_DTYPES[dtype]
 
 
 class Engine:
@@ -90,141 +72,37 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
 
-        self.weight_source = config.weight_source or SafetensorsWeightSource(model_dir)
-        self.lora: LoRAWeights | None = (
-            load_lora(config.adapter, mc, self.device, self.dtype) if config.adapter else None
-        )
-        use_triton = self.device.type == "cuda" and _triton_available()
-        self.model = LlamaModel(
-            mc,
-            self.weight_source,
-            self.device,
-            self.dtype,
-            self.lora,
-            max_position=self.max_model_len,
-            use_triton_attention=use_triton,
-        )
-
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(config, mc, self.device, self.dtype, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
                 block_size=config.block_size,
-                num_blocks=num_blocks,
+                num_blocks=self.runner.num_blocks,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_model_len=self.max_model_len,
             )
         )
-        self.max_blocks_per_seq = blocks_for_tokens(self.scheduler.max_model_len, config.block_size)
-        self.graphs: DecodeGraphRunner | None = None
-        self.graph_capture_s = 0.0
-        if self.device.type == "cuda" and config.use_cuda_graphs:
-            buckets = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs] or [1]
-            self.graphs = DecodeGraphRunner(self.model, self.kv_cache, buckets, self.max_blocks_per_seq)
-            self.graph_capture_s = self.graphs.capture()
+        self.runner.capture_graphs(blocks_for_tokens(self.scheduler.max_model_len, config.block_size))
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
 
-    # ------------------------------------------------------------------ KV-cache size
-
-    def _num_kv_blocks(self) -> int:
-        cfg, mc = self.config, self.model_config
-        per_block = block_bytes(mc, cfg.block_size, self.dtype)
-        useful = cfg.max_num_seqs * blocks_for_tokens(self.max_model_len, cfg.block_size)
-        self.kv_blocks_from = "num_kv_blocks"
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        self.kv_blocks_from = "kv_cache_memory_bytes"
-        if cfg.kv_cache_memory_bytes is not None:
-            n = blocks_for_budget(cfg.kv_cache_memory_bytes, per_block)
-            if n < 1:
-                raise ValueError(
-                    f"kv_cache_memory_bytes: {cfg.kv_cache_memory_bytes} is less than one KV block "
-                    f"({per_block} bytes)"
-                )
-            return min(n, useful)
-        self.kv_blocks_from = "cpu_default"
-        if self.device.type != "cuda":
-            return cpu_default_blocks(cfg.max_num_seqs, self.max_model_len, cfg.block_size, per_block)
-        fields = self._kv_init_fields()
-        key = kv_init_key(fields)
-        n = load_kv_init(cfg.resolved_cache_dir, key)
-        self.kv_blocks_from = "saved"
-        if n is None:
-            self.kv_blocks_from = "profiled"
-            n = min(self._profile_kv_blocks(per_block), useful)
-            save_kv_init(cfg.resolved_cache_dir, key, n, fields)
-            log.info("KV cache: profiled %d blocks, saved under %s", n, cfg.resolved_cache_dir)
-        else:
-            log.info("KV cache: %d blocks from a previous start (no profiling forward)", n)
-        return n
-
-    def _kv_init_fields(self) -> dict:
-        cfg = self.config
-        model_dir = Path(cfg.model).resolve()
-        props = torch.cuda.get_device_properties(self.device)
-        weights = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
-        return {
-            "model": str(model_dir),
-            "config": (model_dir / "config.json").read_text(),
-            "weights": weights,
-            "dtype": str(self.dtype),
-            "device": props.name,
-            "total_memory": props.total_memory,
-            "gpu_memory_utilization": cfg.gpu_memory_utilization,
-            "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "max_num_seqs": cfg.max_num_seqs,
-            "max_model_len": self.max_model_len,
-            "block_size": cfg.block_size,
-            "adapter_shape": self.lora.shape_key if self.lora else None,
-            "torch": torch.__version__,
-        }
-
-    def _profile_kv_blocks(self, per_block: int) -> int:
-        """One forward of max_num_batched_tokens prompt tokens; what is left under the budget is KV."""
-        cfg = self.config
-        tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
-        scratch = KVCache(
-            self.model_config,
-            blocks_for_tokens(tokens, cfg.block_size),
-            cfg.block_size,
-            self.device,
-            self.dtype,
-        )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        batch = ForwardBatch(
-            input_ids=torch.zeros(tokens, dtype=torch.int64, device=self.device),
-            positions=torch.arange(tokens, device=self.device),
-            slot_mapping=torch.arange(tokens, device=self.device),
-            num_decodes=0,
-            block_tables=None,
-            context_lens=None,
-            prefills=[PrefillSpan(0, tokens, 0)],
-            logits_indices=torch.tensor([tokens - 1], device=self.device),
-        )
-        self.model.forward(batch, scratch.layers)
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
-        del scratch, batch
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_elsewhere = total - free
-        graph_margin = 512 << 20  # decode graphs' pool (kept also without graphs: one key for both)
-        budget = int(total * cfg.gpu_memory_utilization) - used_elsewhere - activation_peak - graph_margin
-        n = blocks_for_budget(budget, per_block)
-        if n < 1:
-            raise ValueError(
-                f"gpu_memory_utilization: {cfg.gpu_memory_utilization} leaves no memory for the KV cache "
-                f"(total {total}, in use {used_elsewhere}, activations {activation_peak})"
-            )
-        return n
-
     # ------------------------------------------------------------------ requests
+
+    def bind_adapter(self, adapter_dir: str | Path) -> str:
+        """A standby becomes a function's engine: its adapter goes in (no request may be running)."""
+        if self._requests:
+            raise ValueError("bind_adapter: the engine is running requests")
+        return self.runner.bind_adapter(adapter_dir)
+
+    @property
+    def lora_shape_key(self) -> str | None:
+        """The adapter shape the engine holds (or, in a standby, has buffers for)."""
+        return self.runner.lora.shape_key if self.runner.lora is not None else None
+
+    def reserved_bytes(self) -> int:
+        return self.runner.reserved_bytes()
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -314,15 +192,12 @@ class Engine:
                 deltas.append(self._finish(req, "length", req.incremental.finish("length").text))
         if out.is_empty:
             return deltas
-        sampling = [c for c in self._ordered(out) if c.samples]
+        sampling, logits = self.runner.execute(out)
         sampled: dict[str, int] = {}
         if sampling:
-            logits = self._execute(out)
             reqs = [self._requests[c.seq_id] for c in sampling]
             tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs]).tolist()
             sampled = {c.seq_id: t for c, t in zip(sampling, tokens, strict=True)}
-        else:
-            self._execute(out)
         now = time.perf_counter()
         for seq in self.scheduler.update(out, sampled):
             req = self._requests[seq.seq_id]
@@ -361,76 +236,3 @@ class Engine:
             prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(out.token_ids),
         )
-
-    @staticmethod
-    def _ordered(out: SchedulerOutput) -> list[ScheduledChunk]:
-        """Single-token chunks first (paged decode path), then multi-token chunks; stable."""
-        return [c for c in out.chunks if c.num_tokens == 1] + [c for c in out.chunks if c.num_tokens > 1]
-
-    def _execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits [S, vocab] float32 of the sampling chunks, in `_ordered` order."""
-        chunks = self._ordered(out)
-        bs = self.config.block_size
-        singles = [c for c in chunks if c.num_tokens == 1]
-        if self.graphs is not None and len(singles) == len(chunks) and self.graphs.can_run(len(chunks)):
-            positions = [c.start for c in chunks]
-            logits = self.graphs.run(
-                [c.seq.token_ids_range(c.start, c.start + 1)[0] for c in chunks],
-                positions,
-                [slot_mapping(c.seq.block_table, c.start, 1, bs)[0] for c in chunks],
-                [c.seq.block_table for c in chunks],
-            )
-            rows = [i for i, c in enumerate(chunks) if c.samples]
-            return logits if len(rows) == len(chunks) else logits[rows]
-        return self.model.forward(self._build_batch(chunks), self.kv_cache.layers)
-
-    def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        bs, device = self.config.block_size, self.device
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        spans: list[PrefillSpan] = []
-        sample_rows: list[int] = []
-        num_decodes = 0
-        for c in chunks:
-            offset = len(ids)
-            ids += c.seq.token_ids_range(c.start, c.end)
-            positions += range(c.start, c.end)
-            slots += slot_mapping(c.seq.block_table, c.start, c.num_tokens, bs)
-            if c.num_tokens == 1:
-                num_decodes += 1
-            else:
-                kv_slots = None
-                if c.start > 0:
-                    kv_slots = torch.tensor(slot_mapping(c.seq.block_table, 0, c.end, bs), device=device)
-                spans.append(PrefillSpan(offset, c.num_tokens, c.start, kv_slots))
-            if c.samples:
-                sample_rows.append(len(ids) - 1)
-        block_tables = context_lens = None
-        if num_decodes:
-            decodes = chunks[:num_decodes]
-            width = max(len(c.seq.block_table) for c in decodes)
-            table = torch.full((num_decodes, width), self.kv_cache.scratch_block, dtype=torch.int32)
-            for row, c in enumerate(decodes):
-                table[row, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
-            block_tables = table.to(device)
-            context_lens = torch.tensor([c.end for c in decodes], dtype=torch.int32, device=device)
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            num_decodes=num_decodes,
-            block_tables=block_tables,
-            context_lens=context_lens,
-            prefills=spans,
-            logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
-        )
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        log.warning("triton is not installed: paged decode attention falls back to the torch reference")
-        return False
-    return True

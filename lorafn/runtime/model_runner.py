@@ -1,0 +1,310 @@
+"""The model runner: all GPU work of one worker (nano-vllm's split), one `execute` per engine step.
+
+It owns the model (backbone views from a `WeightSource` + the private unmerged LoRA), the paged KV cache
+(its size: given, from a byte budget, or profiled once and saved, see kv_cache.py) and the decode CUDA
+graphs; `execute(plan)` turns one `SchedulerOutput` into one forward and returns the logits of the
+chunks that sample. The `Engine` keeps the request table, the step loop, the scheduler, sampling and
+detokenization, and never touches a tensor of the model.
+
+Batch layout: single-token chunks first (paged decode attention: the scheduler's decodes, plus any
+other one-token chunk, e.g. a one-token prompt), then multi-token chunks (SDPA over cached prefix +
+chunk). A step of the scheduler's decodes only (`SchedulerOutput.num_decodes` == every chunk) replays
+the CUDA graph of its batch bucket instead, on CUDA.
+
+What the graphs capture depends on the model, the adapter's shape, the buckets and
+`max_blocks_per_seq`, so an adapter bound later means new LoRA weights in `self.lora`/`self.model.lora`
+and one more `capture_graphs()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from lorafn.runtime.block_manager import blocks_for_tokens, slot_mapping
+from lorafn.runtime.config import EngineConfig, ModelConfig
+from lorafn.runtime.cuda_graphs import DecodeGraphRunner
+from lorafn.runtime.kv_cache import (
+    KVCache,
+    block_bytes,
+    blocks_for_budget,
+    cpu_default_blocks,
+    kv_init_key,
+    load_kv_init,
+    save_kv_init,
+)
+from lorafn.runtime.local_weights import SafetensorsWeightSource
+from lorafn.runtime.lora import LoRAWeights, copy_lora, fits_shape, load_lora, zero_lora
+from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
+from lorafn.runtime.scheduler import ScheduledChunk, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _TORCH_DTYPES[dtype]
+
+
+class ModelRunner:
+    """The model, its KV cache and its decode graphs on one device; `execute` runs one step's forward."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        self.config, self.model_config = config, model_config
+        self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
+        self.weight_source = config.weight_source or SafetensorsWeightSource(Path(config.model))
+        # A standby holds zeroed buffers of its prepared shape (graphs are captured over them; a bind
+        # copies the adapter in); a bound worker its adapter; a base-model engine none.
+        self.lora: LoRAWeights | None = (
+            load_lora(config.adapter, model_config, device, dtype)
+            if config.adapter
+            else zero_lora(config.lora_shape, model_config, device, dtype)
+            if config.lora_shape
+            else None
+        )
+        self.prepared = config.adapter is None and config.lora_shape is not None
+        use_triton = device.type == "cuda" and _triton_available()
+        self.model = LlamaModel(
+            model_config,
+            self.weight_source,
+            device,
+            dtype,
+            self.lora,
+            max_position=max_model_len,
+            use_triton_attention=use_triton,
+        )
+        self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCache(model_config, self.num_blocks, config.block_size, device, dtype)
+        self.graphs: DecodeGraphRunner | None = None
+        self.graph_capture_s = 0.0
+        self.max_blocks_per_seq = 0
+
+    def capture_graphs(self, max_blocks_per_seq: int) -> None:
+        """Capture the decode CUDA graphs (CUDA and `use_cuda_graphs` only; else nothing to do).
+
+        Called once the scheduler has fixed the longest sequence (`max_blocks_per_seq` block-table
+        entries); calling it again re-captures, e.g. after the LoRA weights changed."""
+        cfg = self.config
+        self.max_blocks_per_seq = max_blocks_per_seq
+        if self.device.type != "cuda" or not cfg.use_cuda_graphs:
+            return
+        buckets = [b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs] or [1]
+        self.graphs = DecodeGraphRunner(self.model, self.kv_cache, buckets, max_blocks_per_seq)
+        self.graph_capture_s = self.graphs.capture()
+
+    def bind_adapter(self, adapter_dir: str | Path) -> str:
+        """Load an adapter into a standby's runner; how it went, for the log.
+
+        Into the prepared buffers when it fits their shape (a copy: tensors and captured graphs stay);
+        otherwise as new LoRA weights, and the decode graphs are captured again over them."""
+        loaded = load_lora(adapter_dir, self.model_config, self.device, self.dtype)
+        if self.prepared and self.lora is not None and fits_shape(loaded, self.lora):
+            copy_lora(self.lora, loaded)
+            self.prepared = False
+            return f"copied into the prepared {self.lora.shape_key} buffers"
+        self.lora = self.model.lora = loaded
+        self.prepared = False
+        if self.graphs is not None:
+            self.capture_graphs(self.max_blocks_per_seq)
+        return f"loaded {loaded.shape_key}" + (
+            f"; graphs captured in {self.graph_capture_s:.2f} s" if self.graphs else ""
+        )
+
+    def reserved_bytes(self) -> int:
+        """What this runner holds on its device besides the shared backbone: KV cache + LoRA tensors
+        (+ on CUDA, everything torch's allocator reserved: activations and graph pools too)."""
+        lora = 0
+        if self.lora is not None:
+            for groups in self.lora.layers:
+                for g in groups.values():
+                    lora += g.a_cat.numel() * g.a_cat.element_size()
+                    lora += sum(b.numel() * b.element_size() for _p, _o, _r, b in g.targets)
+        kv = self.kv_cache.nbytes
+        if self.device.type == "cuda":
+            return max(kv + lora, int(torch.cuda.memory_reserved(self.device)))
+        return kv + lora
+
+    # ------------------------------------------------------------------ KV-cache size
+
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model_config
+        per_block = block_bytes(mc, cfg.block_size, self.dtype)
+        useful = cfg.max_num_seqs * blocks_for_tokens(self.max_model_len, cfg.block_size)
+        self.kv_blocks_from = "num_kv_blocks"
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        self.kv_blocks_from = "kv_cache_memory_bytes"
+        if cfg.kv_cache_memory_bytes is not None:
+            n = blocks_for_budget(cfg.kv_cache_memory_bytes, per_block)
+            if n < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes: {cfg.kv_cache_memory_bytes} is less than one KV block "
+                    f"({per_block} bytes)"
+                )
+            return min(n, useful)
+        self.kv_blocks_from = "cpu_default"
+        if self.device.type != "cuda":
+            return cpu_default_blocks(cfg.max_num_seqs, self.max_model_len, cfg.block_size, per_block)
+        fields = self._kv_init_fields()
+        key = kv_init_key(fields)
+        n = load_kv_init(cfg.resolved_cache_dir, key)
+        self.kv_blocks_from = "saved"
+        if n is None:
+            self.kv_blocks_from = "profiled"
+            n = min(self._profile_kv_blocks(per_block), useful)
+            save_kv_init(cfg.resolved_cache_dir, key, n, fields)
+            log.info("KV cache: profiled %d blocks, saved under %s", n, cfg.resolved_cache_dir)
+        else:
+            log.info("KV cache: %d blocks from a previous start (no profiling forward)", n)
+        return n
+
+    def _kv_init_fields(self) -> dict:
+        cfg = self.config
+        model_dir = Path(cfg.model).resolve()
+        props = torch.cuda.get_device_properties(self.device)
+        weights = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
+        return {
+            "model": str(model_dir),
+            "config": (model_dir / "config.json").read_text(),
+            "weights": weights,
+            "dtype": str(self.dtype),
+            "device": props.name,
+            "total_memory": props.total_memory,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "block_size": cfg.block_size,
+            "adapter_shape": self.lora.shape_key if self.lora else None,
+            "torch": torch.__version__,
+        }
+
+    def _profile_kv_blocks(self, per_block: int) -> int:
+        """One forward of max_num_batched_tokens prompt tokens; what is left under the budget is KV."""
+        cfg = self.config
+        tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
+        scratch = KVCache(
+            self.model_config,
+            blocks_for_tokens(tokens, cfg.block_size),
+            cfg.block_size,
+            self.device,
+            self.dtype,
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=self.device),
+            positions=torch.arange(tokens, device=self.device),
+            slot_mapping=torch.arange(tokens, device=self.device),
+            num_decodes=0,
+            block_tables=None,
+            context_lens=None,
+            prefills=[PrefillSpan(0, tokens, 0)],
+            logits_indices=torch.tensor([tokens - 1], device=self.device),
+        )
+        self.model.forward(batch, scratch.layers)
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch, batch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_elsewhere = total - free
+        graph_margin = 512 << 20  # decode graphs' pool (kept also without graphs: one key for both)
+        budget = int(total * cfg.gpu_memory_utilization) - used_elsewhere - activation_peak - graph_margin
+        n = blocks_for_budget(budget, per_block)
+        if n < 1:
+            raise ValueError(
+                f"gpu_memory_utilization: {cfg.gpu_memory_utilization} leaves no memory for the KV cache "
+                f"(total {total}, in use {used_elsewhere}, activations {activation_peak})"
+            )
+        return n
+
+    # ------------------------------------------------------------------ one step
+
+    def execute(self, plan: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run one step's forward; returns the chunks that sample and their logits [S, vocab] float32,
+        row i for chunk i."""
+        chunks = self._ordered(plan)
+        sampling = [c for c in chunks if c.samples]
+        if self.graphs is not None and plan.num_decodes == len(chunks) and self.graphs.can_run(len(chunks)):
+            bs = self.config.block_size
+            logits = self.graphs.run(
+                [c.seq.token_ids_range(c.start, c.start + 1)[0] for c in chunks],
+                [c.start for c in chunks],
+                [slot_mapping(c.seq.block_table, c.start, 1, bs)[0] for c in chunks],
+                [c.seq.block_table for c in chunks],
+            )
+            return sampling, logits  # every decode samples
+        return sampling, self.model.forward(self._build_batch(chunks), self.kv_cache.layers)
+
+    @staticmethod
+    def _ordered(plan: SchedulerOutput) -> list[ScheduledChunk]:
+        """Single-token chunks first (paged decode path), then multi-token chunks; stable. The
+        scheduler's decodes lead already; a one-token chunk that is no decode (a one-token prompt)
+        joins them."""
+        return [c for c in plan.chunks if c.num_tokens == 1] + [c for c in plan.chunks if c.num_tokens > 1]
+
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        bs, device = self.config.block_size, self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[PrefillSpan] = []
+        sample_rows: list[int] = []
+        num_decodes = 0
+        for c in chunks:
+            offset = len(ids)
+            ids += c.seq.token_ids_range(c.start, c.end)
+            positions += range(c.start, c.end)
+            slots += slot_mapping(c.seq.block_table, c.start, c.num_tokens, bs)
+            if c.num_tokens == 1:
+                num_decodes += 1
+            else:
+                kv_slots = None
+                if c.start > 0:
+                    kv_slots = torch.tensor(slot_mapping(c.seq.block_table, 0, c.end, bs), device=device)
+                spans.append(PrefillSpan(offset, c.num_tokens, c.start, kv_slots))
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
+        block_tables = context_lens = None
+        if num_decodes:
+            decodes = chunks[:num_decodes]
+            width = max(len(c.seq.block_table) for c in decodes)
+            table = torch.full((num_decodes, width), self.kv_cache.scratch_block, dtype=torch.int32)
+            for row, c in enumerate(decodes):
+                table[row, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
+            block_tables = table.to(device)
+            context_lens = torch.tensor([c.end for c in decodes], dtype=torch.int32, device=device)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decodes=num_decodes,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            prefills=spans,
+            logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+        )
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        log.warning("triton is not installed: paged decode attention falls back to the torch reference")
+        return False
+    return True
