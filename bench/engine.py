@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         figures[f"{name}_engine_start_s"] = time.perf_counter() - t0
-        figures[f"{name}_graph_capture_s"] = engine.graph_capture_s
-        figures["weight_bytes"] = engine.model.weight_bytes()
+        figures[f"{name}_graph_capture_s"] = engine.runner.graph_capture_s
+        figures["weight_bytes"] = engine.runner.model.weight_bytes()
         figures[name] = measure_engine(engine, prompt_len, batches, decode_tokens, mc.vocab_size)
         del engine
         gc.collect()

@@ -78,7 +78,7 @@ def test_tiny_graphs_on_off_and_kv_init_reuse(
                 max_num_seqs=16,
             )
         )
-        assert engine.kv_blocks_from == ("saved" if graphs else "profiled")
+        assert engine.runner.kv_blocks_from == ("saved" if graphs else "profiled")
         outs[graphs] = engine_greedy(engine, prompts, 24)
         del engine
         _free()
@@ -94,7 +94,7 @@ def test_tiny_graphs_on_off_and_kv_init_reuse(
             max_num_seqs=16,
         )
     )
-    assert again.kv_blocks_from == "saved"  # no profiling forward on the second start
+    assert again.runner.kv_blocks_from == "saved"  # no profiling forward on the second start
 
 
 @pytest.fixture(scope="module")

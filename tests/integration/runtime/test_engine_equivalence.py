@@ -63,8 +63,8 @@ def test_lora_matches_peft(name: str, llama_dir: Path, prompts, tmp_path: Path) 
     assert engine_greedy(engine, prompts, MAX_NEW) == reference
     # the backbone is held as the source's own tensors (views, no copy) and never modified
     name = "model.layers.1.self_attn.q_proj.weight"
-    held = engine.model.layers[1]["q_proj"]
-    assert held.data_ptr() == engine.weight_source.get(name, "cpu", held.dtype).data_ptr()
+    held = engine.runner.model.layers[1]["q_proj"]
+    assert held.data_ptr() == engine.runner.weight_source.get(name, "cpu", held.dtype).data_ptr()
 
 
 @pytest.fixture(scope="module")
