@@ -179,19 +179,19 @@ class SnapshotReader:
                 )
             )
         if costs is None:
-            shapes = {f.shape for f in functions} | {None}
-            standby = {}
+            shapes = {f.shape for f in functions}
+            standby: dict[str | None, int] = {}
             for s in shapes:
-                bb = next((self.backbone_records[f.backbone] for f in functions if f.shape == s), None)
-                if bb is None and self.backbone_records:
-                    bb = next(iter(self.backbone_records.values()))
-                if bb is not None:
-                    standby[s] = self.standby_bytes(s, bb)
+                bb = next(self.backbone_records[f.backbone] for f in functions if f.shape == s)
+                standby[s] = self.standby_bytes(s, bb)
+            # A shape-agnostic standby is sized to take any registered function: the largest LoRA.
+            largest_lora = max((size.lora_bytes for size in self.sizes.values()), default=0)
+            standby[None] = self.sizing.worker_overhead_bytes + self.sizing.default_kv_bytes + largest_lora
             costs = Costs(
                 fresh_start_s=self.sizing.fresh_start_s,
                 bind_s=self.sizing.bind_s,
                 capture_s=self.sizing.capture_s,
-                default_standby_bytes=self.sizing.worker_overhead_bytes + self.sizing.default_kv_bytes,
+                default_standby_bytes=standby[None],
                 standby_bytes=standby,
             )
         # A worker reports its own reservation once it knows it; until then (and if it reports less

@@ -121,7 +121,7 @@ def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
             assert done.stdout.strip(), f"{name} answered with no text"
             status = r.hgetall(f"lorafn:fn:{name}:status")
             assert status.get("last_cold_path") in ("standby", "fresh"), status
-            assert int(status["last_cold_start_ms"]) >= 0
+            assert float(status["last_cold_start_ms"]) >= 0
         paths = [r.hget(f"lorafn:fn:{n}:status", "last_cold_path") for n, _, _ in functions]
         assert "standby" in paths, paths  # the warm pool served at least the first cold start
         bound = {h.get("function") for h in _workers(r).values() if h.get("state") != "standby"}
@@ -149,5 +149,5 @@ def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
         except subprocess.TimeoutExpired:
             up.kill()
             raise
-    out = up.stdout.read() if up.stdout else ""
-    assert up.returncode == 0, out
+        print(up.stdout.read() if up.stdout else "")  # shown when the test fails: the controller's decisions
+    assert up.returncode == 0
