@@ -6,9 +6,9 @@ It imports no Kubernetes client (only `lorafn.operator` does); everything goes t
   with the backbones whose server pod is Ready there).
 - `start(Start)`: a bound worker raises the function's desired replica count (`<fn>:desired_replicas`:
   the operator creates a worker pod `fn-...-<i>`); a standby raises the backbone's desired pool count on
-  that GPU (`<bb>:desired_standby[gpu]`: the operator creates a standby pod there). Each count moves from
-  what the operator runs now (the stored value held within the spec's bounds, as the operator holds it),
-  so an increment always means one more pod.
+  that GPU for its adapter shape (`<bb>:desired_standby[<gpu>|<shape>]`: the operator creates a standby
+  pod there with `--shape`). Each count moves from what the operator runs now (the stored value held
+  within the spec's bounds, as the operator holds it), so an increment always means one more pod.
 - `stop(worker_id)`: the driver has already sent `stop` (the worker drains and exits, and its pod ends);
   this lowers the count the worker's pod belongs to and marks the pod retiring (`<p>:retiring`), so the
   operator stops counting it at once and deletes no other pod to meet the lower count.
@@ -26,6 +26,7 @@ one of that function's pods.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -40,8 +41,16 @@ from lorafn.store.registry import get_function, list_functions
 
 log = logging.getLogger("lorafn.controller")
 
-# The pods of one count: ("fn", function) or ("pool", backbone, gpu).
+# The pods of one count: ("fn", function) or ("pool", backbone, gpu, shape or "*").
 CountKey = tuple[str, ...]
+
+
+def pool_key(backbone: str, gpu: str, shape: str | None) -> CountKey:
+    return ("pool", backbone, gpu, shape or control.ANY_SHAPE)
+
+
+def _shape(key: CountKey) -> str | None:
+    return None if key[3] == control.ANY_SHAPE else key[3]
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class LiveWorker:
     function: str | None
     backbone: str
     gpu: str
+    shape: str | None = None
 
 
 @dataclass
@@ -68,6 +78,11 @@ class _Bounds:
     backbones: dict[str, tuple[int, int]] = field(default_factory=dict)  # bb -> (minStandby, maxStandby)
 
 
+def _placeholder_id(key: CountKey, i: int) -> str:
+    """A worker id (the store's `[A-Za-z0-9_.-]`) for a pod asked for before this controller started."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"pending-{'-'.join(key)}-{i}")[:128]
+
+
 def clamp(value: int | None, low: int, high: int) -> int:
     """What the operator runs for a stored count (None: the controller has not said)."""
     return low if value is None else max(low, min(high, value))
@@ -80,7 +95,9 @@ class KubernetesExecutor:
         self.store, self.keys, self.heartbeat_ttl_s = store, keys, heartbeat_ttl_s
         self._clock = clock
         self._asked: dict[CountKey, list[_Asked]] = defaultdict(list)
+        self._placeholders: dict[str, CountKey] = {}  # ids given to pods asked before this controller
         self._gpu_ids: set[str] = set()
+        self._resident: dict[str, set[str]] = {}  # GPU id -> backbones loaded there
 
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator]
@@ -128,6 +145,7 @@ class KubernetesExecutor:
                     function=h.get("function") or None,
                     backbone=h.get("backbone", ""),
                     gpu=h.get("gpu", ""),
+                    shape=h.get("shape") or None,
                 )
             )
         return out, set(ids)
@@ -149,6 +167,7 @@ class KubernetesExecutor:
             except (TypeError, ValueError) as e:  # a bad entry costs that GPU, not the round
                 log.error("controller: GPU inventory entry %s is unusable: %s", gid, e)
         self._gpu_ids = {g.id for g in out}
+        self._resident = {g.id: set(g.backbones) for g in out}
         return out
 
     def start(self, action: Start, worker_id: str) -> None:
@@ -164,10 +183,15 @@ class KubernetesExecutor:
         else:
             low, high = bounds.backbones.get(action.backbone, (0, 0))
             n = self.store.run(
-                control.add_desired_standby(self.keys, action.backbone, action.gpu, 1, low, high)
+                control.add_desired_standby(
+                    self.keys, action.backbone, action.gpu, action.shape, 1, low, high
+                )
             )
-            key = ("pool", action.backbone, action.gpu)
-            log.info("controller: %s pool pods on %s -> %d", action.backbone, action.gpu, n)
+            key = pool_key(action.backbone, action.gpu, action.shape)
+            log.info(
+                "controller: %s pool pods on %s of shape %s -> %d",
+                action.backbone, action.gpu, action.shape or "any", n,
+            )  # fmt: skip
         self._asked[key].append(_Asked(worker_id, action, self._now()))
 
     def stop(self, worker_id: str) -> None:
@@ -185,9 +209,10 @@ class KubernetesExecutor:
         else:
             asked = [a for a in self._asked.get(key, []) if a.worker_id == worker_id]
             low, high = bounds.backbones.get(key[1], (0, 0))
-            self.store.run(control.add_desired_standby(self.keys, key[1], key[2], -1, low, high))
-        if asked:  # a placeholder (nothing runs under that id yet): the count alone says it
-            self._asked[key] = [a for a in self._asked[key] if a.worker_id != worker_id]
+            self.store.run(control.add_desired_standby(self.keys, key[1], key[2], _shape(key), -1, low, high))
+        if asked or worker_id in self._placeholders:  # nothing runs under that id yet: the count says it
+            self._asked[key] = [a for a in self._asked.get(key, []) if a.worker_id != worker_id]
+            self._placeholders.pop(worker_id, None)
         else:
             now_ms = self.store.run(workers.server_time_ms())
             self.store.run(control.retire(self.keys, worker_id, now_ms))
@@ -196,13 +221,14 @@ class KubernetesExecutor:
         for key, asked in self._asked.items():
             if any(a.worker_id == worker_id for a in asked):
                 return key
+        if worker_id in self._placeholders:
+            return self._placeholders[worker_id]
         pool = self.store.run(control.pool_workers(self.keys))
         if worker_id in pool:
-            backbone, gpu = pool[worker_id]
-            return ("pool", backbone, gpu)
+            return pool_key(*pool[worker_id])
         info = self.store.run(workers.worker_info(self.keys, [worker_id])).get(worker_id)
         if info and info.get("state") == "standby":
-            return ("pool", info.get("backbone", ""), info.get("gpu", ""))
+            return pool_key(info.get("backbone", ""), info.get("gpu", ""), info.get("shape") or None)
         if info and info.get("function"):
             return ("fn", info["function"])
         return None
@@ -218,8 +244,7 @@ class KubernetesExecutor:
             if w.id in retiring or w.state == "draining":
                 continue
             if w.id in pool:
-                backbone, gpu = pool[w.id]
-                have[("pool", backbone, gpu)] += 1
+                have[pool_key(*pool[w.id])] += 1
             elif w.function:
                 have[("fn", w.function)] += 1
         fns = sorted(bounds.functions)
@@ -229,9 +254,11 @@ class KubernetesExecutor:
             backbone, low, high = bounds.functions[fn]
             want[("fn", fn)] = (backbone, clamp(stored.get(fn), low, high))
         for backbone, (low, high) in sorted(bounds.backbones.items()):
-            per_gpu = self.store.run(control.desired_standby(self.keys, backbone))
-            for gpu in sorted(self._gpu_ids | set(per_gpu)):
-                want[("pool", backbone, gpu)] = (backbone, clamp(per_gpu.get(gpu), low, high))
+            stored = self.store.run(control.desired_standby(self.keys, backbone))
+            for gpu in sorted(self._gpu_ids | {g for g, _ in stored}):
+                for shape, n in control.standby_counts(stored, gpu, low, high).items():
+                    want[pool_key(backbone, gpu, shape)] = (backbone, n)
+        self._placeholders = {}
         out: list[Worker] = []
         now = self._now()
         for key, (backbone, n) in want.items():
@@ -242,15 +269,21 @@ class KubernetesExecutor:
             for i in range(missing):
                 a = asked[i] if i < len(asked) else None
                 gpu = a.action.gpu if a else (key[2] if key[0] == "pool" else "")
-                if gpu not in self._gpu_ids:
-                    continue  # not on a GPU the account knows (a pod the operator places itself)
+                if backbone not in self._resident.get(gpu, ()):
+                    # Not on a GPU the account knows, or its backbone is not loaded there yet: such a pod
+                    # cannot start (it waits for the backbone server), so the policy does not see it (it
+                    # would stop it as misplaced, and the operator would delete a pod about to be useful).
+                    continue
+                wid = a.worker_id if a else _placeholder_id(key, i)
+                if a is None:
+                    self._placeholders[wid] = key
                 out.append(
                     Worker(
-                        id=a.worker_id if a else f"pending-{'-'.join(key)}-{i}",
+                        id=wid,
                         gpu=gpu,
                         backbone=backbone,
                         state="starting",
-                        shape=a.action.shape if a else None,
+                        shape=a.action.shape if a else (_shape(key) if key[0] == "pool" else None),
                         function=key[1] if key[0] == "fn" else None,
                         mem_bytes=a.action.mem_bytes if a else 0,
                         age_s=now - a.at if a else 0.0,
@@ -260,14 +293,16 @@ class KubernetesExecutor:
             del self._asked[key]
         return out
 
-    def _learn_pool(self, live: list[LiveWorker], registered: set[str]) -> dict[str, tuple[str, str]]:
+    def _learn_pool(
+        self, live: list[LiveWorker], registered: set[str]
+    ) -> dict[str, tuple[str, str, str | None]]:
         """Remember workers seen as standby (pool pods); forget those that left the worker registry (a
         late heartbeat alone does not make a bound pool worker count as a pod of its function)."""
         pool = self.store.run(control.pool_workers(self.keys))
         new = {
-            w.id: (w.backbone, w.gpu)
+            w.id: (w.backbone, w.gpu, w.shape)
             for w in live
-            if w.state == "standby" and pool.get(w.id) != (w.backbone, w.gpu)
+            if w.state == "standby" and pool.get(w.id) != (w.backbone, w.gpu, w.shape)
         }
         gone = [wid for wid in pool if wid not in registered]
         self.store.run(

@@ -18,6 +18,7 @@ from lorafn.api.sizing import MiB
 from lorafn.api.specs import BackboneSpec
 from lorafn.operator import builders, events, kube, reducers, registry
 from lorafn.operator.config import OperatorConfig
+from lorafn.store import control
 
 
 def reconcile(
@@ -60,8 +61,8 @@ def reconcile(
     plan = reducers.plan_pods(list(wanted_servers), server_pods)
     to_create = {n: wanted_servers[n] for n in plan.create}
     to_delete = list(plan.delete)
-    # Pool (standby) pods per GPU: as many as the controller asks there (standby ones and those bound and
-    # still serving), within the warm-pool bounds; the pods it stopped end by themselves.
+    # Pool (standby) pods per GPU and adapter shape: as many as the controller asks there (standby ones and
+    # those bound and still serving), within the warm-pool bounds; the pods it stopped end by themselves.
     retiring = reg.retiring()
     now_ms = reg.now_ms() if retiring else 0
     by_slot = {s.slot_id: s for s in slots}
@@ -71,24 +72,34 @@ def reconcile(
         if slot_id not in by_slot and not reducers.pod_deleting(pod):
             to_delete.append(pod["metadata"]["name"])
     for slot in slots:
-        count = reducers.clamp_replicas(
-            asked.get(slot.gpu_id), spec.warm_pool.min_standby, spec.warm_pool.max_standby
-        )
         on_slot = [
             p for p in standby_pods if p["metadata"]["labels"].get(builders.LABEL_SLOT) == slot.slot_id
         ]
-        slot_plan = reducers.plan_counted_pods(
-            count,
-            on_slot,
-            lambda k, slot=slot: builders.standby_pod_name(name, slot, k),
-            retiring,
-            now_ms,
-            int(config.retire_grace_s * 1000),
+        counts = control.standby_counts(
+            asked, slot.gpu_id, spec.warm_pool.min_standby, spec.warm_pool.max_standby
         )
-        to_delete += slot_plan.delete
-        for pod_name in slot_plan.create:
-            k = int(pod_name.rsplit("-", 1)[1])
-            to_create[pod_name] = builders.build_standby_pod(body, spec, slot, k, config)
+        shapes = {builders.shape_label(s): s for s in counts}
+        for pod in on_slot:  # shapes no longer asked for: their pods go (count 0)
+            label = pod["metadata"]["labels"].get(builders.LABEL_SHAPE, "any")
+            shapes.setdefault(
+                label, (pod["metadata"].get("annotations") or {}).get(builders.ANNOTATION_SHAPE)
+            )
+        for label, shape in sorted(shapes.items()):
+            of_shape = [
+                p for p in on_slot if p["metadata"]["labels"].get(builders.LABEL_SHAPE, "any") == label
+            ]
+            shape_plan = reducers.plan_counted_pods(
+                counts.get(shape, 0),
+                of_shape,
+                lambda k, slot=slot, shape=shape: builders.standby_pod_name(name, slot, k, shape),
+                retiring,
+                now_ms,
+                int(config.retire_grace_s * 1000),
+            )
+            to_delete += shape_plan.delete
+            for pod_name in shape_plan.create:
+                k = int(pod_name.rsplit("-", 1)[1])
+                to_create[pod_name] = builders.build_standby_pod(body, spec, slot, k, config, shape)
     for pod_name in to_delete:
         k8s.delete(f"{kube.pods(config.namespace)}/{pod_name}")
     for pod in to_create.values():

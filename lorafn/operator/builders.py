@@ -37,6 +37,8 @@ LABEL_SLOT = "lorafn.io/slot"
 LABEL_FN_NAMESPACE = "lorafn.io/function-namespace"
 LABEL_FN_NAME = "lorafn.io/function-name"
 LABEL_REPLICA = "lorafn.io/replica"
+LABEL_SHAPE = "lorafn.io/shape"  # of a pool pod: `any`, or a hash of the adapter shape it prepares
+ANNOTATION_SHAPE = "lorafn.io/shape"
 ANNOTATION_GPU_UUID = "lorafn.io/gpu-uuid"
 
 COMPONENT_SERVER = "backbone-server"
@@ -103,8 +105,15 @@ def server_pod_name(backbone: str, slot: GPUSlot) -> str:
     return f"{bounded(backbone, 40)}-{slot.slot_id}-server"
 
 
-def standby_pod_name(backbone: str, slot: GPUSlot, k: int) -> str:
-    return f"{bounded(backbone, 40)}-{slot.slot_id}-standby-{k}"
+def shape_label(shape: str | None) -> str:
+    """Label value of a pool pod's adapter shape (a shape key is no valid label value: a hash of it)."""
+    return short_hash(shape, 8) if shape else "any"
+
+
+def standby_pod_name(backbone: str, slot: GPUSlot, k: int, shape: str | None = None) -> str:
+    """`<bb>-<slot>-standby-<k>`, or `<bb>-<slot>-standby-<shape hash>-<k>` when prepared for a shape."""
+    middle = f"standby-{shape_label(shape)}" if shape else "standby"
+    return f"{bounded(backbone, 40)}-{slot.slot_id}-{middle}-{k}"
 
 
 def claim_name(backbone: str, slot: GPUSlot) -> str:
@@ -424,17 +433,26 @@ def build_server_pod(
 
 
 def build_standby_pod(
-    backbone_body: dict[str, Any], spec: BackboneSpec, slot: GPUSlot, k: int, config: OperatorConfig
+    backbone_body: dict[str, Any],
+    spec: BackboneSpec,
+    slot: GPUSlot,
+    k: int,
+    config: OperatorConfig,
+    shape: str | None = None,
 ) -> dict[str, Any]:
-    """A tenant-neutral standby worker on one GPU; once bound it serves one function and then exits."""
+    """A tenant-neutral standby worker on one GPU (prepared for adapter `shape` when given: its graphs are
+    ready for it); once bound it serves one function and then exits."""
     backbone = backbone_body["metadata"]["name"]
-    return _gpu_pod(
-        name=standby_pod_name(backbone, slot, k),
+    pod = _gpu_pod(
+        name=standby_pod_name(backbone, slot, k, shape),
         config=config,
         backbone=backbone,
         backbone_spec=spec,
         slot=slot,
-        labels=_labels(COMPONENT_STANDBY, **{LABEL_BACKBONE: backbone, LABEL_SLOT: slot.slot_id}),
+        labels=_labels(
+            COMPONENT_STANDBY,
+            **{LABEL_BACKBONE: backbone, LABEL_SLOT: slot.slot_id, LABEL_SHAPE: shape_label(shape)},
+        ),
         owner=owner_reference(backbone_body, "Backbone"),
         # Tenant-neutral: bound later by the controller (`bind` on its control stream). A bound process
         # stays in this pod and exits after keep-alive (or a `stop`) with code 0: OnFailure lets the pod
@@ -450,11 +468,15 @@ def build_standby_pod(
             "--standby",
             "--backbone",
             backbone,
+            *(["--shape", shape] if shape else []),
         ],
         env=_worker_env(config, spec),
         resources=config.standby_resources,
         restart_policy="OnFailure",
     )
+    if shape:
+        pod["metadata"]["annotations"][ANNOTATION_SHAPE] = shape
+    return pod
 
 
 def build_worker_pod(

@@ -205,15 +205,73 @@ def add_desired_replicas(keys: Keys, function: str, delta: int, low: int, high: 
     )
 
 
-def add_desired_standby(keys: Keys, backbone: str, gpu: str, delta: int, low: int, high: int) -> Op[int]:
-    """Like `add_desired_replicas`, for the backbone's pool pods on `gpu` ([minStandby, maxStandby])."""
-    _check_bounds(low, high)
-    if not gpu:
-        raise ValueError("gpu: must be a non-empty GPU id")
+_ADD_STANDBY = """
+local all = redis.call('HGETALL', KEYS[1])
+local prefix = ARGV[1] .. '|'
+local total, named = 0, false
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, #prefix) == prefix then
+    named = true
+    total = total + math.max(0, tonumber(all[i + 1]) or 0)
+  end
+end
+local floor, cap, delta = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[3])
+if not named then
+  redis.call('HSET', KEYS[1], prefix .. '*', floor)
+  total = floor
+end
+local field = prefix .. ARGV[2]
+local current = math.max(0, tonumber(redis.call('HGET', KEYS[1], field)) or 0)
+if delta > 0 then delta = math.min(delta, math.max(0, cap - total)) end
+local new = math.max(0, current + delta)
+redis.call('HSET', KEYS[1], field, new)
+return new
+"""
+
+ANY_SHAPE = "*"
+
+
+def standby_field(gpu: str, shape: str | None) -> str:
+    """The field of `<bb>:desired_standby`: `<gpu>|<shape>` (`*`: shape-agnostic standby workers)."""
+    if not gpu or "|" in gpu:
+        raise ValueError(f"gpu: {gpu!r} must be a non-empty GPU id without '|'")
+    return f"{gpu}|{shape or ANY_SHAPE}"
+
+
+def add_desired_standby(
+    keys: Keys, backbone: str, gpu: str, shape: str | None, delta: int, floor: int, cap: int
+) -> Op[int]:
+    """Move the backbone's pool pods of `shape` on `gpu` by `delta`; returns the new count. While nothing
+    is stored for that GPU the operator runs `floor` (warmPool.minStandby) shape-agnostic ones, so that is
+    written first; once anything is, the stored counts are what runs. The GPU's total stays <= `cap`
+    (warmPool.maxStandby)."""
+    _check_bounds(floor, cap)
+    field = standby_field(gpu, shape)
+    shape_part = field.split("|", 1)[1]
     return Op(
-        lambda pipe: pipe.eval(_ADD_DESIRED, 1, keys.desired_standby(backbone), gpu, int(delta), low, high),
+        lambda pipe: pipe.eval(
+            _ADD_STANDBY, 1, keys.desired_standby(backbone), gpu, shape_part, int(delta), floor, cap
+        ),
         lambda r: int(r[0]),
     )
+
+
+def standby_counts(
+    stored: dict[tuple[str, str | None], int], gpu: str, floor: int, cap: int
+) -> dict[str | None, int]:
+    """Pool pods per shape the operator runs on `gpu` (None: shape-agnostic): `floor` agnostic ones while
+    nothing is stored for it, else the stored counts, agnostic first, the total cut at `cap`."""
+    mine = {shape: n for (g, shape), n in stored.items() if g == gpu}
+    if not mine:
+        return {None: min(floor, cap)} if floor else {}
+    out: dict[str | None, int] = {}
+    left = cap
+    for shape in sorted(mine, key=lambda s: (s is not None, s or "")):
+        n = min(max(0, mine[shape]), left)
+        left -= n
+        if n:
+            out[shape] = n
+    return out
 
 
 def desired_replicas(keys: Keys, functions: list[str]) -> Op[dict[str, int | None]]:
@@ -226,12 +284,17 @@ def desired_replicas(keys: Keys, functions: list[str]) -> Op[dict[str, int | Non
     return Op(build, lambda r: {f: _int_or_none(v) for f, v in zip(functions, r, strict=True)})
 
 
-def desired_standby(keys: Keys, backbone: str) -> Op[dict[str, int]]:
-    """GPU id -> stored desired pool pods of the backbone (GPUs the controller has not named are absent)."""
+def desired_standby(keys: Keys, backbone: str) -> Op[dict[tuple[str, str | None], int]]:
+    """(GPU id, shape or None) -> stored desired pool pods of the backbone there."""
 
-    def parse(r: list[Any]) -> dict[str, int]:
-        out = {gpu: _int_or_none(v) for gpu, v in (r[0] or {}).items()}
-        return {gpu: v for gpu, v in out.items() if v is not None}
+    def parse(r: list[Any]) -> dict[tuple[str, str | None], int]:
+        out: dict[tuple[str, str | None], int] = {}
+        for name, value in (r[0] or {}).items():
+            gpu, _, shape = name.rpartition("|")
+            count = _int_or_none(value)
+            if gpu and count is not None:
+                out[(gpu, None if shape == ANY_SHAPE else shape)] = count
+        return out
 
     return Op(lambda pipe: pipe.hgetall(keys.desired_standby(backbone)), parse)
 
@@ -272,20 +335,21 @@ def unretire(keys: Keys, worker_ids: list[str]) -> Op[None]:
     return Op(lambda pipe: pipe.zrem(keys.retiring(), *worker_ids), lambda r: None)
 
 
-def remember_pool_workers(keys: Keys, where: dict[str, tuple[str, str]]) -> Op[None]:
-    """worker id -> (backbone, gpu) of workers seen as standby: they run in pool pods."""
+def remember_pool_workers(keys: Keys, where: dict[str, tuple[str, str, str | None]]) -> Op[None]:
+    """worker id -> (backbone, gpu, shape) of workers seen as standby: they run in pool pods."""
     if not where:
         return Op(lambda pipe: None, lambda r: None)
-    mapping = {wid: f"{bb}|{gpu}" for wid, (bb, gpu) in where.items()}
+    mapping = {wid: f"{bb}|{standby_field(gpu, shape)}" for wid, (bb, gpu, shape) in where.items()}
     return Op(lambda pipe: pipe.hset(keys.pool_workers(), mapping=mapping), lambda r: None)
 
 
-def pool_workers(keys: Keys) -> Op[dict[str, tuple[str, str]]]:
-    def parse(r: list[Any]) -> dict[str, tuple[str, str]]:
+def pool_workers(keys: Keys) -> Op[dict[str, tuple[str, str, str | None]]]:
+    def parse(r: list[Any]) -> dict[str, tuple[str, str, str | None]]:
         out = {}
         for wid, value in (r[0] or {}).items():
-            bb, _, gpu = value.partition("|")
-            out[wid] = (bb, gpu)
+            bb, _, rest = value.partition("|")
+            gpu, _, shape = rest.rpartition("|")
+            out[wid] = (bb, gpu, None if shape == ANY_SHAPE else shape)
         return out
 
     return Op(lambda pipe: pipe.hgetall(keys.pool_workers()), parse)

@@ -152,9 +152,9 @@ class Keys:
         return f"{self.function(function)}:desired_replicas"
 
     def desired_standby(self, backbone: str) -> str:
-        """hash: GPU id -> pool pods the controller wants for the backbone on that GPU (standby ones,
-        and those whose process got bound and still serves). The operator holds each within
-        [warmPool.minStandby, warmPool.maxStandby]; a GPU not listed: minStandby."""
+        """hash: `<gpu>|<shape>` (`*`: shape-agnostic) -> pool pods the controller wants for the backbone
+        there (standby ones, and those whose process got bound and still serves). A GPU with no field:
+        the operator runs warmPool.minStandby agnostic ones; the total per GPU stays <= maxStandby."""
         return f"{self.backbone(backbone)}:desired_standby"
 
     def retiring(self) -> str:
@@ -164,6 +164,6 @@ class Keys:
         return f"{self.prefix}:retiring"
 
     def pool_workers(self) -> str:
-        """hash: worker id -> `<backbone>|<gpu>` of the workers that run in a pool (standby) pod, learnt
-        while they heartbeat as standby; a stop of one lowers that pool count, not a function's."""
+        """hash: worker id -> `<backbone>|<gpu>|<shape>` of the workers that run in a pool (standby) pod,
+        learnt while they heartbeat as standby; a stop of one lowers that pool count, not a function's."""
         return f"{self.prefix}:pool_workers"

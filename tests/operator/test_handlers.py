@@ -14,6 +14,7 @@ import redis
 
 from lorafn.operator import events as operator_events
 from lorafn.operator import handlers, registry
+from lorafn.operator.builders import shape_label
 from lorafn.operator.config import OperatorConfig
 from lorafn.store import Keys, Store, control
 from lorafn.store.registry import hash_api_key, lookup_api_key
@@ -133,7 +134,7 @@ def test_backbone_handler_creates_pods_and_patches_status(world: Any) -> None:
 
 def test_backbone_controller_can_raise_standby_within_bounds(world: Any) -> None:
     # Per GPU (`<node>/<uuid>`, as the inventory and the workers' --gpu name it).
-    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa", 99)
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa|*", 99)
     run(handlers.backbone_changed, backbone_body(world.tmp), world)
     standby = world.kube.list(
         "/api/v1/namespaces/lorafn-system/pods", {"app.kubernetes.io/component": "standby-worker"}
@@ -151,13 +152,13 @@ def _pod_names(world: Any, **labels: str) -> list[str]:
 def test_stopped_pool_pods_are_not_counted_and_no_other_pod_goes(world: Any) -> None:
     """The controller stops standby-0 (retiring) and lowers the count 3 -> 2: standby-0 drains and ends
     by itself; the operator deletes neither it nor a busy sibling, then replaces nothing."""
-    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa", 3)
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa|*", 3)
     body = backbone_body(world.tmp)
     run(handlers.backbone_changed, body, world)
     pool = _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"})
     assert [n.rsplit("-", 1)[1] for n in pool] == ["0", "1", "2"]
     world.redis.zadd("lorafn:retiring", {pool[0]: world.registry.now_ms()})
-    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa", 2)
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa|*", 2)
     run(handlers.backbone_changed, body, world)
     assert _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"}) == pool
     # It ended (exit 0 after its drain: restartPolicy OnFailure leaves the pod Succeeded): removed, not
@@ -167,7 +168,20 @@ def test_stopped_pool_pods_are_not_counted_and_no_other_pod_goes(world: Any) -> 
     assert _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"}) == pool[1:]
     assert world.redis.zcard("lorafn:retiring") == 0
     # The controller asks one more: the lowest free name comes back as a fresh pod.
-    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa", 3)
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa|*", 3)
+    run(handlers.backbone_changed, body, world)
+    assert _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"}) == pool
+    # A standby prepared for an adapter shape: its own pods (--shape), counted apart, within maxStandby (4).
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa|q_proj:8,v_proj:8", 5)
+    run(handlers.backbone_changed, body, world)
+    shaped = world.kube.list(
+        "/api/v1/namespaces/lorafn-system/pods", {"lorafn.io/shape": shape_label("q_proj:8,v_proj:8")}
+    )
+    assert len(shaped) == 1
+    args = shaped[0]["spec"]["containers"][0]["args"]
+    assert args[args.index("--shape") + 1] == "q_proj:8,v_proj:8"
+    assert shaped[0]["metadata"]["annotations"]["lorafn.io/shape"] == "q_proj:8,v_proj:8"
+    world.redis.hdel("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa|q_proj:8,v_proj:8")
     run(handlers.backbone_changed, body, world)
     assert _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"}) == pool
 

@@ -168,7 +168,7 @@ async def test_backbone_and_function_lifecycle(
     assert [n.rsplit("-", 1)[1] for n in names] == ["0", "1", "2"]
     for name in names:
         await cluster.set_pod_ready(name)
-    r.hset("lorafn:fn:team-a/french:stats", "last_cold_start_ms", 42)
+    r.hset("lorafn:fn:team-a/french:status", "last_cold_start_ms", 42)  # the controller writes it
     fn = await wait_for(
         lambda: _when(cluster.get(f"{FN_PATH}/french"), lambda f: f["status"].get("phase") == "Ready"),
         what="phase Ready",

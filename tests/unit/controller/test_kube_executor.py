@@ -166,13 +166,14 @@ def test_stopping_a_placeholder_lowers_the_count_without_retiring(world: Any) ->
 def test_pool_pods_count_for_their_pool_also_when_bound(world: Any) -> None:
     store, keys, executor, _ = world
     executor.start(standby_start(GPU_A), "w-s1")
-    assert store.run(control.desired_standby(keys, "tiny")) == {GPU_A: 2}  # from minStandby 1
+    # minStandby 1 written first (what the operator ran), then one more.
+    assert store.run(control.desired_standby(keys, "tiny")) == {(GPU_A, None): 2}
     pool_a = [w for w in executor.starting() if w.function is None and w.gpu == GPU_A]
-    assert [w.id for w in pool_a] == ["w-s1", "pending-pool-tiny-node-1/GPU-aaaa-1"]
+    assert [w.id for w in pool_a] == ["w-s1", "pending-pool-tiny-node-1-GPU-aaaa---1"]
     beat(store, keys, "tiny-x-standby-0", "standby", None)
     beat(store, keys, "tiny-x-standby-1", "standby", None)
     assert [w for w in executor.starting() if w.gpu == GPU_A] == []
-    assert store.run(control.pool_workers(keys))["tiny-x-standby-0"] == ("tiny", GPU_A)
+    assert store.run(control.pool_workers(keys))["tiny-x-standby-0"] == ("tiny", GPU_A, None)
     # The controller binds standby-0 to the function: it serves from its pool pod. It still counts for
     # the pool (its pod is a pool pod) and not as a pod of the function.
     beat(store, keys, "tiny-x-standby-0", "serving", FN)
@@ -180,7 +181,7 @@ def test_pool_pods_count_for_their_pool_also_when_bound(world: Any) -> None:
     assert desired(store, keys) is None
     # Keep-alive over: the controller stops it; the pool count drops (its pod goes), not the function's.
     executor.stop("tiny-x-standby-0")
-    assert store.run(control.desired_standby(keys, "tiny")) == {GPU_A: 1}
+    assert store.run(control.desired_standby(keys, "tiny")) == {(GPU_A, None): 1}
     assert desired(store, keys) is None
     assert "tiny-x-standby-0" in store.run(control.retiring(keys))
     # Gone from the worker registry: forgotten as a pool worker.
@@ -189,11 +190,24 @@ def test_pool_pods_count_for_their_pool_also_when_bound(world: Any) -> None:
     assert "tiny-x-standby-0" not in store.run(control.pool_workers(keys))
 
 
-def test_standby_count_stays_within_warm_pool_bounds(world: Any) -> None:
+def test_pool_counts_per_shape_within_warm_pool_bounds(world: Any) -> None:
     store, keys, executor, _ = world
+    shaped = Start(GPU_B, "tiny", "q_proj:8", None, 250 * MiB, "pool")
     for i in range(5):
-        executor.start(standby_start(GPU_B), f"w-{i}")
-    assert store.run(control.desired_standby(keys, "tiny")) == {GPU_B: 3}  # maxStandby
+        executor.start(shaped, f"w-{i}")
+    # minStandby 1 agnostic (what ran) + 2 of the shape: maxStandby 3 per GPU in all.
+    stored = store.run(control.desired_standby(keys, "tiny"))
+    assert stored == {(GPU_B, None): 1, (GPU_B, "q_proj:8"): 2}
+    assert control.standby_counts(stored, GPU_B, 1, 3) == {None: 1, "q_proj:8": 2}
+    assert control.standby_counts(stored, GPU_A, 1, 3) == {None: 1}  # nothing stored: minStandby
+    shapes = sorted((w.shape or "", w.id) for w in executor.starting() if w.gpu == GPU_B)
+    assert shapes == [("", "pending-pool-tiny-node-1-GPU-bbbb---0"), ("q_proj:8", "w-3"), ("q_proj:8", "w-4")]
+    # The controller drops the agnostic one (a shaped standby is worth more): a placeholder, so the
+    # count alone goes; nothing is marked retiring. Stored counts now rule (0 agnostic), not minStandby.
+    executor.stop("pending-pool-tiny-node-1-GPU-bbbb---0")
+    stored = store.run(control.desired_standby(keys, "tiny"))
+    assert control.standby_counts(stored, GPU_B, 1, 3) == {"q_proj:8": 2}
+    assert store.run(control.retiring(keys)) == {}
     for _ in range(5):
-        store.run(control.add_desired_standby(keys, "tiny", GPU_B, -1, 1, 3))
-    assert store.run(control.desired_standby(keys, "tiny")) == {GPU_B: 0}  # stored; the operator runs 1
+        store.run(control.add_desired_standby(keys, "tiny", GPU_B, "q_proj:8", -1, 1, 3))
+    assert store.run(control.desired_standby(keys, "tiny"))[(GPU_B, "q_proj:8")] == 0

@@ -1,0 +1,165 @@
+"""The serverless core on Kubernetes: the real operator against KMock, a real `lorafn controller run`
+process and a real redis-server. No kubelet runs, so no worker ever heartbeats: what is checked is the
+chain demand -> controller -> desired count in Redis -> operator -> pod, the GPU inventory, the pool
+pods staying put, and the controller's status reaching the LoRAFunction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from lorafn.store import Keys, Store, control, streams
+from lorafn.store.protocol import RequestBody
+from tests.operator.conftest import NAMESPACE, Cluster, wait_for
+from tests.operator.test_operator_kmock import BB_PATH, backbone, conditions, function, node
+from tests.unit.operator._peft import write_adapter, write_backbone
+
+pytest.importorskip("kmock", reason="KMock needs Python 3.11+")
+pytestmark = pytest.mark.timeout(120)
+
+FN_PATH = "/apis/lorafn.io/v1alpha1/namespaces/team-a/lorafunctions"
+GPU_ID = "gpu-node-1/GPU-0000aaaa"
+
+
+@pytest_asyncio.fixture
+async def start_controller(redis_url: str, tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    procs: list[asyncio.subprocess.Process] = []
+    log = tmp_path / "controller.log"
+
+    async def start() -> asyncio.subprocess.Process:
+        env = dict(os.environ)
+        env.update(
+            LORAFN_REDIS_URL=redis_url, LORAFN_INTERVAL_S="0.2", LORAFN_DEVICE="cpu", LORAFN_LEASE_TTL_S="3"
+        )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "lorafn.cli", "controller", "run",
+            env=env, stdout=log.open("a"), stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
+def admit(store: Store, keys: Keys, fn: str, rid: str) -> None:
+    store.run(
+        streams.admit(
+            keys, fn, rid, RequestBody(prompt="hello"), deadline_ms=0, now_s=time.time(),
+            rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
+        )
+    )  # fmt: skip
+
+
+async def test_demand_leads_to_a_worker_pod_and_status_comes_back(
+    cluster: Cluster, start_operator: Any, start_controller: Any, redis_url: str, tmp_path: Path
+) -> None:
+    store, keys = Store(redis_url), Keys()
+    model = write_backbone(tmp_path / "models" / "tiny")
+    (model / "model.safetensors").write_bytes(b"\0" * 8192)
+    await cluster.create("/api/v1/nodes", node("gpu-node-1", ["GPU-0000aaaa"]))
+    await cluster.create(BB_PATH, backbone("tiny", model, min_standby=1))
+    adapter = write_adapter(tmp_path / "adapters" / "fr", rank=4)
+    await cluster.create(FN_PATH, function("fr", f"file://{adapter}", scaling={"minReplicas": 0}))
+    await cluster.create(
+        FN_PATH,
+        function("huge", f"file://{adapter}", scaling={"minReplicas": 0}, resources={"kvCacheMiB": 900_000}),
+    )
+    op = await start_operator()
+    await start_controller()
+
+    # The backbone server becomes Ready: its GPU enters the inventory with the backbone resident.
+    server = await wait_for(
+        lambda: cluster.pods(**{"app.kubernetes.io/component": "backbone-server"}), what="server pod"
+    )
+    await cluster.set_pod_ready(server[0]["metadata"]["name"])
+    inventory = await wait_for(
+        lambda: store.run(control.gpus(keys)).get(GPU_ID, {}).get("backbones"), what="inventory"
+    )
+    assert inventory == {"tiny": 8192}
+    assert store.run(control.gpus(keys))[GPU_ID]["total_bytes"] == 81559 * 2**20
+    standby = await wait_for(
+        lambda: cluster.pods(**{"app.kubernetes.io/component": "standby-worker"}), what="standby pod"
+    )
+    assert len(standby) == 1 and standby[0]["spec"]["restartPolicy"] == "OnFailure"
+    await wait_for(
+        lambda: store.run(control.lease_holder(keys)), what="the controller holds the lease"
+    )  # fmt: skip
+    fr = await wait_for(
+        lambda: _when(cluster.get(f"{FN_PATH}/fr"), lambda f: conditions(f).get("Ready", ("",))[0] == "True"),
+        what="fr Ready",
+    )
+    assert fr["status"]["phase"] == "Idle"
+    assert await cluster.pods(**{"lorafn.io/function-name": "fr"}) == []
+
+    # No demand yet: the minStandby pod stays the same pod while the controller runs rounds (0.2 s) and the
+    # operator re-checks (0.5 s): the controller counts it as starting (no kubelet here), asks nothing.
+    await asyncio.sleep(3)
+    again = await cluster.pods(**{"app.kubernetes.io/component": "standby-worker"})
+    assert [p["metadata"]["name"] for p in again] == [standby[0]["metadata"]["name"]]
+    assert creations(cluster, standby[0]["metadata"]["name"]) == 1
+
+    # Demand for the minReplicas-0 function: no standby is live (no kubelet here), so the controller starts
+    # a fresh worker; the operator creates its pod on the backbone's GPU.
+    admit(store, keys, "team-a/fr", "r1")
+    workers = await wait_for(lambda: cluster.pods(**{"lorafn.io/function-name": "fr"}), what="worker pod")
+    assert len(workers) == 1
+    args = workers[0]["spec"]["containers"][0]["args"]
+    assert args[args.index("--function") + 1] == "team-a/fr" and args[args.index("--gpu") + 1] == GPU_ID
+    assert store.run(control.desired_replicas(keys, ["team-a/fr"]))["team-a/fr"] == 1
+
+    # A function that fits no GPU waits, and its status says why.
+    admit(store, keys, "team-a/huge", "r2")
+    huge = await wait_for(
+        lambda: _when(
+            cluster.get(f"{FN_PATH}/huge"),
+            lambda f: conditions(f).get("Ready", ("",))[1] == "WaitingForCapacity",
+        ),
+        what="huge waits",
+    )
+    message = next(c["message"] for c in huge["status"]["conditions"] if c["type"] == "Ready")
+    assert "GiB" in message or "fit" in message, message
+    assert await cluster.pods(**{"lorafn.io/function-name": "huge"}) == []
+
+    # A worker reports a bind (as the runtime does on the lifecycle stream): the controller records the
+    # cold start, and the operator shows it.
+    store.run(
+        control.post_event(keys, control.BOUND, function="team-a/fr", worker="w-1", ms=137, path="standby")
+    )
+    fr = await wait_for(
+        lambda: _when(cluster.get(f"{FN_PATH}/fr"), lambda f: f["status"].get("lastColdStartMs") == 137),
+        what="lastColdStartMs",
+    )
+    assert op.running, op.output()[-3000:]
+    store.close()
+
+
+def creations(cluster: Cluster, pod_name: str) -> int:
+    """How many times the operator created a pod of that name (KMock keeps every request)."""
+    import kmock
+
+    return sum(
+        1
+        for req in cluster.km
+        if req.method == kmock.method.POST
+        and req.url.path == f"/api/v1/namespaces/{NAMESPACE}/pods"
+        and isinstance(req.data, dict)
+        and req.data.get("metadata", {}).get("name") == pod_name
+    )
+
+
+async def _when(awaitable: Any, check: Any) -> Any:
+    value = await awaitable
+    return value if value and check(value) else None
