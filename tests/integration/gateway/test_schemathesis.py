@@ -61,6 +61,9 @@ def _property(operation, url: str, seen: dict[str, set[int]]):
         max_examples=EXAMPLES_PER_OPERATION,
         deadline=None,
         database=None,
+        # the same examples every run: random ones reached a worker on every invocation endpoint only
+        # about 5 runs in 6 (the assertion below then failed at random)
+        derandomize=True,
         suppress_health_check=list(HealthCheck),
     )
     def check(case, key, model) -> None:
