@@ -108,6 +108,8 @@ class Controller:
                 self.round()
             except UNAVAILABLE_ERRORS as e:
                 log.warning("controller: Redis unreachable (%s); retrying", e)
+            except Exception:  # one bad round (a bad record, a bug) must not stop every later decision
+                log.exception("controller: round failed; trying again next interval")
             time.sleep(self.config.interval_s)
 
     # -- what happened ---------------------------------------------------------------------------

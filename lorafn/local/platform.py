@@ -235,7 +235,10 @@ class LocalPlatform:
         # The gateway records cold-start demand: waking on it makes the round that answers it start at once.
         for entry_id, _fields in self.store.run(read_demand(self.keys, self._demand_cursor, block_ms)):
             self._demand_cursor = entry_id
-        self.controller.round()
+        try:
+            self.controller.round()
+        except Exception:  # a bad round (a bad record, a bug) must not take the platform down
+            log.exception("controller round failed; trying again next tick")
 
     def serve_forever(self, stop_after_s: float | None = None) -> None:
         import time

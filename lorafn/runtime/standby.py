@@ -43,12 +43,18 @@ class Standby:
             engine,
             worker_id,
         )
-        self._cursor = "0"
+        # only commands sent after this process started (a restarted pod keeps its worker id)
+        self._cursor = store.run(workers.last_control_id(keys, worker_id))
         self._stopping = False
         self._started = time.time()
 
     def stop(self, *_: Any) -> None:
         self._stopping = True
+
+    @property
+    def cursor(self) -> str:
+        """The last control command read (the bind): the bound worker goes on from there."""
+        return self._cursor
 
     def fields(self, state: str) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -167,6 +173,7 @@ def serve_standby(settings: Any) -> int:
     if keep_alive is None:
         keep_alive = float(LoRAFunctionSpec.model_validate(record.spec).scaling.keep_alive_seconds)
     worker = Worker(store, keys, engine, serving_config(settings, function, keep_alive, engine))
+    worker.continue_control_after(standby.cursor)
     worker.install_signal_handlers()
     store.run(
         control.post_event(

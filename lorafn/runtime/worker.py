@@ -136,7 +136,7 @@ class Worker:
         self._acks: list[str] = []
         self._counters: dict[str, int] = {}
         self._draining = False
-        self._control_cursor = "0"
+        self._control_cursor: str | None = None  # read from where the stream ends at start (run)
         self._started = time.time()
         self._last_busy = clock()
         self.served = 0
@@ -148,12 +148,18 @@ class Worker:
             log.info("worker %s draining (%d running)", self.worker_id, len(self.running))
         self._draining = True
 
+    def continue_control_after(self, entry_id: str) -> None:
+        """Read control commands after `entry_id` (a bound standby: after its `bind`)."""
+        self._control_cursor = entry_id
+
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.drain)
         signal.signal(signal.SIGINT, self.drain)
 
     def run(self) -> int:
         cfg = self.config
+        if self._control_cursor is None:
+            self._control_cursor = self.store.run(workers.last_control_id(self.keys, self.worker_id))
         self._ensure_group()
         self._heartbeat(self.store)
         beating = threading.Event()
@@ -259,7 +265,9 @@ class Worker:
 
     def _read_control(self) -> None:
         """Commands sent to this worker (`stop`, `drain`)."""
-        commands = self.store.run(workers.read_control(self.keys, self.worker_id, self._control_cursor))
+        commands = self.store.run(
+            workers.read_control(self.keys, self.worker_id, self._control_cursor or "0")
+        )
         for entry_id, body in commands:
             self._control_cursor = entry_id
             if body.get("cmd") in ("stop", "drain"):

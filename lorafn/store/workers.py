@@ -89,3 +89,12 @@ def read_control(
         lambda pipe: pipe.xread({keys.control(worker_id): last_id}, count=16, block=block_ms),
         lambda r: stream_entries(r[0]),
     )
+
+
+def last_control_id(keys: Keys, worker_id: str) -> Op[str]:
+    """Where a (re)started worker begins reading its control stream: after what is there already, so a
+    restarted container with the same id never replays an old `stop` or `bind`."""
+    return Op(
+        lambda pipe: pipe.xrevrange(keys.control(worker_id), count=1),
+        lambda r: r[0][0][0] if r[0] else "0-0",
+    )

@@ -95,11 +95,12 @@ def test_up_apply_invoke_status_and_clean_stop(tiny_model_dir: Path, tmp_path: P
         # The worker mapped the backbone server's copy instead of loading its own.
         bb = subprocess.run(
             [sys.executable, "-m", "lorafn.cli", "backbone-server", "stats", "--socket",
-             str(state_dir / "sockets" / "tiny.sock")],
+             str(state_dir / "sockets" / "tiny.local-0.sock")],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert bb.returncode == 0, bb.stderr
-        assert len(json.loads(bb.stdout)["leases"]) == 1
+        # every worker process (the bound one, and any standby of the warm pool) maps the one copy
+        assert len(json.loads(bb.stdout)["leases"]) >= 1
 
         status = _lorafn("status", state_dir=state_dir)
         assert status.returncode == 0, status.stderr
