@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         if not tiny:
             ap.error("--model is required on a GPU (write it with `lorafn model random --preset llama-2-7b`)")
-        from lorafn.runtime.assets.random_model import write_random_model
+        from lorafn.models.random_model import write_random_model
 
         model_dir = write_random_model("tiny", work / "tiny", seed=0, progress=False)
     mc = ModelConfig.from_dir(model_dir)

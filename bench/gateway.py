@@ -111,7 +111,7 @@ def main() -> None:
     import httpx
 
     from lorafn.local.redis_proc import RedisProcess, free_port
-    from lorafn.runtime.assets.random_model import write_random_model
+    from lorafn.models.random_model import write_random_model
     from lorafn.store import Keys, Store
     from lorafn.store import registry as reg
 

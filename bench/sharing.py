@@ -97,7 +97,7 @@ def ensure_model(args: argparse.Namespace) -> Path:
     t0 = time.perf_counter()
     print(f"[sharing] writing the {args.preset} preset ({args.dtype}) to {out} ...", flush=True)
     try:
-        from lorafn.runtime.assets.random_model import write_random_model
+        from lorafn.models.random_model import write_random_model
 
         write_random_model(args.preset, out, seed=0, dtype=args.dtype, progress=False)
     except Exception as exc:  # the assets package missing or failing: say so, do not guess shapes

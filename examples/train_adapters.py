@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model_dir = args.model
     if model_dir is None:
-        from lorafn.runtime.assets.pull import pull_model
+        from lorafn.models.pull import pull_model
 
         model_dir = pull_model("smollm2-135m")
     if not args.demo_only:

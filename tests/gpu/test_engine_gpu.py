@@ -102,7 +102,7 @@ def llama7b_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("LORAFN_LLAMA2_7B_DIR")
     if env:
         return Path(env)
-    from lorafn.runtime.assets.random_model import write_random_model
+    from lorafn.models.random_model import write_random_model
 
     return write_random_model(
         "llama-2-7b", tmp_path_factory.mktemp("m") / "llama-2-7b", seed=0, dtype="bfloat16", progress=False

@@ -1,5 +1,5 @@
 """Helpers shared by the backbone-server tests (CPU integration and GPU): a model writer, a server
-process and probe-worker processes (lorafn.backbone_server.probe) speaking JSON lines."""
+process and probe-worker processes (bench/_probe.py) speaking JSON lines."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def file_digest(model_dir: Path) -> str:
     """The probe's digest of the tensors as the safetensors files store them."""
     from safetensors.torch import load_file
 
-    from lorafn.backbone_server.probe import digest
+    from bench._probe import digest
 
     tensors: dict[str, Any] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -158,8 +158,7 @@ class Probe:
     def __init__(self, sock: Path, device: str = "cpu", name: str = "probe", *extra: str):
         cmd = [
             sys.executable,
-            "-m",
-            "lorafn.backbone_server.probe",
+            str(Path(__file__).resolve().parents[3] / "bench" / "_probe.py"),
             "--socket",
             str(sock),
             "--device",

@@ -155,7 +155,7 @@ def test_callers_wrap_the_error(real: Path, tmp_path: Path) -> None:
     with pytest.raises(AdapterProblem, match="truncated") as info:
         adapter_header(real)
     assert info.value.reason == REASON_WEIGHTS_INVALID and str(real) in info.value.message
-    manifest = pytest.importorskip("lorafn.backbone_server.manifest")
+    from lorafn.backbone_server import manifest
     with pytest.raises(manifest.ModelDirError, match="truncated"):
         manifest.read_safetensors_header(real)
 

@@ -1,8 +1,10 @@
 """A probe worker: attach to a backbone server, then answer commands on stdin with JSON lines.
 
-    python -m lorafn.backbone_server.probe --socket S --device cuda:0
+    python bench/_probe.py --socket S --device cuda:0
 
-Used by the tests and bench/sharing.py, and by an operator who wants to see what a worker sees.
+Used by the backbone-server tests and bench/sharing.py (through tests/integration/backbone_server/
+helpers.py), and by an operator who wants to see what a worker sees. A bench helper, not part of the
+package: it drives an Engine, and inside lorafn.backbone_server that import pointed up the layers.
 Commands (one per line): `digest` (blake2b over every tensor's bytes, name order), `info`
 (attach/map time, W's address, memory), `write NAME` (write into a shared tensor: must fault),
 `sleep S`, `exit`.

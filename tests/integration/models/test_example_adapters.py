@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[4]
+REPO = Path(__file__).resolve().parents[3]
 ADAPTERS = REPO / "examples" / "adapters"
 DATA = REPO / "examples" / "data"
 

@@ -38,8 +38,8 @@ def pull(
     The cache directory can be moved with the environment variable LORAFN_CACHE_DIR. A second pull is
     instant: it copies (or just points to) the cached directory.
     """
-    from lorafn.runtime.assets._outdir import AssetError
-    from lorafn.runtime.assets.pull import pull_model
+    from lorafn.models._outdir import AssetError
+    from lorafn.models.pull import pull_model
 
     try:
         path = pull_model(name, out=out, overwrite=overwrite, verify=verify, progress=True)
@@ -62,8 +62,8 @@ def random_model(
     tiny: a few-MB Llama for tests (GQA 4/2 heads, 4 layers, hidden 128, vocab 1024).
     llama-2-7b, llama-3-8b: the published configs of those models (13.5 / 16.1 GB in bfloat16).
     """
-    from lorafn.runtime.assets._outdir import AssetError
-    from lorafn.runtime.assets.random_model import write_random_model
+    from lorafn.models._outdir import AssetError
+    from lorafn.models.random_model import write_random_model
 
     try:
         path = write_random_model(
@@ -77,7 +77,7 @@ def random_model(
 @app.command("presets")
 def presets() -> None:
     """List the random-model presets with their shapes."""
-    from lorafn.runtime.assets.random_model import PRESETS, tensor_specs
+    from lorafn.models.random_model import PRESETS, tensor_specs
 
     for p in PRESETS.values():
         params = sum(_prod(s) for _, s in tensor_specs(p))

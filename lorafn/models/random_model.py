@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorafn.runtime.assets._outdir import AssetError, prepare_out_dir
+from lorafn.models._outdir import AssetError, prepare_out_dir
 
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SAFETENSORS_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -315,7 +315,7 @@ def write_random_model(
     """
     from tqdm.auto import tqdm
 
-    from lorafn.runtime.assets.tokenizer import write_tokenizer
+    from lorafn.models.tokenizer import write_tokenizer
 
     p = get_preset(preset)
     if dtype not in DTYPES:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafn.runtime.assets._outdir import AssetError, prepare_out_dir
+from lorafn.models._outdir import AssetError, prepare_out_dir
 
 COMPLETE_MARKER = ".lorafn-complete"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafn.runtime.assets import _outdir
-from lorafn.runtime.assets._outdir import AssetError, prepare_out_dir
+from lorafn.models import _outdir
+from lorafn.models._outdir import AssetError, prepare_out_dir
 
 
 def test_new_and_empty_directories_are_accepted(tmp_path: Path) -> None:

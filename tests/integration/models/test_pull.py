@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorafn.runtime.assets import pull as pull_mod
-from lorafn.runtime.assets._outdir import AssetError
-from lorafn.runtime.assets.pull import COMPLETE_MARKER, pull_model, verify_model_dir
+from lorafn.models import pull as pull_mod
+from lorafn.models._outdir import AssetError
+from lorafn.models.pull import COMPLETE_MARKER, pull_model, verify_model_dir
 
 
 def test_cached_directory_is_a_standard_model_dir(smollm2_dir: Path) -> None:

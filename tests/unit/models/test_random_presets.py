@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from lorafn.runtime.assets._outdir import AssetError
-from lorafn.runtime.assets.random_model import (
+from lorafn.models._outdir import AssetError
+from lorafn.models.random_model import (
     DTYPES,
     PRESETS,
     config_dict,
@@ -100,7 +100,7 @@ def test_plan_shards_puts_an_oversized_tensor_alone() -> None:
 
 
 def test_unknown_preset_and_dtype_are_refused(tmp_path) -> None:
-    from lorafn.runtime.assets.random_model import write_random_model
+    from lorafn.models.random_model import write_random_model
 
     with pytest.raises(AssetError, match="unknown preset 'huge'"):
         write_random_model("huge", tmp_path / "m", seed=0)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorafn.runtime.assets._outdir import AssetError
-from lorafn.runtime.assets.random_model import write_random_model
+from lorafn.models._outdir import AssetError
+from lorafn.models.random_model import write_random_model
 
 
 def test_tiny_model_dir_is_a_standard_hf_directory(tiny_model_dir: Path) -> None:
@@ -98,7 +98,7 @@ def test_writing_is_bounded_in_memory(tmp_path: Path) -> None:
         import resource, dataclasses
         import torch
         from pathlib import Path
-        from lorafn.runtime.assets import random_model as rm
+        from lorafn.models import random_model as rm
         torch.randn(10)  # warm the allocator and the RNG code
         rm.PRESETS["scaled"] = dataclasses.replace(
             rm.PRESETS["tiny"], name="scaled", hidden_size=1024, intermediate_size=2816,

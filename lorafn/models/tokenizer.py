@@ -21,7 +21,7 @@ def build_tokenizer(*, vocab_size: int, specials: dict[int, str], bos_token: str
     """A `tokenizers.Tokenizer` with exactly `vocab_size` ids; `specials` maps id → special token."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from lorafn.runtime.assets._corpus import corpus_lines
+    from lorafn.models._corpus import corpus_lines
 
     num_regular = vocab_size - len(specials)
     if num_regular < 256:

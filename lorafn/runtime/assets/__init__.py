@@ -1,1 +1,0 @@
-"""Model assets: pulling real models, writing random models of real shapes."""
