@@ -33,9 +33,6 @@ Around it:
 The engine is `lorafn.runtime.Engine`, spoken to through its own interface (`ServingEngine`: add_request
 with the request id, step -> `StreamDelta`s, abort, has_unfinished); tests and the gateway benchmark plug
 in fakes of that interface through `WorkerSettings.engine_factory`.
-
-Over 450 lines on purpose: the worker is one module (its settings, its CLI command and its loop), so a
-newcomer finds all of it in one place; the loop alone is ~450 lines of one class.
 """
 
 from __future__ import annotations
