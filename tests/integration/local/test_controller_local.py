@@ -130,8 +130,8 @@ def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
         # A function whose budget cannot fit on the device waits, then gets an explicit 503 with the reason.
         refused = _invoke(state_dir, "t/huge", keys["t/huge"])
         assert refused.returncode != 0
-        assert "503" in refused.stderr and "memory" in refused.stderr, refused.stderr
-        assert "memory" in (r.hget("lorafn:fn:t/huge:status", "wait_reason") or "")
+        assert "503" in refused.stderr and "has room for a" in refused.stderr, refused.stderr
+        assert "GiB free of" in (r.hget("lorafn:fn:t/huge:status", "wait_reason") or "")
         # ... and the others still serve.
         again = _invoke(state_dir, "t/fa", keys["t/fa"])
         assert again.returncode == 0, again.stderr
