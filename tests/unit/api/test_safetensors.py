@@ -156,6 +156,7 @@ def test_callers_wrap_the_error(real: Path, tmp_path: Path) -> None:
         adapter_header(real)
     assert info.value.reason == REASON_WEIGHTS_INVALID and str(real) in info.value.message
     from lorafn.backbone_server import manifest
+
     with pytest.raises(manifest.ModelDirError, match="truncated"):
         manifest.read_safetensors_header(real)
 
