@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 from typing import Any
 
@@ -58,11 +59,13 @@ _ERRORS_DOC: dict[int | str, dict[str, Any]] = {
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    raw = await request.body()  # a client gone mid-body: ClientDisconnect, answered 499 by the app
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise bad_request("the body is not valid JSON", None, code="invalid_json") from None
+    except RecursionError:  # thousands of nested [ or {: the parser's own depth limit, before auth
+        raise bad_request("the body is nested too deeply", None, code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", None, code="invalid_json")
     return body
@@ -166,9 +169,14 @@ async def models(request: Request) -> schemas.ModelList:
     return schemas.ModelList(data=[schemas.ModelCard(id=n, owned_by=n.split("/")[0]) for n in names])
 
 
-@router.get("/healthz", summary="Liveness: the process answers")
+# Who answers: `lorafn up` sets LORAFN_INSTANCE_ID and checks it, so another process on the port is
+# never taken for its gateway.
+INSTANCE_ID = os.environ.get("LORAFN_INSTANCE_ID") or secrets.token_hex(8)
+
+
+@router.get("/healthz", summary="Liveness: the process answers (and which instance it is)")
 async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+    return {"status": "ok", "instance": INSTANCE_ID}
 
 
 @router.get("/readyz", summary="Readiness: Redis answers")

@@ -136,7 +136,8 @@ def test_rate_limit_429_with_retry_after(env) -> None:
 def test_health_ready_metrics_openapi(env) -> None:
     url, *_ = env
     c = client(url, None)
-    assert c.get("/healthz").json() == {"status": "ok"}
+    health = c.get("/healthz").json()
+    assert health["status"] == "ok" and health["instance"]  # the instance id `lorafn up` checks
     assert c.get("/readyz").status_code == 200
     client(url, KEY_A).post("/v1/completions", json={"model": A, "prompt": "hi", "max_tokens": 2})
     metrics = c.get("/metrics").text
