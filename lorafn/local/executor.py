@@ -34,6 +34,7 @@ class _Tracked:
     child: Child
     action: Start
     started: float
+    stopping: bool = False  # the controller asked it to stop: a signal exit is not a failure
 
 
 def gpu_id(index: int) -> str:
@@ -134,6 +135,7 @@ class LocalExecutor:
         """SIGTERM: the worker drains (finishes what it runs) and exits; the reaper collects it."""
         tracked = self.tracked.get(worker_id)
         if tracked is not None and tracked.child.alive():
+            tracked.stopping = True
             tracked.child.proc.terminate()
 
     def starting(self) -> list[Worker]:
@@ -163,6 +165,8 @@ class LocalExecutor:
         wid = child.name.removeprefix("worker/")
         tracked = self.tracked.pop(wid, None)
         code = child.exit_code()
+        if tracked is not None and tracked.stopping and code is not None and code < 0:
+            code = 0  # killed by the SIGTERM we sent before it had installed its drain handler
         if code == 0:
             log.info("worker %s exited (idle past keep-alive, drained or stopped)", wid)
         else:

@@ -49,11 +49,16 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     cache_dir: str | Path | None = None
+    # CUDA: the per-thread stack the context reserves local memory for (None: the driver's 1 KiB);
+    # 256 saves ~200 MiB per worker process on an H100 (docs/benchmarks.md "Per-worker memory").
+    cuda_stack_bytes: int | None = None
     weight_source: WeightSource | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not str(self.model):
             raise ValueError("model: a model directory is required")
+        if self.cuda_stack_bytes is not None and not 16 <= self.cuda_stack_bytes <= 1 << 20:
+            raise ValueError(f"cuda_stack_bytes: must be in [16, 1 MiB], got {self.cuda_stack_bytes}")
         if self.lora_shape is not None and self.adapter is not None:
             raise ValueError("lora_shape: only for an engine without an adapter (a standby); got both")
         if self.dtype not in DTYPES:

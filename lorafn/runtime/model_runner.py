@@ -51,6 +51,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _TORCH_DTYPES[dtype]
 
 
+def set_cuda_stack_limit(device: torch.device, num_bytes: int) -> None:
+    """Lower the per-thread stack the CUDA context reserves local memory for (the driver default, 1 KiB
+    x 2048 threads x every SM, is ~270 MiB on an H100; docs/benchmarks.md "Per-worker memory"). A kernel
+    that needs more grows it at launch. Through libcuda directly: no cuda-python needed."""
+    import ctypes
+
+    torch.zeros(1, device=device)  # the context exists and is current
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    cu_limit_stack_size = 0
+    err = libcuda.cuCtxSetLimit(ctypes.c_int(cu_limit_stack_size), ctypes.c_size_t(int(num_bytes)))
+    if err != 0:
+        raise RuntimeError(f"cuda_stack_bytes: cuCtxSetLimit({num_bytes}) failed with CUDA error {err}")
+    log.info("CUDA stack limit set to %d bytes per thread", num_bytes)
+
+
 class ModelRunner:
     """The model, its KV cache and its decode graphs on one device; `execute` runs one step's forward."""
 
@@ -64,6 +79,8 @@ class ModelRunner:
     ) -> None:
         self.config, self.model_config = config, model_config
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
+        if device.type == "cuda" and config.cuda_stack_bytes is not None:
+            set_cuda_stack_limit(device, config.cuda_stack_bytes)
         self.weight_source = config.weight_source or SafetensorsWeightSource(Path(config.model))
         # A standby holds zeroed buffers of its prepared shape (graphs are captured over them; a bind
         # copies the adapter in); a bound worker its adapter; a base-model engine none.

@@ -541,6 +541,11 @@ class WorkerSettings(SharedSettings):
         ge=1,
         description="KV-cache budget granted by the controller (never the GPU's free memory)",
     )
+    cuda_stack_bytes: int | None = Field(
+        default=None,
+        ge=16,
+        description="CUDA per-thread stack limit (smaller context; default: the driver's)",
+    )
     spawned_at_ms: int | None = Field(
         default=None, description="unix ms when the process was asked for (a fresh cold start's clock)"
     )
@@ -573,6 +578,7 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
             weight_source=weight_source,
             kv_cache_memory_bytes=settings.kv_budget_mib << 20 if settings.kv_budget_mib else None,
             lora_shape=settings.shape if settings.standby else None,
+            cuda_stack_bytes=settings.cuda_stack_bytes,
         )
     )
 

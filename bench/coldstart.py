@@ -1,0 +1,309 @@
+"""Cold start, side by side in one run, through the real platform (`lorafn up`, gateway, Redis, controller):
+
+  warm       a bound worker already serving the function (median of --repeats)
+  standby    the function's first request, served by binding a standby worker of the warm pool
+  fresh      the first request of a function whose backbone keeps no warm pool (a new worker process)
+  no-share   a process that loads its own copy of the weights and answers one request (the baseline of
+             serving without a shared backbone: spawn -> engine from safetensors -> first token)
+
+TTFT is measured by the client (the `openai` package, streaming) from sending the request to the first
+text; the controller's own record of each cold start (bind or spawn -> serving, ms) is printed beside it.
+Then, with --density N: N functions with a small KV budget each (`resources.kvCacheMiB`) are invoked at
+once, and the run reports how many got a bound worker on the one GPU and the GPU memory per function.
+
+    # the numbers for docs/benchmarks.md (H100, the llama-2-7b preset, r16 all-linear adapters)
+    python bench/coldstart.py --model /tmp/llama-2-7b --device cuda --json $OUT/coldstart.json
+    python bench/coldstart.py --model /tmp/llama-2-7b --device cuda --density 120 --kv-mib 64
+    # CPU (ratios only), the tiny preset:
+    python bench/coldstart.py --preset tiny --workdir /tmp/cs --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MiB = 1 << 20
+
+
+def lorafn(*args: str, state_dir: Path, timeout: float = 600) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "lorafn.cli", *args, "--state-dir", str(state_dir)],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"lorafn {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def gpu_used_bytes() -> int | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+    except Exception:
+        return None
+
+
+def prompt_of(tokens: int) -> str:
+    # ~1 token per word for a byte-level BPE over common words
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "wizards",
+        "quietly",
+        "judge",
+        "boxing",
+    ]
+    return " ".join(words[i % len(words)] for i in range(tokens))
+
+
+def ttft_ms(base_url: str, key: str, function: str, prompt: str, max_tokens: int, timeout: float) -> float:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=key, timeout=timeout, max_retries=0)
+    t0 = time.perf_counter()
+    first = None
+    stream = client.completions.create(
+        model=function, prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0
+    )
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"{function}: no text")
+    return (first - t0) * 1000
+
+
+def no_share_ms(model: Path, adapter: Path, device: str, prompt: str) -> float:
+    """Spawn -> first token of a process that loads its own weights (what serving without sharing costs)."""
+    code = (
+        "import sys,time;from lorafn.runtime import Engine,EngineConfig,SamplingParams;"
+        f"e=Engine(EngineConfig(model={str(model)!r},adapter={str(adapter)!r},device={device!r},"
+        "num_kv_blocks=256));"
+        f"e.generate([{prompt!r}],SamplingParams(max_tokens=1,temperature=0.0));print(time.time())"
+    )
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return (float(out.stdout.strip().splitlines()[-1]) - t0) * 1000
+
+
+def function_doc(name: str, backbone: str, adapter: Path, extra: str = "") -> str:
+    return (
+        "apiVersion: lorafn.io/v1alpha1\nkind: LoRAFunction\n"
+        f"metadata: {{name: {name}, namespace: bench}}\n"
+        f"spec: {{backbone: {backbone}, adapter: {{uri: 'file://{adapter}'}}, "
+        f"scaling: {{keepAliveSeconds: 3600}}{extra}}}\n"
+    )
+
+
+def backbone_doc(name: str, model: Path, dtype: str, min_standby: int, max_standby: int) -> str:
+    return (
+        f"apiVersion: lorafn.io/v1alpha1\nkind: Backbone\nmetadata: {{name: {name}}}\n"
+        f"spec: {{model: {{uri: 'file://{model}'}}, dtype: {dtype}, "
+        f"warmPool: {{minStandby: {min_standby}, maxStandby: {max_standby}}}}}\n"
+    )
+
+
+class Platform:
+    def __init__(self, workdir: Path, device: str, config: str) -> None:
+        self.state_dir = workdir / "state"
+        cfg = workdir / "up.yaml"
+        cfg.write_text(config)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LORAFN_COLD_START_TIMEOUT_S": "600"}
+        self.log = (workdir / "up.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lorafn.cli", "up", "--config", str(cfg),
+             "--state-dir", str(self.state_dir), "--device", device],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not (self.state_dir / "platform.json").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"lorafn up did not start; see {workdir / 'up.log'}")
+            time.sleep(0.2)
+        self.state = json.loads((self.state_dir / "platform.json").read_text())
+        import redis
+
+        self.redis = redis.Redis.from_url(self.state["redis_url"], decode_responses=True)
+
+    def apply(self, doc: str, key: str | None, workdir: Path, name: str) -> None:
+        path = workdir / f"{name}.yaml"
+        path.write_text(doc)
+        lorafn("apply", "-f", str(path), *(["--api-key", key] if key else []), state_dir=self.state_dir)
+
+    def workers(self) -> dict[str, dict[str, str]]:
+        out = {}
+        for wid in self.redis.zrange("lorafn:workers", 0, -1):
+            h = self.redis.hgetall(f"lorafn:worker:{wid}")
+            if h:
+                out[wid] = h
+        return out
+
+    def wait_standby(self, backbone: str, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(
+                h.get("state") == "standby" and h.get("backbone") == backbone for h in self.workers().values()
+            ):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"no standby worker of {backbone} came up in {timeout_s} s")
+
+    def status(self, function: str) -> dict[str, str]:
+        return self.redis.hgetall(f"lorafn:fn:{function}:status")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--preset", default=None, help="write this random preset into --workdir first")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--density", type=int, default=0, help="also: invoke N small functions at once")
+    ap.add_argument("--kv-mib", type=int, default=64, help="KV budget of each density function")
+    ap.add_argument("--skip-no-share", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lorafn-coldstart-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    model = args.model
+    if model is None:
+        from lorafn.models.random_model import write_random_model
+
+        model = write_random_model(
+            args.preset or "tiny", workdir / "model", seed=0, dtype=dtype, progress=False
+        )
+    from lorafn.runtime.config import ModelConfig
+    from lorafn.runtime.lora import write_random_adapter
+
+    mc = ModelConfig.from_dir(model)
+    adapters = [
+        write_random_adapter(mc, workdir / f"adapter{i}", rank=args.rank, seed=i, target_modules="all-linear")
+        for i in range(3)
+    ]
+    prompt = prompt_of(args.prompt_tokens)
+    results: dict[str, Any] = {"model": str(model), "device": args.device, "rank": args.rank}
+    if args.device == "cuda":
+        config = "gateway_port: 0\nworker_overhead_mib: 1024\ndefault_kv_mib: 2048\n"
+    else:
+        config = "gateway_port: 0\ndevices: 1\ndevice_memory_mib: 4096\n"
+    platform = Platform(workdir, args.device, config)
+    try:
+        platform.apply(backbone_doc("pooled", model, dtype, 1, 2), None, workdir, "bb1")
+        platform.apply(backbone_doc("nopool", model, dtype, 0, 0), None, workdir, "bb2")
+        platform.apply(function_doc("warmfn", "pooled", adapters[0]), "k-warm", workdir, "f1")
+        platform.apply(function_doc("freshfn", "nopool", adapters[1]), "k-fresh", workdir, "f2")
+        platform.wait_standby("pooled")
+        url = platform.state["gateway_url"]
+        rows: dict[str, dict[str, Any]] = {}
+        t = ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
+        rows["standby"] = {"ttft_ms": t, **platform.status("bench/warmfn")}
+        warm = [
+            ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600) for _ in range(args.repeats)
+        ]
+        rows["warm"] = {"ttft_ms": statistics.median(warm), "all_ms": warm}
+        t = ttft_ms(url, "k-fresh", "bench/freshfn", prompt, args.max_tokens, 600)
+        rows["fresh"] = {"ttft_ms": t, **platform.status("bench/freshfn")}
+        if args.density:
+            rows["density"] = density(platform, workdir, adapters[2], args, prompt)
+    finally:
+        platform.stop()
+    if not args.skip_no_share:
+        rows["no-share"] = {"ttft_ms": no_share_ms(model, adapters[0], args.device, prompt)}
+    results["rows"] = rows
+    w = rows["warm"]["ttft_ms"]
+    print(
+        f"\ncold start, {args.device}, {model.name}, r{args.rank} all-linear, "
+        f"prompt {args.prompt_tokens} tokens"
+    )
+    print(f"{'path':<10}{'TTFT ms':>12}{'x warm':>9}{'controller ms':>15}  how")
+    for name in ("warm", "standby", "fresh", "no-share"):
+        if name not in rows:
+            continue
+        r = rows[name]
+        ctl = r.get("last_cold_start_ms", "")
+        print(
+            f"{name:<10}{r['ttft_ms']:>12.1f}{r['ttft_ms'] / w:>9.2f}{ctl:>15}  {r.get('last_cold_path', '')}"
+        )
+    print("target (issue 10): standby cold start <= 1.15 x warm TTFT")
+    if "density" in rows:
+        d = rows["density"]
+        print(
+            f"\ndensity: {d['bound']} of {d['asked']} functions bound at once on one GPU "
+            f"(KV {args.kv_mib} MiB each); GPU memory per bound function beyond the backbones: "
+            f"{d['per_function_mib']:.0f} MiB (target: >= 100 functions, <= 400 MiB each)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+
+
+def density(
+    platform: Platform, workdir: Path, adapter: Path, args: argparse.Namespace, prompt: str
+) -> dict[str, Any]:
+    """N functions with a small KV budget, all invoked at once; how many get a worker on the GPU."""
+    before = gpu_used_bytes()
+    docs, names = [], []
+    for i in range(args.density):
+        name = f"d{i:03d}"
+        names.append(name)
+        docs.append(function_doc(name, "pooled", adapter, f", resources: {{kvCacheMiB: {args.kv_mib}}}"))
+        platform.apply(docs[-1], f"k-{name}", workdir, name)
+    url = platform.state["gateway_url"]
+
+    def call(name: str) -> bool:
+        try:
+            ttft_ms(url, f"k-{name}", f"bench/{name}", prompt[:200], 2, 420)
+            return True
+        except Exception:
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(64, args.density)) as pool:
+        ok = list(pool.map(call, names))
+    bound = [h for h in platform.workers().values() if h.get("function", "").startswith("bench/d")]
+    after = gpu_used_bytes()
+    per = ((after or 0) - (before or 0)) / MiB / max(1, len(bound))
+    return {"asked": args.density, "answered": sum(ok), "bound": len(bound), "per_function_mib": per,
+            "gpu_used_before": before, "gpu_used_after": after}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
