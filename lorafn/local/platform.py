@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.snapshot import SizingConfig, default_sizing
 from lorafn.local.config import LocalConfig, PlatformState
 from lorafn.local.executor import LocalExecutor, gpu_id
+from lorafn.local.lifecycle import gateway_answers
 from lorafn.local.procs import ProcessGroup, lorafn_argv
 from lorafn.local.redis_proc import RedisProcess, free_port
 from lorafn.store import Keys, Store
@@ -49,6 +51,7 @@ class LocalPlatform:
         self.redis = RedisProcess(data_dir=self.state_dir / "redis", port=config.redis_port)
         self.store: Store | None = None
         self.gateway_url = ""
+        self.instance_id = secrets.token_hex(8)  # the gateway's /healthz names it: ours answers, no other
         # (backbone, device id) -> the socket of its backbone server; one server per device on GPU,
         # one per backbone on CPU (shared memory serves every simulated device)
         self.backbone_sockets: dict[tuple[str, str], Path] = {}
@@ -131,9 +134,11 @@ class LocalPlatform:
         child = self.procs.start(
             "gateway",
             lorafn_argv("gateway", "serve", "--host", self.config.host, "--port", str(port)),
-            env=self._component_env(),
+            env={**self._component_env(), "LORAFN_INSTANCE_ID": self.instance_id},
         )
-        self.procs.wait_until(child, lambda: http_ok(f"{self.gateway_url}/readyz"), timeout_s=60)
+        self.procs.wait_until(
+            child, lambda: gateway_answers(self.gateway_url, self.instance_id), timeout_s=60
+        )
         log.info("gateway ready at %s", self.gateway_url)
 
     def stop(self) -> None:
