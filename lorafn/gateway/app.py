@@ -17,12 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from lorafn import __version__
 from lorafn.gateway.deps import Gateway
 from lorafn.gateway.errors import APIError
 from lorafn.gateway.metrics import BodyLimitMiddleware, MetricsMiddleware
-from lorafn.gateway.relay import redis_unavailable
+from lorafn.gateway.relay import client_gone, redis_unavailable
 from lorafn.gateway.routes import OPENAPI_BODIES, router
 from lorafn.gateway.settings import GatewaySettings
 from lorafn.store import UNAVAILABLE_ERRORS, AsyncStore
@@ -65,6 +66,10 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
     async def redis_down(request: Request, _: Exception) -> JSONResponse:
         return await api_error(request, redis_unavailable())
 
+    async def disconnected(request: Request, _: Exception) -> JSONResponse:
+        # the client left while sending its body: nobody reads this answer, and it is no server fault
+        return await api_error(request, client_gone())
+
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         status = getattr(exc, "status_code", 500)
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(status, "invalid_request_error")
@@ -81,6 +86,7 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
 
     for error_type in UNAVAILABLE_ERRORS:
         app.add_exception_handler(error_type, redis_down)
+    app.add_exception_handler(ClientDisconnect, disconnected)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
 

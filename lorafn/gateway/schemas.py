@@ -11,13 +11,30 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP = 16
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
-StopStr = Annotated[str, Field(min_length=1, max_length=256)]
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+def _encodable(value: str) -> str:
+    """JSON may carry a lone surrogate (`"\\ud800"`), which is no Unicode text: the tokenizer and Redis
+    would fail on it with a 500. Refused here, as invalid input."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text (a lone surrogate at position {e.start})") from None
+    return value
+
+
+# Text the gateway tokenizes or forwards: valid Unicode only.
+Text = Annotated[str, AfterValidator(_encodable)]
+StopStr = Annotated[Text, Field(min_length=1, max_length=256)]
+# Types are strict (no `true` for a number, no `"yes"` for a boolean, no `"5"` for an integer): a client
+# that sends the wrong type has a bug it should hear about, not a guess.
+TokenId = Annotated[int, Field(ge=0, lt=2**31, strict=True)]
+StrictInt = Annotated[int, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
 
 
 class _Body(BaseModel):
@@ -25,25 +42,27 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingRequest(_Body):
-    max_tokens: int | None = Field(
+    max_tokens: StrictInt | None = Field(
         default=None, ge=1, description="tokens to generate (default: the function's)"
     )
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=0, le=100_000, description="lorafn extension; 0 disables")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False, strict=True)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False, strict=True)
+    top_k: StrictInt | None = Field(
+        default=None, ge=0, le=100_000, description="lorafn extension; 0 disables"
+    )
     stop: StopStr | list[StopStr] | None = Field(default=None, description=f"up to {MAX_STOP} stop strings")
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stream: bool = False
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, description="only 1 is supported")
-    presence_penalty: float | None = Field(default=None, description="only 0 is supported")
-    frequency_penalty: float | None = Field(default=None, description="only 0 is supported")
+    n: StrictInt | None = Field(default=None, description="only 1 is supported")
+    presence_penalty: float | None = Field(default=None, description="only 0 is supported", strict=True)
+    frequency_penalty: float | None = Field(default=None, description="only 0 is supported", strict=True)
     logprobs: Any = Field(default=None, description="not supported")
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -71,9 +90,9 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     model: str = Field(description="the function, written namespace/name", min_length=1, max_length=253)
-    prompt: str | list[str] | list[TokenId] = Field(description="one prompt: text, [text] or token ids")
-    echo: bool | None = Field(default=None, description="not supported")
-    best_of: int | None = Field(default=None, description="only 1 is supported")
+    prompt: Text | list[Text] | list[TokenId] = Field(description="one prompt: text, [text] or token ids")
+    echo: StrictBool | None = Field(default=None, description="not supported")
+    best_of: StrictInt | None = Field(default=None, description="only 1 is supported")
     suffix: str | None = Field(default=None, description="not supported")
 
     @field_validator("prompt")
@@ -100,13 +119,13 @@ class CompletionRequest(SamplingRequest):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = Field(default=None, max_length=64)
+    content: Text | list[TextPart] | None = None
+    name: Text | None = Field(default=None, max_length=64)
 
     def text(self) -> str:
         if self.content is None:
@@ -121,7 +140,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     model: str = Field(description="the function, written namespace/name", min_length=1, max_length=253)
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_completion_tokens: int | None = Field(default=None, ge=1, description="alias of max_tokens")
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, description="alias of max_tokens")
     tools: list[Any] | None = Field(default=None, description="not supported")
 
     @model_validator(mode="after")
@@ -136,7 +155,7 @@ class ChatCompletionRequest(SamplingRequest):
 class InvokeRequest(SamplingRequest):
     """POST /v1/functions/{namespace}/{name}:invoke — give `prompt` or `messages` (chat template)."""
 
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=1024)
 
     @model_validator(mode="after")

@@ -1,0 +1,155 @@
+"""Hostile input gets a 4xx on a kept connection, never a 500 (issue 15): lone surrogates, deeply nested
+JSON before auth, a client gone mid-body, values of the wrong JSON type. Real gateway (uvicorn on a port),
+real Redis, a worker thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from lorafn.store import Keys, Store
+from tests.integration.gateway.harness import client, gateway, register, worker_thread
+
+A, KEY_A = "team-a/summarize", "sk-a-0123456789"
+
+
+@pytest.fixture
+def env(redis_server: str, tiny_model_dir: Path) -> Iterator[str]:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, A, [KEY_A], model_dir=str(tiny_model_dir))
+    with gateway(redis_server, prefix) as url, worker_thread(redis_server, prefix, A):
+        yield url
+
+
+class _Errors(logging.Handler):
+    """Error records of the gateway and of uvicorn (tracebacks of unhandled exceptions land there)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def error_logs() -> Iterator[_Errors]:
+    handler = _Errors()
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "uvicorn", "lorafn.gateway")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+def _raw(body: dict, escape: str) -> bytes:
+    """`body` as JSON with its "@" replaced by a raw JSON escape (httpx would refuse a lone surrogate)."""
+    return json.dumps(body).replace("@", escape).encode()
+
+
+def _internal_errors(url: str) -> float:
+    for line in client(url, None).get("/metrics").text.splitlines():
+        if line.startswith('lorafn_gateway_errors_total{code="internal"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_lone_surrogates_are_400_and_the_connection_stays(env: str, error_logs: _Errors) -> None:
+    headers = {"content-type": "application/json"}
+    with client(env, KEY_A) as c:
+        text = [{"type": "text", "text": "@"}]
+        cases = [
+            ("/v1/completions", {"model": A, "prompt": "a@b"}, "\\ud800", "prompt"),
+            (
+                "/v1/chat/completions",
+                {"model": A, "messages": [{"role": "user", "content": "@"}]},
+                "\\udfff",
+                "messages.0.content",
+            ),
+            (
+                "/v1/chat/completions",
+                {"model": A, "messages": [{"role": "user", "content": text}]},
+                "\\ud83d",
+                "messages.0.content.0.text",
+            ),
+            ("/v1/functions/team-a/summarize:invoke", {"prompt": "x", "stop": ["@"]}, "\\ud800", "stop.0"),
+        ]
+        for path, body, escape, param in cases:
+            r = c.post(path, content=_raw(body, escape), headers=headers)
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["param"] == param, r.json()
+            assert "surrogate" in r.json()["error"]["message"]
+            assert r.headers.get("connection") != "close"
+        # the same connection serves a good request afterwards
+        ok = c.post("/v1/completions", json={"model": A, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+    assert _internal_errors(env) == 0
+    assert not error_logs.records, [r.getMessage() for r in error_logs.records]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        json.dumps({"model": A, "x": "@"}).replace('"@"', "[" * 200_000 + "]" * 200_000),
+        json.dumps({"model": A, "x": "@"}).replace('"@"', '{"a":' * 5000 + "1" + "}" * 5000),
+    ],
+    ids=["array-200k-deep", "object-5k-deep"],
+)
+def test_deeply_nested_json_is_400_before_auth(redis_server: str, tiny_model_dir: Path, body: str) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    register(Store(redis_server), Keys(prefix), A, [KEY_A], model_dir=str(tiny_model_dir))
+    with gateway(redis_server, prefix, max_body_bytes=1 << 21) as url, client(url, None) as c:
+        r = c.post("/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_json"
+        assert "nested too deeply" in r.json()["error"]["message"]
+        assert c.get("/healthz").status_code == 200  # same connection, still served
+        assert _internal_errors(url) == 0
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"max_tokens": True}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"seed": 1.5}, "seed"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ],
+)
+def test_wrong_json_types_are_refused(env: str, patch: dict, param: str) -> None:
+    r = client(env, KEY_A).post("/v1/completions", json={"model": A, "prompt": "hi", **patch})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].removesuffix(".0") == param, r.json()
+
+
+def test_client_gone_mid_body_is_no_internal_error(env: str, error_logs: _Errors) -> None:
+    host, port = urlparse(env).hostname, urlparse(env).port
+    assert host and port
+    for _ in range(3):
+        with socket.create_connection((host, port), timeout=5) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer " + KEY_A.encode() + b"\r\nContent-Length: 1000\r\n\r\n"
+                b'{"model": "'
+            )
+            time.sleep(0.2)  # the route is reading the body when the client leaves
+    time.sleep(0.5)
+    metrics = client(env, None).get("/metrics").text
+    assert _internal_errors(env) == 0, metrics
+    assert 'lorafn_gateway_errors_total{code="client_closed"} 3.0' in metrics
+    assert not error_logs.records, [r.getMessage() for r in error_logs.records]
+    assert client(env, KEY_A).post("/v1/completions", json={"model": A, "prompt": "hi"}).status_code == 200
