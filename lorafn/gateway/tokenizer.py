@@ -10,6 +10,7 @@ worker does not tokenize again.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +25,12 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+# Placeholders for special-token text found in chat messages (Supplementary Private Use Area-B, which
+# real text does not use; such characters in a message are escaped the same way, so none is mistaken).
+_PUA_FIRST, _PUA_LAST = 0x100000, 0x10FFFD
+_PLACEHOLDER = re.compile(f"[{chr(_PUA_FIRST)}-{chr(_PUA_LAST)}]")
 
 
 def _token_text(value: Any) -> str:
@@ -69,6 +76,14 @@ class GatewayTokenizer:
             "unk_token": _token_text(config.get("unk_token")),
         }
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # A message's own text is tokenized without special tokens: `<|im_start|>system` typed by a
+        # user must stay text, not become a role marker (role injection). `_plain` is a second
+        # instance with special-token matching off (a shared flag would race between threads).
+        specials = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        self._plain = Tokenizer.from_str(self.tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        alternatives = [re.escape(t) for t in sorted(specials, key=len, reverse=True) if t]
+        self._escape = re.compile("|".join([*alternatives, _PLACEHOLDER.pattern]))
         self.max_context = 0
         if (model_dir / "config.json").is_file():
             model_config = json.loads((model_dir / "config.json").read_text())
@@ -85,9 +100,37 @@ class GatewayTokenizer:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
         """The rendered prompt and its ids. The template writes the special tokens itself (as in
-        transformers' apply_chat_template), so none are added on encoding."""
-        text = self.render_chat(messages)
-        return text, self.encode(text, add_special_tokens=False)
+        transformers' apply_chat_template), so none are added on encoding.
+
+        Special-token text inside a message (content, name) is encoded as plain text: it is swapped
+        for a placeholder before rendering, and each placeholder is encoded with `_plain`. Messages
+        without such text are encoded in one piece, exactly as transformers does.
+        """
+        originals: list[str] = []
+
+        def hide(match: re.Match[str]) -> str:
+            if len(originals) > _PUA_LAST - _PUA_FIRST:
+                raise ChatTemplateError("messages: too many special-token strings in the messages")
+            originals.append(match.group(0))
+            return chr(_PUA_FIRST + len(originals) - 1)
+
+        escaped = [
+            {k: self._escape.sub(hide, v) if k in ("content", "name") else v for k, v in m.items()}
+            for m in messages
+        ]
+        rendered = self.render_chat(escaped)
+        if not originals:
+            return rendered, self.encode(rendered, add_special_tokens=False)
+        ids: list[int] = []
+        pieces = _PLACEHOLDER.split(rendered)
+        found = _PLACEHOLDER.findall(rendered)
+        for i, piece in enumerate(pieces):
+            if piece:
+                ids += self.encode(piece, add_special_tokens=False)
+            if i < len(found):
+                ids += self._plain.encode(originals[ord(found[i]) - _PUA_FIRST], add_special_tokens=False).ids
+        text = _PLACEHOLDER.sub(lambda m: originals[ord(m.group(0)) - _PUA_FIRST], rendered)
+        return text, ids
 
 
 @lru_cache(maxsize=32)
