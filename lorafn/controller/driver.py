@@ -84,6 +84,9 @@ class Controller:
         self._events_cursor: str | None = None
         self._counter = 0
         self._waiting: set[str] = set()
+        self._stops_sent: dict[
+            str, float
+        ] = {}  # worker id -> when: one stop command per worker, not per round
         self.last_plan: Plan | None = None
         self.counts: dict[str, int] = {}
 
@@ -116,6 +119,7 @@ class Controller:
     def _learn(self) -> None:
         for ended in self.executor.exits():
             self._binds.pop(ended.worker_id, None)
+            self._stops_sent.pop(ended.worker_id, None)
             if ended.function and not ended.served and ended.code not in (0, None):
                 self._failed(
                     ended.function, f"worker {ended.worker_id} exited with code {ended.code}: {ended.reason}"

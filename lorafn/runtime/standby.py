@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -109,11 +110,37 @@ class Standby:
 
     def bind(self, function: str) -> tuple[Any, float]:
         """Load the function's adapter: (its registration record, bind ms); ValueError on failure."""
+        t0 = time.perf_counter()
+        self._beat("binding", function)  # counted as the function's from now on, by the controller too
+        # Loading a big adapter (or capturing graphs for a new shape) can outlast the heartbeat TTL: keep
+        # beating from a thread, or the controller sees no worker and starts a second one.
+        done = threading.Event()
+        beater = threading.Thread(
+            target=self._beat_until, args=(done, function), name="bind-heartbeat", daemon=True
+        )
+        beater.start()
+        try:
+            return self._bind(function, t0)
+        finally:
+            done.set()
+            beater.join(timeout=self.settings.heartbeat_s + 5)
+
+    def _beat_until(self, done: threading.Event, function: str) -> None:
+        store = Store(self.store.url)
+        try:
+            while not done.wait(self.settings.heartbeat_s):
+                with contextlib.suppress(*UNAVAILABLE_ERRORS):
+                    ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+                    store.run(
+                        workers.heartbeat(self.keys, self.worker_id, function, ttl_ms, self.fields("binding"))
+                    )
+        finally:
+            store.close()
+
+    def _bind(self, function: str, t0: float) -> tuple[Any, float]:
         from lorafn.api import LoRAFunctionSpec
         from lorafn.store.registry import get_function
 
-        t0 = time.perf_counter()
-        self._beat("binding", function)  # counted as the function's from now on, by the controller too
         record = self.store.run(get_function(self.keys, function))
         if record is None:
             raise ValueError(f"function {function} is not registered")

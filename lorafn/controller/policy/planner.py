@@ -244,13 +244,23 @@ def plan_pool(
     for w in pool:
         by_place[(w.gpu, w.backbone)].append(w)
     for b in snapshot.backbones:
+        # The floor's new standbys are prepared for the backbone's most popular shape (a bind into prepared
+        # buffers takes milliseconds; a shape-agnostic standby must load and capture, seconds on a 7B).
+        popular = popular_shape(snapshot, b.name)
         for gpu in where.get(b.name, ()):
             missing = b.min_standby_per_gpu - per_gpu_backbone[(gpu, b.name)]
             if missing <= 0:
                 continue
             spare = [w for w in by_place.get((gpu, b.name), ()) if w.id not in keep]
-            spare.sort(key=lambda w: (w.shape is not None, _keep_order(w)))  # agnostic ones first
-            for w in spare:
+            spare.sort(key=lambda w: _keep_order(w))
+            # 1. standbys already prepared for the popular shape; 2. new ones of that shape where there is
+            # room; 3. only then other standbys (an agnostic one left from before any function existed is
+            # replaced once, when room allows: each later bind saves the load and capture it would cost).
+            size = costs.standby_bytes_for(popular)
+            # without functions there is no popular shape: any standby is as good (keep what exists)
+            prepared = [w for w in spare if popular is None or w.shape == popular]
+            others = [w for w in spare if w not in prepared]
+            for w in prepared:
                 if missing == 0 or room[gpu] < w.mem_bytes:
                     continue
                 keep.add(w.id)
@@ -258,11 +268,19 @@ def plan_pool(
                 size_of.setdefault((gpu, b.name, w.shape), w.mem_bytes)
                 room[gpu] -= w.mem_bytes
                 missing -= 1
-            size = costs.standby_bytes_for(None)
+            # (`room` counts the pool's own bytes as free: a standby not kept is stopped in this same plan)
             while missing > 0 and room[gpu] >= size:
-                target[(gpu, b.name, None)] += 1
-                size_of.setdefault((gpu, b.name, None), size)
+                target[(gpu, b.name, popular)] += 1
+                size_of.setdefault((gpu, b.name, popular), size)
                 room[gpu] -= size
+                missing -= 1
+            for w in others:
+                if missing == 0 or room[gpu] < w.mem_bytes:
+                    continue
+                keep.add(w.id)
+                target[(gpu, b.name, w.shape)] += 1
+                size_of.setdefault((gpu, b.name, w.shape), w.mem_bytes)
+                room[gpu] -= w.mem_bytes
                 missing -= 1
 
     actions: list[Start | Stop] = []
@@ -288,6 +306,19 @@ def plan_pool(
         PoolTarget(g, b, s, target.get((g, b, s), 0)) for (g, b, s) in sorted(keys, key=_key_order)
     ]
     return pool_targets, actions
+
+
+def popular_shape(snapshot: Snapshot, backbone: str) -> str | None:
+    """The adapter shape of most of the backbone's arrivals (then of most of its functions); None without
+    functions."""
+    weight: dict[str, tuple[float, int]] = {}
+    for f in snapshot.functions:
+        if f.backbone == backbone:
+            rate, count = weight.get(f.shape, (0.0, 0))
+            weight[f.shape] = (rate + f.arrival_rate, count + 1)
+    if not weight:
+        return None
+    return max(sorted(weight), key=lambda shape: weight[shape])
 
 
 def _key_order(key: tuple[str, str, str | None]) -> tuple[str, str, int, str]:

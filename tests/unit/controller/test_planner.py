@@ -145,3 +145,25 @@ def test_pool_never_exceeds_memory():
     targets, _, ledger = _plan(snap([gpu("g0", total_gib=24)], functions, backbones=bb))
     assert sum(t.count for t in targets) == 4
     assert ledger.free["g0"] >= 0
+
+
+def test_floor_standbys_are_prepared_for_the_most_popular_shape():
+    from lorafn.controller.policy import Backbone, Start, decide
+
+    from .helpers import GiB, fn, gpu, snap, standby
+
+    floor = (Backbone("llama", 13 * GiB, min_standby_per_gpu=1, max_standby_per_gpu=4),)
+    idle = [fn("ns/a", shape="r16"), fn("ns/b", shape="r16"), fn("ns/c", shape="r8")]  # no arrivals yet
+    plan = decide(snap([gpu("g0")], idle, backbones=floor))
+    starts = [a for a in plan.of_type(Start) if a.function is None]
+    assert [s.shape for s in starts] == ["r16"]  # two functions of r16, one of r8
+    # an existing standby of the popular shape meets the floor: nothing new starts
+    plan = decide(snap([gpu("g0")], idle, [standby("s1", "g0", "r16")], backbones=floor))
+    assert not plan.of_type(Start)
+    # arrivals outweigh counts
+    busy = [*idle[:2], fn("ns/c", shape="r8", arrival_rate=0.5)]
+    plan = decide(snap([gpu("g0")], busy, backbones=floor))
+    assert "r8" in {a.shape for a in plan.of_type(Start)}
+    # without functions the floor stays shape-agnostic
+    plan = decide(snap([gpu("g0")], (), backbones=floor))
+    assert [a.shape for a in plan.of_type(Start)] == [None]
