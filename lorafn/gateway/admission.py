@@ -237,12 +237,32 @@ def prepare(
     *,
     max_tokens_limit: int,
     seed: int,
+    max_bytes_per_token: int = 32,
 ) -> tuple[RequestBody, int]:
     """The worker's request body and the prompt's length in tokens, with the function's limits checked
     (400 naming the field). Pure: `seed` is the one used when the request gives none (the caller draws it,
-    so that a request restarted on another worker draws the same tokens)."""
+    so that a request restarted on another worker draws the same tokens).
+
+    CPU-bound (tokenizing, the chat template): the routes run it in a thread, off the event loop. A text
+    longer than `max_context × max_bytes_per_token` bytes is refused before it is tokenized: it cannot
+    fit (real text averages 3-5 bytes per token), and tokenizing a megabyte costs a second of CPU.
+    """
     tok = info.tokenizer
     param = "messages" if messages is not None else "prompt"
+    size = (
+        sum(len(m.text().encode()) for m in messages)
+        if messages is not None
+        else len(prompt.encode())
+        if isinstance(prompt, str)
+        else 0
+    )
+    if size > info.max_context * max_bytes_per_token:
+        raise bad_request(
+            f"{param}: the prompt has {size} bytes, more than this function's context of "
+            f"{info.max_context} tokens can hold (at most {max_bytes_per_token} bytes per token)",
+            param,
+            code="context_length_exceeded",
+        )
     text: str | None
     ids: list[int] | None
     if messages is not None:

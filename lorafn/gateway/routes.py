@@ -9,6 +9,7 @@ function's limits) -> `Admitter.submit` (429/503, cold start) -> `Relay` -> `res
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -100,13 +101,18 @@ async def _run(
     kind: Kind,
 ) -> Response:
     """The one path of every invocation, once the function is authorized and the body validated."""
-    body, num_prompt = prepare(
-        info,
-        req,
-        prompt,
-        messages,
-        max_tokens_limit=gw.settings.max_tokens_limit,
-        seed=secrets.randbits(63),
+    # tokenizing and the chat template are CPU work: in a thread, so the event loop keeps serving
+    body, num_prompt = await asyncio.to_thread(
+        functools.partial(
+            prepare,
+            info,
+            req,
+            prompt,
+            messages,
+            max_tokens_limit=gw.settings.max_tokens_limit,
+            seed=secrets.randbits(63),
+            max_bytes_per_token=gw.settings.max_prompt_bytes_per_token,
+        )
     )
     job = await gw.admitter.submit(info, body, num_prompt)
     if req.stream:

@@ -17,6 +17,11 @@ class GatewaySettings(SharedSettings):
 
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="larger request bodies get 413")
     max_tokens_limit: int = Field(default=32_768, ge=1, description="hard cap on max_tokens")
+    max_prompt_bytes_per_token: int = Field(
+        default=32,
+        ge=4,
+        description="a prompt over context x this many bytes is refused before it is tokenized",
+    )
     default_max_context: int = Field(
         default=2048, ge=16, description="when neither registry nor config.json says"
     )

@@ -90,7 +90,9 @@ class GatewayTokenizer:
             self.max_context = int(model_config.get("max_position_embeddings") or 0)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only it releases the GIL while it works, so the gateway's event
+        # loop keeps running while a thread tokenizes a large prompt
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         try:
@@ -128,7 +130,8 @@ class GatewayTokenizer:
             if piece:
                 ids += self.encode(piece, add_special_tokens=False)
             if i < len(found):
-                ids += self._plain.encode(originals[ord(found[i]) - _PUA_FIRST], add_special_tokens=False).ids
+                plain = originals[ord(found[i]) - _PUA_FIRST]
+                ids += self._plain.encode_batch([plain], add_special_tokens=False)[0].ids
         text = _PLACEHOLDER.sub(lambda m: originals[ord(m.group(0)) - _PUA_FIRST], rendered)
         return text, ids
 

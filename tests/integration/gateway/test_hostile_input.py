@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
+import httpx
 import pytest
 
 from lorafn.store import Keys, Store
@@ -179,3 +184,99 @@ def test_chat_role_injection_reaches_the_worker_as_text(redis_server: str, tiny_
             assert client(url, KEY_A).post("/v1/chat/completions", json=body).status_code == 200
     benign, injected = (engine.prompts[rid] for rid in engine.added)  # type: ignore[attr-defined]
     assert [i for i in injected if i in special] == [i for i in benign if i in special]
+
+
+def test_prompt_over_the_byte_cap_is_refused_before_tokenizing(env: str) -> None:
+    # the tiny model's context is 2048 tokens: 2048 x 32 bytes is the most a prompt may carry
+    big = "lorem ipsum " * 6000  # 72 kB
+    r = client(env, KEY_A).post("/v1/completions", json={"model": A, "prompt": big})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded" and "bytes" in r.json()["error"]["message"]
+    body = {"model": A, "messages": [{"role": "user", "content": big}]}
+    r = client(env, KEY_A).post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "bytes" in r.json()["error"]["message"]
+
+
+@contextmanager
+def gateway_process(redis_url: str, prefix: str, log: Path, **env: str) -> Iterator[str]:
+    """`lorafn gateway serve` as a process of its own (its event loop shares no GIL with the test)."""
+    from lorafn.local.redis_proc import free_port
+    from tests.integration.gateway.harness import REPO, stop_process
+
+    port = free_port()
+    full_env = {**os.environ, "LORAFN_REDIS_URL": redis_url, "LORAFN_KEY_PREFIX": prefix, **env}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lorafn.cli", "gateway", "serve", "--port", str(port)],
+            cwd=REPO,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the gateway did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+def test_healthz_stays_fast_while_large_prompts_are_tokenized(
+    redis_server: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Tokenizing runs in a thread: the gateway's event loop keeps answering while big prompts are
+    counted. Loose on purpose: /healthz's median must stay well under the time one tokenization takes
+    (tokenized on the loop, nearly every /healthz waits for one)."""
+    import random
+    import statistics
+    import threading
+
+    from lorafn.gateway.tokenizer import GatewayTokenizer
+
+    def prompt(seed: int) -> str:  # ~270 kB of words the tokenizer's cache has not seen
+        rng = random.Random(seed)
+        return " ".join(f"w{rng.randrange(10**9)}" for _ in range(25_000))
+
+    started = time.perf_counter()
+    GatewayTokenizer(tiny_model_dir).encode(prompt(-1))
+    encode_s = time.perf_counter() - started
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    # a context large enough for the byte cap to let the prompt through to the tokenizer; max_tokens
+    # beyond what is left then refuses it (400) once counted: no worker or Redis write in the measure
+    register(Store(redis_server), Keys(prefix), A, [KEY_A], model_dir=str(tiny_model_dir), max_context=10**5)
+    with gateway_process(
+        redis_server, prefix, tmp_path / "gateway.log", LORAFN_MAX_BODY_BYTES=str(1 << 21)
+    ) as url:
+        codes: list[int] = []
+
+        def call(seed: int) -> None:
+            with client(url, KEY_A) as c:
+                for i in range(3):
+                    body = {"model": A, "prompt": prompt(seed * 10 + i), "max_tokens": 10**5 - 1}
+                    codes.append(c.post("/v1/completions", json=body).status_code)
+
+        callers = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+        for t in callers:
+            t.start()
+        latencies = []
+        with client(url, None) as c:
+            while any(t.is_alive() for t in callers):
+                t0 = time.perf_counter()
+                assert c.get("/healthz").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+        for t in callers:
+            t.join()
+    assert codes == [400] * 12  # each was tokenized and refused for its max_tokens
+    assert len(latencies) >= 3
+    assert statistics.median(latencies) < encode_s / 3, (statistics.median(latencies), encode_s)
