@@ -130,8 +130,9 @@ def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
         # A function whose budget cannot fit on the device waits, then gets an explicit 503 with the reason.
         refused = _invoke(state_dir, "t/huge", keys["t/huge"])
         assert refused.returncode != 0
+        # (the status hash's wait_reason is cleared once the gave-up request leaves the queue: not asserted)
         assert "503" in refused.stderr and "has room for a" in refused.stderr, refused.stderr
-        assert "GiB free of" in (r.hget("lorafn:fn:t/huge:status", "wait_reason") or "")
+        assert "GiB free of" in refused.stderr, refused.stderr
         # ... and the others still serve.
         again = _invoke(state_dir, "t/fa", keys["t/fa"])
         assert again.returncode == 0, again.stderr

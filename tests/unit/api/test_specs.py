@@ -20,6 +20,7 @@ def test_camel_case_round_trip() -> None:
         **MINIMAL,
         "slo": {"ttftMs": 250, "tpotMs": 40},
         "scaling": {"minReplicas": 1, "maxReplicas": 4, "keepAliveSeconds": 30},
+        "resources": {"kvCacheMiB": 512},
         "generation": {"maxTokens": 64, "temperature": 0.0, "topP": 0.9, "topK": 0, "stop": ["\n\n"]},
         "auth": {"apiKeySecretRef": {"name": "french-keys", "key": "api-keys"}},
     }

@@ -8,7 +8,14 @@ from lorafn.store.registry import FunctionRecord, hash_api_key
 from lorafn.store.streams import stream_entries
 
 # A value for each parameter name the key methods take; a method with a new parameter name fails below.
-KEY_ARGS = {"function": "team-a/summarize", "request_id": "r1", "worker_id": "w1", "bucket": 7, "name": "bb"}
+KEY_ARGS = {
+    "function": "team-a/summarize",
+    "request_id": "r1",
+    "worker_id": "w1",
+    "bucket": 7,
+    "name": "bb",
+    "backbone": "bb",
+}
 
 
 def key_names(k: Keys) -> dict[str, str]:
