@@ -134,5 +134,9 @@ def test_two_controllers_never_both_act(deployment: Any, controllers: Any, tmp_p
     )
     admit(store, keys, "team-a/de", "r-de")
     wait_until(lambda: any("team-a/de" in line for line in actions(idle_log)), what="the new holder acts")
-    assert store.run(control.desired_replicas(keys, ["team-a/de"]))["team-a/de"] == 1
+    # the log line comes just before the executor writes the count: wait for it, do not race it
+    wait_until(
+        lambda: store.run(control.desired_replicas(keys, ["team-a/de"]))["team-a/de"] == 1,
+        what="the new holder's desired count",
+    )
     assert idle.poll() is None
