@@ -232,7 +232,9 @@ def main() -> None:
         platform.apply(backbone_doc("nopool", model, dtype, 0, 0), None, workdir, "bb2")
         platform.apply(function_doc("warmfn", "pooled", adapters[0]), "k-warm", workdir, "f1")
         platform.apply(function_doc("freshfn", "nopool", adapters[1]), "k-fresh", workdir, "f2")
-        platform.wait_standby("pooled")
+        from lorafn.api.adapters import validate_adapter
+
+        platform.wait_standby("pooled", validate_adapter(adapters[0], model).shape_key)
         url = platform.state["gateway_url"]
         rows: dict[str, dict[str, Any]] = {}
         t = ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
