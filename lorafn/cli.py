@@ -7,6 +7,7 @@ so `lorafn --help` stays fast.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import typer
 
@@ -31,6 +32,22 @@ _GROUPS: list[tuple[str, str, str | None]] = [
     ("lorafn.backbone_server.cli", "app", "backbone-server"),
 ]
 _ROOT_REGISTRARS: list[str] = ["lorafn.local.cli"]
+
+
+def _no_flag_placeholders() -> None:
+    """Help shows `--demo` as a flag, not `--demo <bool>`: typer prints a type for every option, flags
+    included, and a flag takes no value. One patch here covers every sub-command and `--help` itself."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_no_flag_placeholders()
 
 
 def _version(value: bool) -> None:

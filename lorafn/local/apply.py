@@ -11,13 +11,26 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import redis
 
 from lorafn.api import FunctionRef, SecretKeyRef, parse_uri
 from lorafn.api.adapters import AdapterProblem, parse_api_keys, validate_adapter
 from lorafn.local.manifests import Manifest, ManifestError, parse_manifest
-from lorafn.store import Keys, Store
-from lorafn.store.backbones import BackboneRecord, get_backbone, put_backbone
-from lorafn.store.registry import FunctionRecord, ensure_salt, hash_api_key, put_function, set_api_keys
+from lorafn.store import Keys, Op, Store, combine, control
+from lorafn.store.backbones import BackboneRecord, delete_backbone, get_backbone, list_backbones, put_backbone
+from lorafn.store.registry import (
+    FunctionRecord,
+    delete_function,
+    ensure_salt,
+    get_function,
+    hash_api_key,
+    list_functions,
+    lookup_api_key,
+    put_function,
+    set_api_keys,
+)
 
 log = logging.getLogger("lorafn.apply")
 
@@ -32,6 +45,11 @@ class Applied:
     kind: str
     name: str
     detail: str
+    action: str = "configured"  # kubectl's words: created (new) | configured (replaced)
+
+    def line(self) -> str:
+        """What `lorafn apply` and the demo print for it, kubectl-style."""
+        return f"{self.kind.lower()}/{self.name} {self.action} ({self.detail})"
 
 
 def _local_dir(uri: str, what: str) -> Path:
@@ -106,22 +124,61 @@ def apply_manifest(
             max_context=_max_context(model_dir),
             public=public,
         )
-        plans.append((record, keys_for_fn, f"rank {info.rank}, targets {','.join(info.target_modules)}"))
+        targets = ",".join(info.target_modules)
+        record.extra.update(rank=str(info.rank), targets=targets)
+        plans.append((record, keys_for_fn, f"rank {info.rank}, targets {targets}"))
 
-    applied: list[Applied] = []
-    for bb in backbone_records:
-        store.run(put_backbone(keys, bb))
-        applied.append(Applied("Backbone", bb.name, bb.model_dir))
     salt = store.run(ensure_salt(keys)) if plans else ""
-    for record, fn_keys, detail in plans:
-        store.run(put_function(keys, record))
-        store.run(set_api_keys(keys, record.function, [hash_api_key(salt, k) for k in fn_keys]))
+    hashed = [(record, [hash_api_key(salt, k) for k in fn_keys], detail) for record, fn_keys, detail in plans]
+    _check_keys_free(store, keys, hashed)
+
+    # Everything is valid: write it in one round trip (no partial registration on a bad document).
+    applied: list[Applied] = []
+    ops: list[Op[Any]] = []
+    for bb in backbone_records:
+        existed = store.run(get_backbone(keys, bb.name)) is not None
+        ops.append(put_backbone(keys, bb))
+        applied.append(Applied("Backbone", bb.name, bb.model_dir, "configured" if existed else "created"))
+    for record, key_hashes, detail in hashed:
+        existed = store.run(get_function(keys, record.function)) is not None
+        ops += [put_function(keys, record), set_api_keys(keys, record.function, key_hashes)]
         if record.public:
             log.warning(
                 "function %s is PUBLIC: anyone who reaches the gateway can invoke it", record.function
             )
-        applied.append(Applied("LoRAFunction", record.function, detail))
+        applied.append(
+            Applied("LoRAFunction", record.function, detail, "configured" if existed else "created")
+        )
+    try:
+        store.run(combine(*ops))
+    except redis.ResponseError as exc:  # a key taken between the check and the write (another apply)
+        raise ManifestError(f"not applied: {str(exc).removeprefix('API_KEY_TAKEN ')}") from None
     return applied
+
+
+def _check_keys_free(store: Store, keys: Keys, plans: list[tuple[FunctionRecord, list[str], str]]) -> None:
+    """An API key opens one function: refuse a key that opens another registered function, or that this
+    file gives to two functions (e.g. `--api-key` with a file of several functions)."""
+    given: dict[str, str] = {}
+    for record, key_hashes, _ in plans:
+        for h in key_hashes:
+            other = given.setdefault(h, record.function)
+            if other != record.function:
+                raise ManifestError(
+                    f"LoRAFunction {record.function}: an API key it is given is also given to {other} in "
+                    "this apply; an API key opens one function (apply files of several functions with "
+                    "apiKeySecretRef, not --api-key)"
+                )
+    if not given:
+        return
+    hashes = list(given)
+    owners = store.run(combine(*(lookup_api_key(keys, h) for h in hashes)))
+    for h, owner in zip(hashes, owners, strict=True):
+        if owner is not None and owner != given[h]:
+            raise ManifestError(
+                f"LoRAFunction {given[h]}: an API key it is given already opens function {owner}; "
+                "an API key opens one function: use a new key (nothing was applied)"
+            )
 
 
 def _function_keys(
@@ -155,3 +212,56 @@ def load_local_secrets(state_dir: Path) -> Manifest | None:
     if not path.exists():
         return None
     return parse_manifest(path.read_text())
+
+
+@dataclass(frozen=True)
+class Deleted:
+    kind: str
+    name: str
+
+    def line(self) -> str:
+        return f'{self.kind.lower()} "{self.name}" deleted'
+
+
+_STATUS_FIELDS = (
+    "wait_reason", "last_cold_start_ms", "last_cold_path", "last_cold_at_ms", "start_failures",
+    "last_failure", "last_failure_at_ms",
+)  # fmt: skip
+
+
+def delete_objects(
+    store: Store, keys: Keys, functions: list[str], backbones: list[str], ignore_not_found: bool = False
+) -> list[Deleted]:
+    """Unregister functions (their API keys with them; the controller stops their workers, which drain)
+    and backbones no remaining function uses. Checked first: nothing is deleted when one name is unknown
+    or a backbone is still in use."""
+    registered = set(store.run(list_functions(keys)))
+    known_bbs = set(store.run(list_backbones(keys)))
+    missing = [f"lorafunction/{f}" for f in functions if f not in registered]
+    missing += [f"backbone/{b}" for b in backbones if b not in known_bbs]
+    if missing and not ignore_not_found:
+        raise ManifestError(f"not found: {', '.join(missing)} (nothing was deleted)")
+    functions = [f for f in functions if f in registered]
+    backbones = [b for b in backbones if b in known_bbs]
+    remaining = registered - set(functions)
+    for bb in backbones:
+        users = []
+        for f in sorted(remaining):
+            record = store.run(get_function(keys, f))
+            if record is not None and record.spec.get("backbone") == bb:
+                users.append(f)
+        if users:
+            raise ManifestError(
+                f"backbone/{bb} is used by {', '.join(users)}: delete those functions first "
+                "(nothing was deleted)"
+            )
+    out: list[Deleted] = []
+    for f in functions:
+        store.run(delete_function(keys, f))
+        # A function created again later starts with a clean status, not this one's wait reason.
+        store.run(control.set_status(keys, f, **dict.fromkeys(_STATUS_FIELDS)))
+        out.append(Deleted("LoRAFunction", f))
+    for bb in backbones:
+        store.run(delete_backbone(keys, bb))
+        out.append(Deleted("Backbone", bb))
+    return out

@@ -22,7 +22,7 @@ from rich.table import Table
 from lorafn.local.apply import apply_manifest
 from lorafn.local.manifests import parse_manifest
 from lorafn.local.platform import LocalPlatform
-from lorafn.local.procs import lorafn_argv
+from lorafn.local.procs import child_env, lorafn_argv
 
 NAMESPACE = "demo"
 BACKBONE = "smollm2-135m"
@@ -48,7 +48,9 @@ def examples_dir() -> Path:
 def pull_model(state_dir: Path) -> Path:
     out = state_dir / "models" / BACKBONE
     # The pull shows its own progress bar; a cached model makes this instant.
-    subprocess.run(lorafn_argv("model", "pull", "smollm2-135m", "--out", str(out)), check=True)
+    subprocess.run(
+        lorafn_argv("model", "pull", "smollm2-135m", "--out", str(out)), check=True, env=child_env()
+    )
     return out
 
 
@@ -133,7 +135,7 @@ def run_demo(platform: LocalPlatform, console: Console | None = None) -> bool:
     manifest_path = platform.state_dir / "demo.yaml"
     manifest_path.write_text(text)
     for item in apply_manifest(platform.store, platform.keys, parse_manifest(text)):
-        console.print(f"applied {item.kind} {item.name} ({item.detail})")
+        console.print(item.line())
     console.print(f"(the YAML applied is in {manifest_path}; its Secret holds the demo's API keys)")
     platform.sync_backbones()
 

@@ -1,6 +1,6 @@
 """Reading the same YAML that `kubectl apply` takes, for `lorafn apply -f` on one machine.
 
-Pure: text in, typed documents out. Errors name the document (its index in the file and its
+Pure: text in, typed documents out. Errors name the document (its number in the file, from 1, and its
 kind/name) and the field, so a user can fix the YAML without reading a stack trace.
 """
 
@@ -57,7 +57,7 @@ class Manifest:
 def _where(index: int, doc: dict[str, Any]) -> str:
     kind = doc.get("kind", "?")
     name = (doc.get("metadata") or {}).get("name", "?")
-    return f"document {index} ({kind}/{name})"
+    return f"document {index + 1} ({kind}/{name})"  # 1-based: the way a person counts them
 
 
 def _metadata(index: int, doc: dict[str, Any], namespaced: bool) -> tuple[str, str]:
@@ -97,7 +97,7 @@ def parse_manifest(text: str) -> Manifest:
         if doc is None:
             continue
         if not isinstance(doc, dict):
-            raise ManifestError(f"document {index}: expected a mapping, got {type(doc).__name__}")
+            raise ManifestError(f"document {index + 1}: expected a mapping, got {type(doc).__name__}")
         kind = doc.get("kind")
         api_version = doc.get("apiVersion")
         if kind == "Secret":

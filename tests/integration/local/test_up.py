@@ -69,7 +69,7 @@ def test_up_apply_invoke_status_and_clean_stop(tiny_model_dir: Path, tmp_path: P
         )
         applied = _lorafn("apply", "-f", str(manifest), "--api-key", "secret-key", state_dir=state_dir)
         assert applied.returncode == 0, applied.stderr
-        assert "lorafunction/t/echo configured" in applied.stdout
+        assert "lorafunction/t/echo created" in applied.stdout
 
         refused = _lorafn("invoke", "t/echo", "hello", "--api-key", "wrong", state_dir=state_dir)
         assert refused.returncode != 0

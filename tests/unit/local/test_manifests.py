@@ -72,3 +72,11 @@ def test_namespace_defaults_to_default() -> None:
 def test_bad_documents_are_refused_naming_the_problem(text: str, message: str) -> None:
     with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_manifest(text)
+
+
+def test_documents_are_numbered_from_one() -> None:
+    bad_fourth = GOOD + "---\napiVersion: lorafn.io/v1alpha1\nkind: Backbone\nmetadata: {name: x}\n"
+    with pytest.raises(ManifestError, match=r"^document 4 \(Backbone/x\): spec is required"):
+        parse_manifest(bad_fourth)
+    with pytest.raises(ManifestError, match=r"^document 1: expected a mapping"):
+        parse_manifest("- a list\n")
