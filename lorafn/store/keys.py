@@ -100,7 +100,7 @@ class Keys:
 
     # -- statistics and limits -----------------------------------------------------------------
     def stats(self, function: str) -> str:
-        """hash: counters (requests, cold_starts, rate_limited, prompt_tokens, completion_tokens, errors,
+        """hash: counters (requests, cold_requests, rate_limited, prompt_tokens, completion_tokens, errors,
         cancelled)."""
         return f"{self.function(function)}:stats"
 

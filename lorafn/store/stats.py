@@ -10,6 +10,12 @@ from lorafn.store.keys import Keys
 
 ARRIVALS_BUCKET_S = 10  # the window of one arrivals counter (admit.lua writes them)
 
+# Counter names of `<p>:fn:<f>:stats` that readers spell (admit.lua writes the first three).
+REQUESTS = "requests"
+COLD_REQUESTS = "cold_requests"  # admitted while no worker of the function was live: a cold start
+RATE_LIMITED = "rate_limited"
+ERRORS = "errors"
+
 
 def add_counters(keys: Keys, function: str, **counters: int) -> Op[None]:
     """HINCRBY each counter (e.g. prompt_tokens, completion_tokens, errors)."""
