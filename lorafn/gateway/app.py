@@ -50,7 +50,9 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
     app.include_router(router)
     _add_error_handlers(app, gw)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s
+    )
     app.add_middleware(MetricsMiddleware, metrics=gw.metrics)
     return app
 

@@ -21,15 +21,9 @@ def serve(
     import uvicorn
 
     from lorafn.gateway.app import create_app
+    from lorafn.gateway.server import uvicorn_config
     from lorafn.gateway.settings import GatewaySettings
 
     overrides = {k: v for k, v in locals().items() if v is not None and k not in ("uvicorn",)}
     settings = GatewaySettings(**{k: v for k, v in overrides.items() if k in GatewaySettings.model_fields})
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
+    uvicorn.Server(uvicorn_config(create_app(settings), settings)).run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -97,10 +98,12 @@ class MetricsMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Pure ASGI: refuse bodies over `max_bytes` with 413 (by Content-Length, or while reading)."""
+    """Pure ASGI: refuse bodies over `max_bytes` with 413 (by Content-Length, or while reading), and
+    bodies that take longer than `timeout_s` to arrive with 408 (a slow client must not hold a
+    connection and a task forever, docs/gateway.md)."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, timeout_s: float | None = None) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -125,23 +128,41 @@ class BodyLimitMiddleware:
                     )
                     return
         seen = 0
+        body_done = False
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
 
         async def limited_receive() -> dict[str, Any]:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done or deadline is None:  # after the body: waiting for a disconnect, no deadline
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise _BodyTimeout from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise _BodyTooLarge
+                body_done = not message.get("more_body", False)
             return message
 
         try:
             await self.app(scope, limited_receive, send)
         except _BodyTooLarge:
             await _send_json(send, 413, too_large.body())
+        except _BodyTimeout:
+            slow = APIError(
+                408, f"the request body did not arrive within {self.timeout_s:g} s", code="body_timeout"
+            )
+            await _send_json(send, 408, slow.body())
 
 
 class _BodyTooLarge(Exception):
+    pass
+
+
+class _BodyTimeout(Exception):
     pass
 
 

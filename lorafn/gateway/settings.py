@@ -40,6 +40,14 @@ class GatewaySettings(SharedSettings):
     )
     registry_cache_s: float = Field(default=2.0, ge=0, description="how long a function record is reused")
 
+    # slow clients (slowloris): lorafn/gateway/server.py
+    header_timeout_s: float = Field(default=10.0, gt=0, description="each request's headers, from connect")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="the whole body, once the headers are in")
+    keep_alive_s: float = Field(default=5.0, gt=0, description="idle keep-alive connections are closed")
+    max_http_connections: int = Field(
+        default=2000, ge=1, description="open connections; beyond it new requests get 503 at once"
+    )
+
     max_connections: int = Field(
         default=1024, ge=4, description="Redis connections (one per waiting request)"
     )

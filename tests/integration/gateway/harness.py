@@ -20,6 +20,7 @@ import httpx
 import uvicorn
 
 from lorafn.gateway.app import create_app
+from lorafn.gateway.server import uvicorn_config
 from lorafn.gateway.settings import GatewaySettings
 from lorafn.local.redis_proc import free_port
 from lorafn.runtime.outputs import StreamDelta
@@ -129,13 +130,8 @@ def gateway(redis_url: str, prefix: str, **overrides: Any) -> Iterator[str]:
     settings = GatewaySettings(redis_url=redis_url, key_prefix=prefix, **overrides)
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
+        uvicorn_config(
+            create_app(settings), settings, host="127.0.0.1", port=port, log_level="warning", lifespan="on"
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)

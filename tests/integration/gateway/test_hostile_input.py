@@ -280,3 +280,63 @@ def test_healthz_stays_fast_while_large_prompts_are_tokenized(
     assert codes == [400] * 12  # each was tokenized and refused for its max_tokens
     assert len(latencies) >= 3
     assert statistics.median(latencies) < encode_s / 3, (statistics.median(latencies), encode_s)
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bytes | None:
+    """What the server sent before closing the connection, or None if it is still open after `within_s`."""
+    sock.settimeout(within_s)
+    got = b""
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def test_slowloris_headers_and_bodies_are_cut_off(redis_server: str, tmp_path: Path) -> None:
+    """`lorafn gateway serve` closes connections whose headers do not complete in time and answers 408 to
+    bodies that do not; a normal client is served meanwhile."""
+    env = {"LORAFN_HEADER_TIMEOUT_S": "1", "LORAFN_BODY_TIMEOUT_S": "1"}
+    with gateway_process(redis_server, "slow", tmp_path / "gateway.log", **env) as url:
+        host, port = urlparse(url).hostname, urlparse(url).port
+        assert host and port
+        slow_headers = [socket.create_connection((host, port)) for _ in range(20)]
+        for s in slow_headers:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        slow_body = socket.create_connection((host, port))
+        slow_body.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        # a keep-alive connection that starts its second request and stalls in the headers
+        keep = socket.create_connection((host, port))
+        keep.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200 OK" in keep.recv(4096)
+        keep.sendall(b"GET /healthz HTTP/1.1\r\n")
+        assert client(url, None).get("/healthz").status_code == 200  # others are served meanwhile
+        for s in [*slow_headers, keep]:
+            assert _closed_by_server(s, within_s=4) is not None, "a slow-header connection stayed open"
+            s.close()
+        answer = _closed_by_server(slow_body, within_s=4)
+        assert answer is not None and b" 408 " in answer.split(b"\r\n")[0], answer
+        assert b"body_timeout" in answer
+        slow_body.close()
+
+
+def test_connection_cap_answers_503_beyond_it(redis_server: str, tmp_path: Path) -> None:
+    env = {"LORAFN_MAX_HTTP_CONNECTIONS": "4", "LORAFN_HEADER_TIMEOUT_S": "30"}
+    with gateway_process(redis_server, "cap", tmp_path / "gateway.log", **env) as url:
+        host, port = urlparse(url).hostname, urlparse(url).port
+        assert host and port
+        held = [socket.create_connection((host, port)) for _ in range(4)]
+        for s in held:
+            s.sendall(b"GET /healthz HTTP/1.1\r\n")
+        time.sleep(0.3)
+        assert httpx.get(url + "/healthz").status_code == 503
+        for s in held:
+            s.close()
+        time.sleep(0.3)
+        assert httpx.get(url + "/healthz").status_code == 200
