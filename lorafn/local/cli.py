@@ -356,7 +356,9 @@ def delete(
 
 
 def logs(
-    target: str = typer.Argument(..., help="NAMESPACE/NAME (its workers), gateway, backbone[/NAME] or up"),
+    target: str = typer.Argument(
+        ..., help="NAMESPACE/NAME (its workers), gateway, backbone, backbone/NAME or up"
+    ),
     follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing what the logs append."),
     tail: int = typer.Option(-1, "--tail", help="Lines of each log to show first (-1: all)."),
     state_dir: Path | None = _STATE_DIR_OPTION,

@@ -17,7 +17,9 @@ from typing import TextIO
 from lorafn.store import Keys, Store, control
 from lorafn.store.workers import worker_ids, worker_info
 
-TARGETS_HELP = "NAMESPACE/NAME (a function's workers), gateway, backbone[/NAME], or up (a detached lorafn up)"
+TARGETS_HELP = (
+    "NAMESPACE/NAME (a function's workers), gateway, backbone, backbone/NAME, or up (a detached lorafn up)"
+)
 
 
 def function_worker_ids(store: Store, keys: Keys, function: str) -> list[str]:
