@@ -122,3 +122,21 @@ def test_pvc_uris_do_not_resolve_locally(redis_server: str, tiny_model_dir: Path
     text = _yaml(tiny_model_dir, adapter_dir).replace(f"file://{adapter_dir}", "pvc://claim/adapter")
     with pytest.raises(ManifestError, match="locally only file:// URIs resolve"):
         apply_manifest(Store(redis_server), Keys("t"), parse_manifest(text))
+
+
+def test_an_api_key_opens_one_function_and_a_refused_file_writes_nothing(
+    redis_server: str, tiny_model_dir: Path, adapter_dir: Path
+) -> None:
+    store, keys = Store(redis_server), Keys("t")
+    text = _yaml(tiny_model_dir, adapter_dir, secret=False).replace(
+        ", auth: {apiKeySecretRef: {name: keys}}", ""
+    )
+    apply_manifest(store, keys, parse_manifest(text), api_keys=["shared"])
+    other = text.replace("name: fn,", "name: other,").split("---\n", 1)[1]
+    with pytest.raises(ManifestError, match="already opens function team/fn"):
+        apply_manifest(store, keys, parse_manifest(other), api_keys=["shared"])
+    assert store.run(get_function(keys, "team/other")) is None
+    two = text + "\n---\n" + other
+    with pytest.raises(ManifestError, match="also given to team/fn in this apply"):
+        apply_manifest(store, keys, parse_manifest(two), api_keys=["new-key"])
+    assert store.run(get_function(keys, "team/other")) is None
