@@ -165,15 +165,15 @@ class Platform:
                 out[wid] = h
         return out
 
-    def wait_standby(self, backbone: str, timeout_s: float = 300) -> None:
+    def wait_standby(self, backbone: str, shape: str, timeout_s: float = 300) -> None:
+        """Until a standby of `backbone` prepared for `shape` heartbeats (the pool's floor makes one)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if any(
-                h.get("state") == "standby" and h.get("backbone") == backbone for h in self.workers().values()
-            ):
-                return
+            for h in self.workers().values():
+                if h.get("state") == "standby" and h.get("backbone") == backbone and h.get("shape") == shape:
+                    return
             time.sleep(0.5)
-        raise RuntimeError(f"no standby worker of {backbone} came up in {timeout_s} s")
+        raise RuntimeError(f"no standby of {backbone} prepared for {shape} came up in {timeout_s} s")
 
     def status(self, function: str) -> dict[str, str]:
         return self.redis.hgetall(f"lorafn:fn:{function}:status")
