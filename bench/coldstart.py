@@ -199,6 +199,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--density", type=int, default=0, help="also: invoke N small functions at once")
     ap.add_argument("--kv-mib", type=int, default=64, help="KV budget of each density function")
+    ap.add_argument("--density-timeout", type=float, default=180, help="seconds each density request waits")
+    ap.add_argument(
+        "--overhead-mib",
+        type=int,
+        default=1024,
+        help="the controller's per-worker overhead (CUDA context etc.)",
+    )
     ap.add_argument("--skip-no-share", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -223,7 +230,7 @@ def main() -> None:
     prompt = prompt_of(args.prompt_tokens)
     results: dict[str, Any] = {"model": str(model), "device": args.device, "rank": args.rank}
     if args.device == "cuda":
-        config = "gateway_port: 0\nworker_overhead_mib: 1024\ndefault_kv_mib: 2048\n"
+        config = f"gateway_port: 0\nworker_overhead_mib: {args.overhead_mib}\ndefault_kv_mib: 2048\n"
     else:
         config = "gateway_port: 0\ndevices: 1\ndevice_memory_mib: 4096\n"
     platform = Platform(workdir, args.device, config)
@@ -293,7 +300,7 @@ def density(
 
     def call(name: str) -> bool:
         try:
-            ttft_ms(url, f"k-{name}", f"bench/{name}", prompt[:200], 2, 420)
+            ttft_ms(url, f"k-{name}", f"bench/{name}", prompt[:200], 2, args.density_timeout)
             return True
         except Exception:
             return False
