@@ -18,10 +18,14 @@ words, and `pattern_matches` is the one reading of PEFT's `rank_pattern` / `alph
 from __future__ import annotations
 
 import json
+import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import regex
 
 from lorafn.api.safetensors import DTYPE_NAMES, SafetensorsError, SafetensorsHeader, read_header
 from lorafn.api.uris import parse_uri
@@ -135,6 +139,8 @@ def _read_json(path: Path, reason: str, what: str) -> dict[str, Any]:
         raise AdapterProblem(reason, f"{what} {path} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterProblem(reason, f"{what} {path} is not readable JSON: {exc}") from None
+    except RecursionError:  # thousands of nested [ or {: the parser's depth limit, not a traceback
+        raise AdapterProblem(reason, f"{what} {path} is nested too deeply to be a config") from None
     if not isinstance(data, dict):
         raise AdapterProblem(reason, f"{what} {path} is not a JSON object")
     return data
@@ -208,14 +214,57 @@ class CheckedConfig:
         return next((v for k, v in self.alpha_pattern.items() if pattern_matches(k, module_name)), self.alpha)
 
 
+# The config's regexes (target_modules, rank_pattern/alpha_pattern keys) come from tenants, and the
+# operator runs them: `(.*.*.*)*X` kept Python's backtracking `re` busy for minutes. They are matched with
+# the `regex` engine under a time budget, and their length is capped (issue 15).
+MAX_PATTERN_CHARS = 1024
+PATTERN_BUDGET_S = 1.0
+
+
+def _compile(pattern: str, field_name: str) -> regex.Pattern[str]:
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise _config_problem(
+            REASON_CONFIG_INVALID,
+            field_name,
+            f"regex of {len(pattern)} characters; at most {MAX_PATTERN_CHARS}",
+        )
+    try:
+        return regex.compile(pattern, flags=regex.VERSION0)  # VERSION0: the syntax of Python's re
+    except (regex.error, re.error, ValueError) as exc:
+        raise _config_problem(REASON_CONFIG_INVALID, field_name, f"regex {pattern!r}: {exc}") from None
+
+
+def _fullmatch(pattern: regex.Pattern[str], text: str, deadline: float, field_name: str) -> bool:
+    """`pattern` matches all of `text`; AdapterProblem once the pattern has used its time budget."""
+    try:
+        return pattern.fullmatch(text, timeout=max(1e-3, deadline - time.monotonic())) is not None
+    except TimeoutError:
+        raise _config_problem(
+            REASON_CONFIG_INVALID,
+            field_name,
+            f"regex {pattern.pattern[:80]!r} takes too long to match module names "
+            f"(over {PATTERN_BUDGET_S:g} s; nested repetition such as (.*)*?)",
+        ) from None
+
+
+def _module_names(num_layers: int) -> list[str]:
+    """The full names of the backbone's linear layers (model.layers.0.self_attn.q_proj, ...)."""
+    return [
+        f"model.layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}"
+        for layer in range(num_layers)
+        for module in LINEAR_MODULES
+    ]
+
+
 def pattern_matches(pattern_key: str, module_name: str) -> bool:
     """PEFT's rule for a rank_pattern / alpha_pattern key (peft.utils.other.get_pattern_key).
 
     The key is a regex that must match a dotted suffix of the module name: "o_proj" and
     "layers.0.self_attn.o_proj" both select model.layers.0.self_attn.o_proj. The first key that
-    matches, in the config's order, wins.
+    matches, in the config's order, wins. Bounded in time like every config regex (AdapterProblem).
     """
-    return re.match(rf"(.*\.)?({pattern_key})$", module_name) is not None
+    pattern = _compile(rf"(.*\.)?({pattern_key})", "rank_pattern")
+    return _fullmatch(pattern, module_name, time.monotonic() + PATTERN_BUDGET_S, "rank_pattern")
 
 
 def _config_problem(reason: str, field_name: str, detail: str) -> AdapterProblem:
@@ -224,6 +273,15 @@ def _config_problem(reason: str, field_name: str, detail: str) -> AdapterProblem
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# lora_alpha scales every delta: NaN, inf or 1e308 turns the output into NaN (an empty answer)
+_MAX_ALPHA = 1e6
+_ALPHA_WANTED = f"a finite number with |lora_alpha| <= {_MAX_ALPHA:g}"
+
+
+def _is_alpha(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value) and abs(value) <= _MAX_ALPHA
 
 
 def _is_rank(value: Any) -> bool:
@@ -241,20 +299,14 @@ def target_module_names(target: Any, num_layers: int | None = None) -> list[str]
     if target == "all-linear":
         return list(LINEAR_MODULES)
     if isinstance(target, str):
-        try:
-            pattern = re.compile(target)
-        except re.error as exc:
-            raise _config_problem(REASON_CONFIG_INVALID, field_name, f"regex {target!r}: {exc}") from None
+        pattern = _compile(target, field_name)
         if num_layers is None:
             return None
+        deadline = time.monotonic() + PATTERN_BUDGET_S
         names = {
-            module
-            for layer in range(num_layers)
-            for module in LINEAR_MODULES
-            for full in [
-                f"model.layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}"
-            ]
-            if pattern.fullmatch(full)
+            full.rsplit(".", 1)[-1]
+            for full in _module_names(num_layers)
+            if _fullmatch(pattern, full, deadline, field_name)
         }
         if not names:
             raise _config_problem(
@@ -303,12 +355,12 @@ def check_adapter_config(config: dict[str, Any], num_layers: int | None = None) 
     if not _is_rank(rank):
         raise _config_problem(REASON_INVALID_RANK, "r", f"must be a positive integer, got {rank!r}")
     alpha = config.get("lora_alpha", rank)
-    if not _is_number(alpha):
-        raise _config_problem(REASON_CONFIG_INVALID, "lora_alpha", f"{alpha!r} is not a number")
+    if not _is_alpha(alpha):
+        raise _config_problem(REASON_CONFIG_INVALID, "lora_alpha", f"{alpha!r} is not {_ALPHA_WANTED}")
     patterns: dict[str, dict[str, Any]] = {}
     for name, valid, want in (
         ("rank_pattern", _is_rank, "a positive integer"),
-        ("alpha_pattern", _is_number, "a number"),
+        ("alpha_pattern", _is_alpha, _ALPHA_WANTED),
     ):
         pattern = config.get(name) or {}
         if not isinstance(pattern, dict):
@@ -316,12 +368,13 @@ def check_adapter_config(config: dict[str, Any], num_layers: int | None = None) 
                 REASON_CONFIG_INVALID, name, f"must map module names to values, got {pattern!r}"
             )
         for key, value in pattern.items():
-            try:
-                re.compile(key)
-            except re.error as exc:
-                raise _config_problem(
-                    REASON_CONFIG_INVALID, name, f"key {key!r} is not a regex: {exc}"
-                ) from None
+            if not isinstance(key, str):
+                raise _config_problem(REASON_CONFIG_INVALID, name, f"key {key!r} is not a string")
+            compiled = _compile(rf"(.*\.)?({key})", name)
+            if num_layers is not None:  # it will be matched against every module: bound it now
+                deadline = time.monotonic() + PATTERN_BUDGET_S
+                for full in _module_names(num_layers):
+                    _fullmatch(compiled, full, deadline, name)
             if not valid(value):
                 reason = REASON_INVALID_RANK if name == "rank_pattern" else REASON_CONFIG_INVALID
                 raise _config_problem(reason, name, f"{key!r}: {value!r} is not {want}")

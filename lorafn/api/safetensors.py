@@ -136,6 +136,8 @@ def read_header(path: str | Path) -> SafetensorsHeader:
         raise SafetensorsError(
             f"{path}: corrupt safetensors header: not JSON (or not UTF-8): {exc}"
         ) from None
+    except RecursionError:  # thousands of nested [ or {: the parser's depth limit, not a traceback
+        raise SafetensorsError(f"{path}: corrupt safetensors header: JSON nested too deeply") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: corrupt safetensors header: not a JSON object")
     metadata = header.get("__metadata__", {})
