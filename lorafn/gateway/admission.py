@@ -199,7 +199,11 @@ class Admitter:
                 fn,
                 rid,
                 body,
-                deadline_ms=int((now + s.cold_start_timeout_s) * 1000),
+                # no worker starts it after this: the longest the relay waits for an accept (a warm
+                # request whose worker died waits for a cold start too, see Relay.events)
+                deadline_ms=int(
+                    (now + s.queue_timeout_s + s.heartbeat_ttl_s + s.cold_start_timeout_s) * 1000
+                ),
                 now_s=now,
                 rate_limit_rps=rps,
                 rate_limit_burst=burst,

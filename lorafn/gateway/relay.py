@@ -57,6 +57,7 @@ class Relay:
         accepted = False
         owner: str | None = None  # the worker whose events count, once a restart named one
         accept_by = job.t0 + (s.cold_start_timeout_s if job.cold else s.queue_timeout_s)
+        extended = job.cold  # a warm request becomes a cold start when its workers are gone
         end_by = job.t0 + s.request_timeout_s
         ttl_ms = int(s.heartbeat_ttl_s * 1000)
         next_poll = job.t0
@@ -98,6 +99,11 @@ class Relay:
                     await self.store.run(
                         streams.record_demand(self.keys, job.function, "waiting", s.demand_guard_ms)
                     )
+                    if not accepted and not extended:
+                        # the live worker of admission died (noticed after heartbeat_ttl_s): the request
+                        # now waits for a cold start (or a claim by the next worker), so give it that long
+                        extended = True
+                        accept_by = max(accept_by, time.monotonic() + s.cold_start_timeout_s)
                 continue
             for entry_id, writer, event in batch:
                 last = entry_id

@@ -91,6 +91,9 @@ class ServingConfig:
     max_deliveries: int = 3
     keep_alive_s: float | None = None  # None: serve until stopped
     reply_ttl_s: float = 600.0
+    # A loop that has not advanced for this many heartbeat TTLs while it holds requests is stuck: it stops
+    # heartbeating, so other workers claim its requests (a long prefill stays well under it).
+    stall_after_ttls: float = 12.0
     # What the controller reads besides liveness (gpu, backbone, shape, mem_bytes): see lorafn.controller.
     heartbeat_fields: dict[str, Any] = field(default_factory=dict)
 
@@ -138,6 +141,7 @@ class Worker:
         self._control_cursor: str | None = None  # read from where the stream ends at start (run)
         self._started = time.time()
         self._last_busy = clock()
+        self._progress_at = clock()  # the loop's last iteration: the heartbeat thread reads it
         self.served = 0
 
     # -- public ---------------------------------------------------------------------------------
@@ -172,7 +176,7 @@ class Worker:
         try:
             while True:
                 try:
-                    now = self.clock()
+                    now = self._progress_at = self.clock()
                     if now >= next_heartbeat:
                         self._read_control()
                         next_heartbeat = now + cfg.heartbeat_s
@@ -241,8 +245,18 @@ class Worker:
         """Heartbeat thread, on its own connection: liveness must not depend on how long one engine step
         takes (a long prefill would otherwise let another worker claim requests that are still running)."""
         store = Store(self.store.url)
+        stall_s = self.config.stall_after_ttls * self.config.heartbeat_ttl_s
+        withheld = False
         try:
             while not stop.wait(self.config.heartbeat_s):
+                stuck = bool(self.running) and self.clock() - self._progress_at > stall_s
+                if stuck and not withheld:
+                    log.error(
+                        "worker %s: no progress for %.0f s; heartbeat withheld", self.worker_id, stall_s
+                    )
+                withheld = stuck
+                if stuck:  # a hung step: look dead, so the requests it holds are claimed elsewhere
+                    continue
                 with contextlib.suppress(UNAVAILABLE_ERRORS):  # the loop notices an outage on its own
                     self._heartbeat(store)
         finally:
@@ -257,6 +271,7 @@ class Worker:
             "served": self.served,
             "started": int(self._started),
             "idle_s": round(0.0 if self.running else max(0.0, self.clock() - self._last_busy), 1),
+            "progress_s": round(max(0.0, self.clock() - self._progress_at), 1),  # since the loop advanced
             **self.config.heartbeat_fields,
         }
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
@@ -318,6 +333,8 @@ class Worker:
         entries = results[-1] if free else []
         for entry_id, fields in entries:
             self._admit(entry_id, fields, restart=False)
+        if entries:  # `accepted` at once, not after the next engine step (the gateway's accept deadline)
+            self._flush()
         return len(entries)
 
     def _step(self) -> None:
@@ -520,6 +537,9 @@ class WorkerSettings(SharedSettings):
     )
     heartbeat_s: float = Field(default=1.0, gt=0)
     claim_min_idle_ms: int = Field(default=2000, ge=0)
+    stall_after_ttls: float = Field(
+        default=12.0, gt=1, description="stuck after this many TTLs without progress"
+    )
     engine_factory: str | None = Field(
         default=None,
         description="module:callable(settings, record) -> ServingEngine, instead of lorafn.runtime.Engine "
@@ -653,6 +673,7 @@ def serving_config(
         heartbeat_s=settings.heartbeat_s,
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
         claim_min_idle_ms=settings.claim_min_idle_ms,
+        stall_after_ttls=settings.stall_after_ttls,
         keep_alive_s=keep_alive,
         heartbeat_fields=fields,
     )
