@@ -207,6 +207,7 @@ def main() -> None:
         help="the controller's per-worker overhead (CUDA context etc.)",
     )
     ap.add_argument("--skip-no-share", action="store_true")
+    ap.add_argument("--density-only", action="store_true", help="skip the warm/standby/fresh rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lorafn-coldstart-"))
@@ -236,30 +237,39 @@ def main() -> None:
     platform = Platform(workdir, args.device, config)
     try:
         platform.apply(backbone_doc("pooled", model, dtype, 1, 2), None, workdir, "bb1")
-        platform.apply(backbone_doc("nopool", model, dtype, 0, 0), None, workdir, "bb2")
         platform.apply(function_doc("warmfn", "pooled", adapters[0]), "k-warm", workdir, "f1")
-        platform.apply(function_doc("freshfn", "nopool", adapters[1]), "k-fresh", workdir, "f2")
+        if not args.density_only:  # a second backbone (its own copy on the GPU) without a warm pool
+            platform.apply(backbone_doc("nopool", model, dtype, 0, 0), None, workdir, "bb2")
+            platform.apply(function_doc("freshfn", "nopool", adapters[1]), "k-fresh", workdir, "f2")
         from lorafn.api.adapters import validate_adapter
 
-        platform.wait_standby("pooled", validate_adapter(adapters[0], model).shape_key)
+        if not args.density_only:
+            platform.wait_standby("pooled", validate_adapter(adapters[0], model).shape_key)
         url = platform.state["gateway_url"]
         rows: dict[str, dict[str, Any]] = {}
-        t = ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
-        rows["standby"] = {"ttft_ms": t, **platform.status("bench/warmfn")}
-        warm = [
-            ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600) for _ in range(args.repeats)
-        ]
-        rows["warm"] = {"ttft_ms": statistics.median(warm), "all_ms": warm}
-        t = ttft_ms(url, "k-fresh", "bench/freshfn", prompt, args.max_tokens, 600)
-        rows["fresh"] = {"ttft_ms": t, **platform.status("bench/freshfn")}
+        if not args.density_only:
+            t = ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
+            rows["standby"] = {"ttft_ms": t, **platform.status("bench/warmfn")}
+            print("standby", rows["standby"], flush=True)
+            warm = [
+                ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
+                for _ in range(args.repeats)
+            ]
+            rows["warm"] = {"ttft_ms": statistics.median(warm), "all_ms": warm}
+            print("warm", rows["warm"], flush=True)
+            t = ttft_ms(url, "k-fresh", "bench/freshfn", prompt, args.max_tokens, 600)
+            rows["fresh"] = {"ttft_ms": t, **platform.status("bench/freshfn")}
+            print("fresh", rows["fresh"], flush=True)
         if args.density:
             rows["density"] = density(platform, workdir, adapters[2], args, prompt)
     finally:
         platform.stop()
-    if not args.skip_no_share:
+    if not args.skip_no_share and not args.density_only:
         rows["no-share"] = {"ttft_ms": no_share_ms(model, adapters[0], args.device, prompt)}
     results["rows"] = rows
-    w = rows["warm"]["ttft_ms"]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    w = rows["warm"]["ttft_ms"] if "warm" in rows else float("nan")
     print(
         f"\ncold start, {args.device}, {model.name}, r{args.rank} all-linear, "
         f"prompt {args.prompt_tokens} tokens"
@@ -305,8 +315,9 @@ def density(
         except Exception:
             return False
 
-    with ThreadPoolExecutor(max_workers=min(64, args.density)) as pool:
+    with ThreadPoolExecutor(max_workers=min(128, args.density)) as pool:
         ok = list(pool.map(call, names))
+    print(f"density: {sum(ok)} of {len(names)} answered", flush=True)
     bound = [h for h in platform.workers().values() if h.get("function", "").startswith("bench/d")]
     after = gpu_used_bytes()
     per = ((after or 0) - (before or 0)) / MiB / max(1, len(bound))
