@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError
@@ -109,9 +110,24 @@ class PlatformState(BaseModel):
     def path(state_dir: Path) -> Path:
         return state_dir / "platform.json"
 
+    @property
+    def shown_redis_url(self) -> str:
+        """`redis_url` without its password, for printing."""
+        parts = urlsplit(self.redis_url)
+        if parts.password is None:
+            return self.redis_url
+        netloc = f":***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+
     def write(self, state_dir: Path) -> None:
+        """platform.json, 0600 (`redis_url` carries the Redis password), in a state directory made 0700
+        (it holds the Redis data, logs and secrets of the platform's user alone)."""
+        os.chmod(state_dir, 0o700)
         tmp = self.path(state_dir).with_suffix(".tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.model_dump_json(indent=2))
+        os.chmod(tmp, 0o600)
         tmp.replace(self.path(state_dir))
 
     @classmethod

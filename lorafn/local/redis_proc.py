@@ -2,16 +2,25 @@
 
 lorafn never embeds a fake Redis: local mode starts the `redis-server` binary from PATH, with its data
 directory under the platform's state directory, and stops it on exit.
+
+Security (issue 15): without a password any local user could `HSET lorafn:fn:<f> public 1` and call a
+function without a key. The server requires a password generated once and kept in `<data dir>/redis.password`
+(0600; reused on restart, so the AOF's data stays reachable), passed through a 0600 config file (never on the
+command line, which `ps` shows), and the data directory (AOF: prompts, replies, the key salt) is 0700. `url`
+carries the password, so every client built from it authenticates.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 
 class RedisNotInstalledError(RuntimeError):
@@ -25,28 +34,62 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _ping(host: str, port: int, timeout: float) -> bool:
+def _ping(host: str, port: int, timeout: float, password: str | None = None) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
+            if password is not None:
+                sock.sendall(f"AUTH {password}\r\n".encode())
+                if not sock.recv(64).startswith(b"+OK"):
+                    return False
             sock.sendall(b"PING\r\n")
             return sock.recv(64).startswith(b"+PONG")
     except OSError:
         return False
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to a file only its owner can read (created 0600, never briefly wider)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its old mode through O_CREAT
+
+
+def stored_password(data_dir: Path) -> str:
+    """The server's password, generated on first use and kept in `data_dir/redis.password` (0600)."""
+    path = data_dir / "redis.password"
+    if path.is_file():
+        password = path.read_text().strip()
+        if password:
+            os.chmod(path, 0o600)
+            return password
+    password = secrets.token_urlsafe(32)
+    _write_private(path, password + "\n")
+    return password
+
+
 @dataclass
 class RedisProcess:
-    """`redis-server` on 127.0.0.1:`port`, data (AOF) in `data_dir`, log in `data_dir/redis.log`."""
+    """`redis-server` on 127.0.0.1:`port`, data (AOF) in `data_dir`, log in `data_dir/redis.log`,
+    password in `data_dir/redis.password` (see the module doc; `auth=False` for none)."""
 
     data_dir: Path
     port: int = 0
     host: str = "127.0.0.1"
     appendonly: bool = True
+    auth: bool = True
+    password: str | None = field(default=None, repr=False)
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        """The URL clients use, with the password (keep it out of logs: `redacted_url`)."""
+        who = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{who}{self.host}:{self.port}/0"
+
+    @property
+    def redacted_url(self) -> str:
+        return f"redis://{':***@' if self.password else ''}{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
         binary = shutil.which("redis-server")
@@ -56,10 +99,16 @@ class RedisProcess:
                 "or run scripts/bootstrap.sh)"
             )
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)  # the AOF holds prompts, replies and the API-key salt
+        if self.auth and self.password is None:
+            self.password = stored_password(self.data_dir)
+        config = self.data_dir / "redis.conf"
+        _write_private(config, f"requirepass {self.password}\n" if self.password else "")
         if self.port == 0:
             self.port = free_port(self.host)
         args = [
             binary,
+            str(config),
             "--bind", self.host,
             "--port", str(self.port),
             "--dir", str(self.data_dir),
@@ -68,11 +117,14 @@ class RedisProcess:
             "--logfile", str(self.data_dir / "redis.log"),
             "--protected-mode", "yes",
         ]  # fmt: skip
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr to a file, not a pipe nobody reads (a full pipe would block the server)
+        stderr_path = self.data_dir / "redis.stderr"
+        with open(stderr_path, "ab") as stderr:
+            self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                err = stderr_path.read_text(errors="replace")[-2000:]
                 log = (
                     (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
                     if (self.data_dir / "redis.log").exists()
@@ -81,7 +133,7 @@ class RedisProcess:
                 raise RuntimeError(
                     f"redis-server exited with code {self._proc.returncode} on port {self.port}: {err}{log}"
                 )
-            if _ping(self.host, self.port, timeout=0.2):
+            if _ping(self.host, self.port, timeout=0.2, password=self.password):
                 return self
             time.sleep(0.05)
         self.stop()
