@@ -228,7 +228,7 @@ class Admitter:
             )
         cold = admission.live_workers == 0
         if cold:
-            self.metrics.cold_starts.labels(fn).inc()
+            self.metrics.cold_starts.labels(self.metrics.function(fn)).inc()
             await self.store.run(streams.record_demand(self.keys, fn, "request", s.demand_guard_ms))
         return Job(fn, rid, admission.entry_id, cold, prompt_tokens, time.monotonic())
 

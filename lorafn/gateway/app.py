@@ -39,6 +39,7 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await gw.store.close()
+        await gw.health.close()
 
     app = FastAPI(
         title="lorafn gateway",

@@ -23,11 +23,14 @@ class Gateway:
     metrics: Metrics
     admitter: Admitter
     relay: Relay
+    # /readyz's own connection: with every request connection taken by waiting requests, the gateway
+    # is busy, not unready
+    health: AsyncStore
 
     @classmethod
     def create(cls, settings: GatewaySettings, store: AsyncStore | None = None) -> Gateway:
         store = store or AsyncStore(settings.redis_url, max_connections=settings.max_connections)
-        keys, metrics = Keys(settings.key_prefix), Metrics()
+        keys, metrics = Keys(settings.key_prefix), Metrics(per_function=settings.metrics_per_function)
         return cls(
             settings,
             store,
@@ -35,6 +38,7 @@ class Gateway:
             metrics,
             Admitter(settings, store, keys, metrics),
             Relay(settings, store, keys, metrics),
+            AsyncStore(store.url, socket_timeout_s=2.0, max_connections=2),
         )
 
     def count_error(self, error: APIError) -> None:

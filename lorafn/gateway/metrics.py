@@ -20,8 +20,14 @@ ENDPOINTS = {
 }
 
 
+# The `function` label's value when per-function metrics are off (the default): /metrics needs no key,
+# and a list of every function name would undo the 403-not-404 rule of docs/gateway.md#auth.
+ALL_FUNCTIONS = "*"
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, per_function: bool = False) -> None:
+        self.per_function = per_function
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "lorafn_gateway_requests",
@@ -61,6 +67,10 @@ class Metrics:
             ["function"],
             registry=self.registry,
         )
+
+    def function(self, name: str) -> str:
+        """The `function` label of `name`: itself only when per-function metrics are enabled."""
+        return name if self.per_function else ALL_FUNCTIONS
 
 
 def endpoint_of(path: str) -> str:

@@ -112,7 +112,7 @@ class Relay:
                     # presumed-dead worker that still writes is ignored)
                     owner = writer
                     job.restarts += 1
-                    self.metrics.restarts.labels(job.function).inc()
+                    self.metrics.restarts.labels(self.metrics.function(job.function)).inc()
                 elif owner is not None and writer != owner:
                     continue
                 if isinstance(event, Accepted):
@@ -145,7 +145,9 @@ class Relay:
                         if text:
                             if job.first_text_at is None:
                                 job.first_text_at = time.monotonic()
-                                self.metrics.ttft.labels(job.function).observe(job.first_text_at - job.t0)
+                                self.metrics.ttft.labels(self.metrics.function(job.function)).observe(
+                                    job.first_text_at - job.t0
+                                )
                             sent += text
                             yield text, None
                         continue

@@ -188,7 +188,7 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", summary="Readiness: Redis answers")
 async def readyz(request: Request) -> Response:
     try:
-        await asyncio.wait_for(gateway_of(request).store.ping(), timeout=1.0)
+        await asyncio.wait_for(gateway_of(request).health.ping(), timeout=1.0)
     except (*UNAVAILABLE_ERRORS, asyncio.TimeoutError, OSError) as e:
         return JSONResponse(
             {"status": "unavailable", "reason": f"Redis: {e.__class__.__name__}"}, status_code=503

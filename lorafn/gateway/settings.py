@@ -51,4 +51,8 @@ class GatewaySettings(SharedSettings):
     max_connections: int = Field(
         default=1024, ge=4, description="Redis connections (one per waiting request)"
     )
+    metrics_per_function: bool = Field(
+        default=False,
+        description="label /metrics by function name (it needs no key: off, names are not listed)",
+    )
     log_level: str = "info"
