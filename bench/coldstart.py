@@ -308,21 +308,33 @@ def density(
         platform.apply(docs[-1], f"k-{name}", workdir, name)
     url = platform.state["gateway_url"]
 
+    errors: dict[str, int] = {}
+
     def call(name: str) -> bool:
+        """Answered (any text, even empty: a random model may emit tokens that decode to nothing)."""
+        from openai import OpenAI
+
+        client = OpenAI(
+            base_url=f"{url}/v1", api_key=f"k-{name}", timeout=args.density_timeout, max_retries=0
+        )
         try:
-            ttft_ms(url, f"k-{name}", f"bench/{name}", prompt[:200], 2, args.density_timeout)
+            client.completions.create(model=f"bench/{name}", prompt=prompt[:200], max_tokens=2, temperature=0)
             return True
-        except Exception:
+        except Exception as e:
+            kind = type(e).__name__
+            errors[kind] = errors.get(kind, 0) + 1
             return False
 
     with ThreadPoolExecutor(max_workers=min(128, args.density)) as pool:
         ok = list(pool.map(call, names))
-    print(f"density: {sum(ok)} of {len(names)} answered", flush=True)
+    print(f"density: {sum(ok)} of {len(names)} answered; errors {errors}", flush=True)
     bound = [h for h in platform.workers().values() if h.get("function", "").startswith("bench/d")]
     after = gpu_used_bytes()
     per = ((after or 0) - (before or 0)) / MiB / max(1, len(bound))
-    return {"asked": args.density, "answered": sum(ok), "bound": len(bound), "per_function_mib": per,
-            "gpu_used_before": before, "gpu_used_after": after}  # fmt: skip
+    return {
+        "asked": args.density, "answered": sum(ok), "errors": errors, "bound": len(bound),
+        "per_function_mib": per, "gpu_used_before": before, "gpu_used_after": after,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
