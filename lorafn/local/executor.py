@@ -121,6 +121,11 @@ class LocalExecutor:
             if action.shape:
                 argv += ["--shape", action.shape]
         env = {**self.env(), **self.worker_extra_env}
+        if self.device == "cuda":
+            # A GPU worker needs few CPU threads, and dozens of workers each starting one OpenMP thread per
+            # core oversubscribe the host (binds took 3-19 s on a 16-core H100 host with a few starting).
+            env.setdefault("OMP_NUM_THREADS", "1")
+            env.setdefault("MKL_NUM_THREADS", "1")
         if action.function:  # a fresh cold start: the worker reports spawn -> serving to the controller
             env["LORAFN_SPAWNED_AT_MS"] = str(int(time.time() * 1000))
         socket = self.backbone_socket(action.backbone, action.gpu)

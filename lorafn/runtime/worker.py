@@ -576,6 +576,12 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
     """The real engine: `lorafn.runtime.Engine` on the function's backbone and adapter."""
     from lorafn.runtime import Engine, EngineConfig
 
+    if settings.device.startswith("cuda"):
+        import torch
+
+        # CPU threads matter little to a GPU worker, and many workers on one host oversubscribe it
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+
     model = settings.model or (record.model_dir if record else "")
     adapter = settings.adapter or (record.adapter_dir if record else "") or None
     if settings.standby:
