@@ -163,6 +163,27 @@ class Standby:
         return record, ms
 
 
+def warm_up(engine: Any, max_prompt_tokens: int = 512) -> float:
+    """Run a short and a long prompt and a few decode steps through the engine before it waits: the first
+    forward of each kind loads its kernels (CUDA loads modules lazily) and allocator blocks, which would
+    otherwise land on the first request after the bind. Returns the seconds it took (0 for engines without
+    `generate`, e.g. the tests' fakes)."""
+    if not hasattr(engine, "generate") or not hasattr(engine, "runner"):
+        return 0.0
+    from lorafn.runtime.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    capacity = engine.runner.num_blocks * engine.config.block_size  # tokens the KV budget holds
+    long_len = max(1, min(max_prompt_tokens, capacity - 8, engine.max_model_len - 8))
+    prompts = [[1] * min(16, long_len), [1] * long_len]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:  # one at a time: both must fit the KV budget alone
+        engine.generate([prompt], params)
+    seconds = time.perf_counter() - t0
+    log.info("standby warmed up in %.2f s (prompts of %s tokens)", seconds, [len(p) for p in prompts])
+    return seconds
+
+
 def serve_standby(settings: Any) -> int:
     """`lorafn worker serve --standby`: warm up, wait for a bind, then serve the function; the exit code."""
     from lorafn.runtime.worker import Worker, default_worker_id, make_engine, serving_config
@@ -178,6 +199,7 @@ def serve_standby(settings: Any) -> int:
     if not settings.model:
         settings = settings.model_copy(update={"model": backbone.model_dir})
     engine = make_engine(settings, None)
+    warm_up(engine)
     standby = Standby(store, keys, settings, engine, worker_id)
     signal.signal(signal.SIGTERM, standby.stop)
     signal.signal(signal.SIGINT, standby.stop)
