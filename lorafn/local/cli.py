@@ -102,7 +102,7 @@ def _run_platform(cfg: LocalConfig, demo: bool, once: bool) -> None:
     try:
         state = platform.start()
         typer.secho(
-            f"lorafn is up: gateway {state.gateway_url}, redis {state.redis_url}", fg=typer.colors.GREEN
+            f"lorafn is up: gateway {state.gateway_url}, redis {state.shown_redis_url}", fg=typer.colors.GREEN
         )
         typer.echo(f"state and logs in {cfg.state_dir}; Ctrl-C (or `lorafn down`) stops everything")
         if demo:

@@ -133,7 +133,7 @@ def _worker(wid: str, fields: dict[str, str]) -> WorkerView:
 def collect_status(state: PlatformState) -> PlatformStatus:
     store = Store(state.redis_url)
     try:
-        return collect(store, Keys(state.key_prefix), state.gateway_url, state.redis_url)
+        return collect(store, Keys(state.key_prefix), state.gateway_url, state.shown_redis_url)
     finally:
         store.close()
 
