@@ -458,10 +458,21 @@ def validate_adapter(adapter_dir: Path, backbone_dir: Path) -> AdapterInfo:
                     REASON_WEIGHTS_INVALID, f"layer {layer} {module}: lora_{which} is missing"
                 )
             if pair[which] != want[which]:
+                got, need = pair[which], want[which]
+                rank_axis = 0 if which == "A" else 1  # A is [r, in], B is [out, r]
+                base_axis = 1 - rank_axis
+                if len(got) == 2 and got[base_axis] == need[base_axis] and got[rank_axis] != rank:
+                    # the backbone's side fits: adapter_config.json disagrees with the adapter's own tensors
+                    raise AdapterProblem(
+                        REASON_INVALID_RANK,
+                        f"layer {layer} {module}: adapter_config.json gives rank {rank} (r, rank_pattern), "
+                        f"but lora_{which} has rank {got[rank_axis]} (shape {got})",
+                        field="r",
+                    )
                 raise AdapterProblem(
                     REASON_SHAPE_MISMATCH,
-                    f"layer {layer} {module}: lora_{which} has shape {pair[which]}, the backbone needs "
-                    f"{want[which]} (rank {rank}, in {in_features}, out {out_features})",
+                    f"layer {layer} {module}: lora_{which} has shape {got}, the backbone needs "
+                    f"{need} (rank {rank}, in {in_features}, out {out_features})",
                 )
     if len(dtypes) != 1:
         raise AdapterProblem(REASON_WEIGHTS_INVALID, f"{weights} mixes dtypes {sorted(dtypes)}")

@@ -169,7 +169,9 @@ def test_rank_pattern_must_match_the_tensors(tmp_path: Path, backbone: Path) -> 
     )
     with pytest.raises(AdapterProblem, match=r"layer 1 v_proj.*rank 4") as info:
         validate_adapter(a, backbone)
-    assert info.value.reason == "ShapeMismatch"
+    # the backbone's side of the shapes fits: the refusal blames adapter_config.json, not the backbone
+    assert info.value.reason == "InvalidRank" and info.value.field == "r"
+    assert "adapter_config.json gives rank 4" in info.value.message and "has rank 2" in info.value.message
 
 
 def test_shapes_of_another_backbone_are_refused(tmp_path: Path, backbone: Path) -> None:
@@ -185,7 +187,8 @@ def test_rank_in_config_must_match_tensors(tmp_path: Path, backbone: Path) -> No
     a = write_adapter(tmp_path / "a", rank=4, config_overrides={"r": 8})
     with pytest.raises(AdapterProblem, match="rank 8") as info:
         validate_adapter(a, backbone)
-    assert info.value.reason == "ShapeMismatch"
+    assert info.value.reason == "InvalidRank"
+    assert "adapter_config.json gives rank 8" in info.value.message and "backbone" not in info.value.message
 
 
 def test_too_many_layers_and_foreign_tensors(tmp_path: Path, backbone: Path) -> None:
