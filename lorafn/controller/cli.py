@@ -42,6 +42,8 @@ class ControllerSettings(SharedSettings):
         default=None, ge=1, description="KV budget of a function whose spec names none (default: per device)"
     )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="the workers' device kind (sizing)")
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus /metrics port (0: off)")
+    metrics_host: str = Field(default="0.0.0.0", description="address of the metrics endpoint")
     log_level: str = "INFO"
 
 
@@ -95,5 +97,7 @@ def run(
         controller.config.holder, settings.key_prefix, settings.device,
         settings.interval_s, settings.lease_ttl_s,
     )  # fmt: skip
+    if settings.metrics_port:
+        controller.metrics.serve(settings.metrics_port, settings.metrics_host)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C; SIGTERM ends it too (the lease then lapses)
         controller.serve_forever()

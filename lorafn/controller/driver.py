@@ -15,6 +15,7 @@ A round, in order:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from lorafn.controller.metrics import ControllerMetrics
 from lorafn.controller.policy.actions import Bind, Plan, Start, Stop, Wait
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide
@@ -88,7 +90,7 @@ class Controller:
             str, float
         ] = {}  # worker id -> when: one stop command per worker, not per round
         self.last_plan: Plan | None = None
-        self.counts: dict[str, int] = {}
+        self.metrics = ControllerMetrics()
 
     # -- one round -------------------------------------------------------------------------------
     def round(self) -> Plan | None:
@@ -96,12 +98,18 @@ class Controller:
         ttl_ms = int(self.config.lease_ttl_s * 1000)
         if not self.store.run(control.acquire_lease(self.keys, self.config.holder, ttl_ms)):
             return None
+        t0 = time.perf_counter()
         self._learn()
         snapshot = self.reader.read(self.executor.gpus(), self.executor.starting())
         snapshot = self._with_pending_binds(snapshot)
         plan = decide(snapshot, self.config.policy)
         self._apply(plan)
         self.last_plan = plan
+        m = self.metrics
+        m.pool_target.set(sum(t.count for t in plan.pool))
+        m.pool_standby.set(sum(1 for w in snapshot.workers if w.state == "standby"))
+        m.waiting.set(len(self._waiting))
+        m.rounds.observe(time.perf_counter() - t0)
         return plan
 
     def serve_forever(self, stop_after_s: float | None = None) -> None:
@@ -139,14 +147,17 @@ class Controller:
                         last_cold_at_ms=int(time.time() * 1000), start_failures=0, wait_reason=None,
                     )
                 )  # fmt: skip
-                self._count(f"cold_starts_{event.get('path', 'unknown')}")
+                path = event.get("path") or "unknown"
+                self.metrics.cold_starts.labels(path).inc()
+                with contextlib.suppress(ValueError):  # a malformed ms field is not worth a failed round
+                    self.metrics.cold_start_seconds.labels(path).observe(float(event.get("ms") or 0) / 1000)
             elif kind in (control.BIND_FAILED, control.START_FAILED) and function:
                 self._binds.pop(wid, None)
                 self._failed(function, event.get("reason", kind))
 
     def _failed(self, function: str, reason: str) -> None:
         log.error("controller: start of %s failed: %s", function, reason)
-        self._count("start_failures")
+        self.metrics.start_failures.inc()
         self.store.run(control.add_status_count(self.keys, function, "start_failures"))
         self.store.run(
             control.set_status(
@@ -179,7 +190,7 @@ class Controller:
         for action in plan.actions:
             if isinstance(action, Stop):
                 log.info("controller: stop %s (%s) %s", action.worker_id, action.reason, action.detail)
-                self._count(f"stops_{action.reason}")
+                self.metrics.stops.labels(action.reason).inc()
                 self.store.run(
                     workers.send_control(self.keys, action.worker_id, "stop", reason=action.reason)
                 )
@@ -192,11 +203,11 @@ class Controller:
                     else f"standby ({action.shape or 'any shape'})"
                 )
                 log.info("controller: start %s on %s %s: %s", wid, action.gpu, what, action.reason)
-                self._count("starts_bound" if action.function else "starts_standby")
+                self.metrics.starts.labels("bound" if action.function else "standby").inc()
                 self.executor.start(action, wid)
             elif isinstance(action, Bind):
                 log.info("controller: bind %s -> %s", action.worker_id, action.function)
-                self._count("binds")
+                self.metrics.binds.inc()
                 self._binds[action.worker_id] = _PendingBind(action.function, time.monotonic())
                 self.store.run(
                     workers.send_control(self.keys, action.worker_id, "bind", function=action.function)
@@ -220,6 +231,3 @@ class Controller:
         self._counter += 1
         gpu = "".join(c if c.isalnum() else "-" for c in action.gpu)
         return f"w-{gpu}-{os.getpid()}-{self._counter}-{os.urandom(2).hex()}"
-
-    def _count(self, name: str) -> None:
-        self.counts[name] = self.counts.get(name, 0) + 1

@@ -56,6 +56,9 @@ class LocalConfig(SharedSettings):
         ge=64,
         description="memory of each device for the controller's account (default: the GPU's; CPU: 16384)",
     )
+    controller_metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="serve the controller's Prometheus /metrics here (0: off)"
+    )
     gpu_utilization: float = Field(
         default=0.92, gt=0, le=1, description="share of a device the account grants"
     )

@@ -118,6 +118,8 @@ class LocalPlatform:
                 policy=PolicyConfig(gpu_utilization=self.config.gpu_utilization),
             ),
         )
+        if self.config.controller_metrics_port:
+            self.controller.metrics.serve(self.config.controller_metrics_port, self.config.host)
         return state
 
     def _component_env(self) -> dict[str, str]:

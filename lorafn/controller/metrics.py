@@ -1,0 +1,55 @@
+"""Prometheus metrics of the controller: cold starts by path, binds, starts, stops by reason, start failures,
+rounds and their duration, and the warm pool (standby workers wanted and present).
+
+One registry per `Controller` (so two in one process, as in tests, do not collide). `lorafn controller
+run --metrics-port N` serves it over HTTP; `lorafn up` serves it when `controller_metrics_port` is set.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class ControllerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.cold_starts = Counter(
+            "lorafn_controller_cold_starts",
+            "Cold starts that completed, by path (standby|fresh)",
+            ["path"],
+            registry=r,
+        )
+        self.cold_start_seconds = Histogram(
+            "lorafn_controller_cold_start_seconds",
+            "Bind -> serving (standby) or spawn -> serving (fresh), as the workers report it",
+            ["path"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80),
+            registry=r,
+        )
+        self.binds = Counter("lorafn_controller_binds", "Bind commands sent to standby workers", registry=r)
+        self.starts = Counter(
+            "lorafn_controller_starts", "Workers started, by kind (standby|bound)", ["kind"], registry=r
+        )
+        self.stops = Counter(
+            "lorafn_controller_stops", "Stop commands, by reason (offload|scale_down|pool_shrink|keep_alive)",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.start_failures = Counter(
+            "lorafn_controller_start_failures", "Workers that failed to start or bind", registry=r
+        )
+        self.waiting = Gauge(
+            "lorafn_controller_waiting_functions", "Functions with demand and no worker", registry=r
+        )
+        self.pool_target = Gauge("lorafn_controller_pool_target", "Standby workers wanted", registry=r)
+        self.pool_standby = Gauge(
+            "lorafn_controller_pool_standby", "Standby workers heartbeating", registry=r
+        )
+        self.rounds = Histogram(
+            "lorafn_controller_round_seconds", "One decision round: snapshot, decide, apply",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r,
+        )  # fmt: skip
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Expose the registry on http://host:port/metrics (a daemon thread)."""
+        start_http_server(port, addr=host, registry=self.registry)

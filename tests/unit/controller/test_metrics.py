@@ -1,0 +1,66 @@
+"""The controller's Prometheus metrics move with what the driver does (real Redis, a fake executor)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from prometheus_client import generate_latest
+
+from lorafn.controller.driver import Controller, ControllerConfig
+from lorafn.controller.policy.model import GPU
+from lorafn.controller.snapshot import SizingConfig
+from lorafn.store import Keys, Store, control
+
+
+class _Executor:
+    """Devices only; nothing to start (no functions are registered)."""
+
+    def gpus(self) -> list[GPU]:
+        return [GPU(id="g0", node="n", total_bytes=8 << 30)]
+
+    def start(self, action, worker_id: str) -> None:
+        raise AssertionError("nothing should start without functions or backbones")
+
+    def stop(self, worker_id: str) -> None:
+        pass
+
+    def starting(self) -> list:
+        return []
+
+    def exits(self) -> list:
+        return []
+
+
+@pytest.fixture
+def controller(redis_server: str):
+    store = Store(redis_server)
+    c = Controller(
+        store, Keys(f"t{uuid.uuid4().hex[:8]}"), _Executor(),
+        SizingConfig(worker_overhead_bytes=1 << 20, default_kv_bytes=1 << 20), ControllerConfig(holder="me"),
+    )  # fmt: skip
+    yield c
+    store.close()
+
+
+def _sample(c: Controller, name: str, labels: dict[str, str] | None = None) -> float:
+    value = c.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+def test_rounds_cold_starts_and_failures_are_counted(controller: Controller) -> None:
+    store, keys = controller.store, controller.keys
+    assert controller.round() is not None
+    assert _sample(controller, "lorafn_controller_round_seconds_count") == 1
+    store.run(control.post_event(keys, control.BOUND, worker="w1", function="a/b", ms=120.5, path="standby"))
+    controller.round()
+    assert _sample(controller, "lorafn_controller_cold_starts_total", {"path": "standby"}) == 1
+    seconds = _sample(controller, "lorafn_controller_cold_start_seconds_sum", {"path": "standby"})
+    assert seconds == pytest.approx(0.1205)
+    store.run(
+        control.post_event(keys, control.BIND_FAILED, worker="w2", function="a/b", reason="bad adapter")
+    )
+    controller.round()
+    assert _sample(controller, "lorafn_controller_start_failures_total") == 1
+    assert store.run(control.statuses(keys, ["a/b"]))["a/b"]["last_failure"] == "bad adapter"
+    assert b"lorafn_controller_pool_target" in generate_latest(controller.metrics.registry)
