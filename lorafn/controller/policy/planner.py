@@ -243,6 +243,19 @@ def plan_pool(
     by_place: dict[tuple[str, str], list[Worker]] = defaultdict(list)
     for w in pool:
         by_place[(w.gpu, w.backbone)].append(w)
+
+    def keep_existing(candidates: list[Worker], missing: int) -> int:
+        """Keep existing standbys toward a floor while room allows; what is still missing."""
+        for w in candidates:
+            if missing == 0 or room[w.gpu] < w.mem_bytes:
+                continue
+            keep.add(w.id)
+            target[(w.gpu, w.backbone, w.shape)] += 1
+            size_of.setdefault((w.gpu, w.backbone, w.shape), w.mem_bytes)
+            room[w.gpu] -= w.mem_bytes
+            missing -= 1
+        return missing
+
     for b in snapshot.backbones:
         # The floor's new standbys are prepared for the backbone's most popular shape (a bind into prepared
         # buffers takes milliseconds; a shape-agnostic standby must load and capture, seconds on a 7B).
@@ -260,28 +273,14 @@ def plan_pool(
             # without functions there is no popular shape: any standby is as good (keep what exists)
             prepared = [w for w in spare if popular is None or w.shape == popular]
             others = [w for w in spare if w not in prepared]
-            for w in prepared:
-                if missing == 0 or room[gpu] < w.mem_bytes:
-                    continue
-                keep.add(w.id)
-                target[(gpu, b.name, w.shape)] += 1
-                size_of.setdefault((gpu, b.name, w.shape), w.mem_bytes)
-                room[gpu] -= w.mem_bytes
-                missing -= 1
+            missing = keep_existing(prepared, missing)
             # (`room` counts the pool's own bytes as free: a standby not kept is stopped in this same plan)
             while missing > 0 and room[gpu] >= size:
                 target[(gpu, b.name, popular)] += 1
                 size_of.setdefault((gpu, b.name, popular), size)
                 room[gpu] -= size
                 missing -= 1
-            for w in others:
-                if missing == 0 or room[gpu] < w.mem_bytes:
-                    continue
-                keep.add(w.id)
-                target[(gpu, b.name, w.shape)] += 1
-                size_of.setdefault((gpu, b.name, w.shape), w.mem_bytes)
-                room[gpu] -= w.mem_bytes
-                missing -= 1
+            missing = keep_existing(others, missing)
 
     actions: list[Start | Stop] = []
     for w in sorted(pool, key=lambda w: w.id):
