@@ -59,12 +59,21 @@ class SnapshotReader:
     heartbeat_ttl_s: float
     _sizes: dict[tuple[Any, ...], FunctionSize] = field(default_factory=dict)
     _model_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _weights_bytes: dict[str, int] = field(default_factory=dict)
     problems: dict[str, str] = field(default_factory=dict)
     records: dict[str, FunctionRecord] = field(default_factory=dict)
     backbone_records: dict[str, BackboneRecord] = field(default_factory=dict)
     sizes: dict[str, FunctionSize] = field(default_factory=dict)
 
     # -- sizing ----------------------------------------------------------------------------------
+    def backbone_bytes(self, model_dir: str) -> int:
+        """Bytes of a backbone's weights (its safetensors files), read once per directory."""
+        if model_dir not in self._weights_bytes:
+            self._weights_bytes[model_dir] = sum(
+                p.stat().st_size for p in Path(model_dir).glob("*.safetensors")
+            )
+        return self._weights_bytes[model_dir]
+
     def model_config(self, model_dir: str) -> dict[str, Any]:
         if model_dir not in self._model_configs:
             self._model_configs[model_dir] = json.loads((Path(model_dir) / "config.json").read_text())
@@ -169,7 +178,7 @@ class SnapshotReader:
                 if rec.spec
                 else BackboneSpec.model_validate({"model": {"uri": f"file://{rec.model_dir}"}})
             )
-            size = sum(p.stat().st_size for p in Path(rec.model_dir).glob("*.safetensors"))
+            size = self.backbone_bytes(rec.model_dir)
             backbones.append(
                 Backbone(
                     name=name,
