@@ -104,12 +104,22 @@ async def test_demand_leads_to_a_worker_pod_and_status_comes_back(
     assert fr["status"]["phase"] == "Idle"
     assert await cluster.pods(**{"lorafn.io/function-name": "fr"}) == []
 
-    # No demand yet: the minStandby pod stays the same pod while the controller runs rounds (0.2 s) and the
-    # operator re-checks (0.5 s): the controller counts it as starting (no kubelet here), asks nothing.
+    # No demand yet: the pool settles — the controller prepares the minStandby pod for the adapter shape of
+    # the backbone's functions, so the operator's first, shape-agnostic pod is replaced once — and then the
+    # standby stays the same pod while the controller runs rounds (0.2 s) and the operator re-checks (0.5 s):
+    # the controller counts it as starting (no kubelet here), asks nothing more.
+    settled = await wait_for(
+        lambda: _when(
+            cluster.pods(**{"app.kubernetes.io/component": "standby-worker"}),
+            lambda pods: len(pods) == 1 and pods[0]["metadata"]["name"] != standby[0]["metadata"]["name"],
+        ),
+        what="the standby prepared for the functions' shape",
+    )
     await asyncio.sleep(3)
     again = await cluster.pods(**{"app.kubernetes.io/component": "standby-worker"})
-    assert [p["metadata"]["name"] for p in again] == [standby[0]["metadata"]["name"]]
-    assert creations(cluster, standby[0]["metadata"]["name"]) == 1
+    assert [p["metadata"]["name"] for p in again] == [settled[0]["metadata"]["name"]]
+    assert creations(cluster, settled[0]["metadata"]["name"]) == 1
+    assert creations(cluster, standby[0]["metadata"]["name"]) == 1  # replaced once, not churned
 
     # Demand for the minReplicas-0 function: no standby is live (no kubelet here), so the controller starts
     # a fresh worker; the operator creates its pod on the backbone's GPU.
