@@ -51,6 +51,7 @@ class _Round:
         self.actions: list[Action] = []
         self.gone: set[str] = set()  # workers stopped in this plan
         self.protected: set[str] = set()  # workers bound or kept by this plan: never offloaded
+        self.claimed: set[str] = set()  # starting standbys a waiting function will bind once they are up
         self.live: dict[str, list[Worker]] = defaultdict(list)
         self.standbys: dict[str, list[Worker]] = defaultdict(list)
         self.on_gpu: dict[str, list[Worker]] = defaultdict(list)
@@ -153,6 +154,17 @@ class _Round:
         if standby is not None:
             self.bind(fn, standby)
             return True
+        warming = self.warming_standby(fn, set(gpus))
+        if warming is not None:
+            # A standby that can take it is coming up: it will be ready sooner than a fresh worker would
+            # (which also starts from nothing), and binding it costs no memory beyond what it holds.
+            self.protected.add(warming.id)
+            self.claimed.add(warming.id)
+            left = max(0.0, self.costs.fresh_start_s - warming.age_s)
+            self.actions.append(
+                Wait(fn.name, f"a standby worker for it is warming up (ready in ~{left:.0f} s)")
+            )
+            return True
         free = self.ledger.free
         best = max((g for g in gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
         if best is None:
@@ -183,6 +195,23 @@ class _Round:
         self.protected.add(standby.id)
         self.served.add(fn.name)
         self.live[fn.name].append(standby)
+
+    def warming_standby(self, fn: Function, gpus: set[str]) -> Worker | None:
+        """A pool worker still starting that could take ``fn`` (its shape, or shape-agnostic, big enough) and
+        that no other function of this round claimed; the oldest first (it is ready soonest)."""
+        candidates = [
+            w
+            for w in self.snapshot.workers
+            if w.state == "starting"
+            and w.function is None
+            and w.backbone == fn.backbone
+            and w.gpu in gpus
+            and w.id not in self.gone
+            and w.id not in self.claimed
+            and w.mem_bytes >= fn.mem_bytes
+            and w.shape in (fn.shape, None)
+        ]
+        return max(candidates, key=lambda w: (w.shape == fn.shape, w.age_s, w.id), default=None)
 
     def pick_standby(self, fn: Function, gpus: set[str], prepared_only: bool = False) -> Worker | None:
         # A bind that must capture graphs is taken only while it still beats a fresh start.

@@ -196,3 +196,17 @@ def test_decide_is_fast_enough_for_a_big_cluster():
     t = time.perf_counter()
     decide(s)
     assert time.perf_counter() - t < 1.0
+
+
+def test_a_warming_standby_is_waited_for_once_not_raced_by_a_fresh_start():
+    warming = Worker("s-warm", "g0", "llama", "starting", "r16", None, 2 * GiB, age_s=5.0)
+    one = decide(snap([gpu("g0")], [fn("ns/a", shape="r16", queued=1)], [warming]))
+    assert [w.function for w in one.of_type(Wait)] == ["ns/a"] and "warming up" in one.of_type(Wait)[0].reason
+    assert not _demand_starts(one)
+    assert "s-warm" not in {s.worker_id for s in one.of_type(Stop)}  # the planner keeps it
+    # two functions, one warming standby: the first in line waits for it, the other starts fresh
+    two = decide(snap([gpu("g0")], [fn("ns/a", queued=1), fn("ns/b", queued=1)], [warming]))
+    assert len(two.of_type(Wait)) == 1 and len(_demand_starts(two)) == 1
+    # a warming standby of another shape does not hold anyone back
+    other = decide(snap([gpu("g0")], [fn("ns/a", shape="r8", queued=1)], [warming]))
+    assert not other.of_type(Wait) and len(_demand_starts(other)) == 1
