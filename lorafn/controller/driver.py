@@ -86,9 +86,10 @@ class Controller:
         self._events_cursor: str | None = None
         self._counter = 0
         self._waiting: set[str] = set()
-        self._stops_sent: dict[
-            str, float
-        ] = {}  # worker id -> when: one stop command per worker, not per round
+        # workers that reached serving (a `bound` event): a later crash is not a failed start
+        self._served: set[str] = set()
+        # worker id -> when its stop was sent: one stop command per worker, not one per round
+        self._stops_sent: dict[str, float] = {}
         self.last_plan: Plan | None = None
         self.metrics = ControllerMetrics()
 
@@ -128,7 +129,9 @@ class Controller:
         for ended in self.executor.exits():
             self._binds.pop(ended.worker_id, None)
             self._stops_sent.pop(ended.worker_id, None)
-            if ended.function and not ended.served and ended.code not in (0, None):
+            served = ended.served or ended.worker_id in self._served
+            self._served.discard(ended.worker_id)
+            if ended.function and not served and ended.code not in (0, None):
                 self._failed(
                     ended.function, f"worker {ended.worker_id} exited with code {ended.code}: {ended.reason}"
                 )
@@ -140,6 +143,7 @@ class Controller:
             kind, function, wid = event.get("kind"), event.get("function", ""), event.get("worker", "")
             if kind == control.BOUND and function:
                 self._binds.pop(wid, None)
+                self._served.add(wid)  # it reached serving: a later crash is not a failed start
                 self.store.run(
                     control.set_status(
                         self.keys, function,

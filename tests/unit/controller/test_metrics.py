@@ -14,7 +14,10 @@ from lorafn.store import Keys, Store, control
 
 
 class _Executor:
-    """Devices only; nothing to start (no functions are registered)."""
+    """Devices only; nothing to start (no functions are registered); exits as the test sets them."""
+
+    def __init__(self) -> None:
+        self.ended: list = []
 
     def gpus(self) -> list[GPU]:
         return [GPU(id="g0", node="n", total_bytes=8 << 30)]
@@ -29,7 +32,8 @@ class _Executor:
         return []
 
     def exits(self) -> list:
-        return []
+        out, self.ended = self.ended, []
+        return out
 
 
 @pytest.fixture
@@ -64,3 +68,17 @@ def test_rounds_cold_starts_and_failures_are_counted(controller: Controller) -> 
     assert _sample(controller, "lorafn_controller_start_failures_total") == 1
     assert store.run(control.statuses(keys, ["a/b"]))["a/b"]["last_failure"] == "bad adapter"
     assert b"lorafn_controller_pool_target" in generate_latest(controller.metrics.registry)
+
+
+def test_a_crash_after_serving_is_not_a_failed_start(controller: Controller) -> None:
+    from lorafn.controller.driver import Exit
+
+    store, keys = controller.store, controller.keys
+    controller.round()
+    store.run(control.post_event(keys, control.BOUND, worker="w1", function="a/b", ms=5, path="fresh"))
+    controller.round()
+    controller.executor.ended = [Exit("w1", "a/b", 1, "segfault"), Exit("w2", "a/b", 1, "import error")]
+    controller.round()
+    # w1 had served (its `bound` event): only w2, which never did, counts against the function
+    assert _sample(controller, "lorafn_controller_start_failures_total") == 1
+    assert store.run(control.statuses(keys, ["a/b"]))["a/b"]["start_failures"] == "1"
