@@ -121,10 +121,13 @@ async def test_demand_leads_to_a_worker_pod_and_status_comes_back(
     assert creations(cluster, settled[0]["metadata"]["name"]) == 1
     assert creations(cluster, standby[0]["metadata"]["name"]) == 1  # replaced once, not churned
 
-    # Demand for the minReplicas-0 function: no standby is live (no kubelet here), so the controller starts
-    # a fresh worker; the operator creates its pod on the backbone's GPU.
+    # Demand for the minReplicas-0 function: no standby is live (no kubelet here). The controller first waits
+    # for the standby it sees warming up, at most until a fresh start would have been ready (10 s on CPU
+    # sizing), then starts a fresh worker; the operator creates its pod on the backbone's GPU.
     admit(store, keys, "team-a/fr", "r1")
-    workers = await wait_for(lambda: cluster.pods(**{"lorafn.io/function-name": "fr"}), what="worker pod")
+    workers = await wait_for(
+        lambda: cluster.pods(**{"lorafn.io/function-name": "fr"}), timeout=40.0, what="worker pod"
+    )
     assert len(workers) == 1
     args = workers[0]["spec"]["containers"][0]["args"]
     assert args[args.index("--function") + 1] == "team-a/fr" and args[args.index("--gpu") + 1] == GPU_ID

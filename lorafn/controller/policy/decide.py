@@ -197,8 +197,9 @@ class _Round:
         self.live[fn.name].append(standby)
 
     def warming_standby(self, fn: Function, gpus: set[str]) -> Worker | None:
-        """A pool worker still starting that could take ``fn`` (its shape, or shape-agnostic, big enough) and
-        that no other function of this round claimed; the oldest first (it is ready soonest)."""
+        """A pool worker still starting that could take ``fn`` (its shape, or shape-agnostic, big enough),
+        younger than a fresh start takes, and that no other function of this round claimed; the oldest first
+        (it is ready soonest)."""
         candidates = [
             w
             for w in self.snapshot.workers
@@ -210,6 +211,9 @@ class _Round:
             and w.id not in self.claimed
             and w.mem_bytes >= fn.mem_bytes
             and w.shape in (fn.shape, None)
+            # its age is known and it should be up before a fresh worker would be (an older one may be
+            # stuck, e.g. a pod no node can schedule: do not wait on it)
+            and 0 < w.age_s < self.costs.fresh_start_s
         ]
         return max(candidates, key=lambda w: (w.shape == fn.shape, w.age_s, w.id), default=None)
 

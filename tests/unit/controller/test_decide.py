@@ -207,6 +207,11 @@ def test_a_warming_standby_is_waited_for_once_not_raced_by_a_fresh_start():
     # two functions, one warming standby: the first in line waits for it, the other starts fresh
     two = decide(snap([gpu("g0")], [fn("ns/a", queued=1), fn("ns/b", queued=1)], [warming]))
     assert len(two.of_type(Wait)) == 1 and len(_demand_starts(two)) == 1
+    # one of unknown age (a placeholder) or older than a fresh start (stuck?) is not waited for
+    for age in (0.0, 25.0):
+        stale = Worker("s-old", "g0", "llama", "starting", "r16", None, 2 * GiB, age_s=age)
+        plan = decide(snap([gpu("g0")], [fn("ns/a", shape="r16", queued=1)], [stale]))
+        assert not plan.of_type(Wait) and len(_demand_starts(plan)) == 1, age
     # a warming standby of another shape does not hold anyone back
     other = decide(snap([gpu("g0")], [fn("ns/a", shape="r8", queued=1)], [warming]))
     assert not other.of_type(Wait) and len(_demand_starts(other)) == 1
