@@ -8,10 +8,11 @@ controller's default) + its LoRA tensors (rank x (in + out) per targeted project
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lorafn.api.adapters import AdapterInfo, linear_shapes
+from lorafn.api.adapters import LINEAR_MODULES, linear_shapes
 from lorafn.api.specs import Resources
 
 MiB = 1 << 20
@@ -41,11 +42,26 @@ def kv_budget_bytes(resources: Resources, per_token: int, default_bytes: int) ->
     return default_bytes
 
 
-def lora_bytes(info: AdapterInfo, model_config: dict[str, Any], dtype: str) -> int:
-    """Bytes of the adapter's A and B on the worker (at the shape's ranks, the padded buffers' size)."""
+def parse_shape_key(shape: str) -> dict[str, int]:
+    """`"q_proj:16,v_proj:8"` (an adapter shape key) -> {"q_proj": 16, "v_proj": 8}; ValueError naming the
+    bad part."""
+    ranks: dict[str, int] = {}
+    for part in shape.split(","):
+        module, sep, rank = part.partition(":")
+        if not sep or module not in LINEAR_MODULES or not rank.isdigit() or int(rank) < 1:
+            raise ValueError(
+                f"shape: {part!r} of {shape!r} is not <projection>:<rank> (projections {LINEAR_MODULES})"
+            )
+        ranks[module] = int(rank)
+    return ranks
+
+
+def lora_bytes(ranks: Mapping[str, int], model_config: dict[str, Any], dtype: str) -> int:
+    """Bytes of A and B at these ranks (projection -> rank: an adapter's `AdapterInfo.ranks`, or a shape's
+    `parse_shape_key`) over every layer: what a worker's LoRA tensors or a standby's buffers take."""
     shapes = linear_shapes(model_config)
     layers = int(model_config.get("num_hidden_layers", 0))
-    per_layer = sum(r * (shapes[m][0] + shapes[m][1]) for m, r in info.ranks.items())
+    per_layer = sum(r * (shapes[m][0] + shapes[m][1]) for m, r in ranks.items())
     return per_layer * layers * DTYPE_BYTES.get(dtype, 2)
 
 

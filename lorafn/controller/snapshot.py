@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from lorafn.api import LoRAFunctionSpec
-from lorafn.api.adapters import AdapterProblem, linear_shapes, validate_adapter
-from lorafn.api.sizing import MiB, kv_budget_bytes, kv_bytes_per_token, lora_bytes
+from lorafn.api.adapters import AdapterProblem, validate_adapter
+from lorafn.api.sizing import MiB, kv_budget_bytes, kv_bytes_per_token, lora_bytes, parse_shape_key
 from lorafn.api.specs import BackboneSpec
 from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker
 from lorafn.store import Keys, Store, combine, control, stats, workers
@@ -94,7 +94,7 @@ class SnapshotReader:
             kv = kv_budget_bytes(
                 spec.resources, kv_bytes_per_token(cfg, backbone.dtype), self.sizing.default_kv_bytes
             )
-            lora = lora_bytes(info, cfg, backbone.dtype)
+            lora = lora_bytes(info.ranks, cfg, backbone.dtype)
             self._sizes[key] = FunctionSize(
                 info.shape_key, self.sizing.worker_overhead_bytes + kv + lora, kv, lora
             )
@@ -105,15 +105,7 @@ class SnapshotReader:
         lora = 0
         if shape:
             cfg = self.model_config(backbone.model_dir)
-            shapes = linear_shapes(cfg)
-            per_layer = 0
-            for part in shape.split(","):
-                module, _, rank = part.partition(":")
-                in_f, out_f = shapes[module]
-                per_layer += int(rank) * (in_f + out_f)
-            lora = (
-                per_layer * int(cfg.get("num_hidden_layers", 0)) * (4 if backbone.dtype == "float32" else 2)
-            )
+            lora = lora_bytes(parse_shape_key(shape), cfg, backbone.dtype)
         return self.sizing.worker_overhead_bytes + self.sizing.default_kv_bytes + lora
 
     # -- the snapshot ----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from lorafn.api.adapters import CheckedConfig, check_adapter_config, foreign_tensor
+from lorafn.api.sizing import parse_shape_key
 from lorafn.runtime.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -158,19 +159,6 @@ def load_lora(
             out.layers[layer][group[0]] = LoRAGroup(a_cat=a_cat, targets=targets)
     out.target_modules = tuple(t for t in TARGETS if t in out.ranks)
     return out
-
-
-def parse_shape_key(shape: str) -> dict[str, int]:
-    """`"q_proj:16,v_proj:8"` -> {"q_proj": 16, "v_proj": 8} (ValueError naming the bad part)."""
-    ranks: dict[str, int] = {}
-    for part in shape.split(","):
-        module, sep, rank = part.partition(":")
-        if not sep or module not in TARGETS or not rank.isdigit() or int(rank) < 1:
-            raise ValueError(
-                f"shape: {part!r} of {shape!r} is not <projection>:<rank> (projections {TARGETS})"
-            )
-        ranks[module] = int(rank)
-    return ranks
 
 
 def zero_lora(

@@ -58,4 +58,4 @@ def test_lora_bytes_and_shape_key() -> None:
     )  # fmt: skip
     assert info.shape_key == "q_proj:8,v_proj:16"  # projection order, not insertion order
     per_layer = 8 * (4096 + 4096) + 16 * (4096 + 4096)
-    assert lora_bytes(info, LLAMA2_7B, "bfloat16") == per_layer * 32 * 2
+    assert lora_bytes(info.ranks, LLAMA2_7B, "bfloat16") == per_layer * 32 * 2
