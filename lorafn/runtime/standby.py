@@ -58,26 +58,22 @@ class Standby:
         return self._cursor
 
     def fields(self, state: str) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        from lorafn.runtime.worker import placement_fields
+
+        return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "state": state,
             "running": 0,
             "started": int(self._started),
-            "gpu": self.settings.gpu,
-            "backbone": self.settings.backbone,
+            **placement_fields(self.settings, self.engine),
         }
-        shape = getattr(self.engine, "lora_shape_key", None)
-        if shape:
-            out["shape"] = shape
-        mem = getattr(self.engine, "reserved_bytes", None)
-        if callable(mem):
-            out["mem_bytes"] = int(mem())
-        return out
 
-    def _beat(self, state: str = "standby", function: str | None = None) -> None:
+    def _beat(self, state: str = "standby", function: str | None = None, store: Store | None = None) -> None:
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-        self.store.run(workers.heartbeat(self.keys, self.worker_id, function, ttl_ms, self.fields(state)))
+        (store or self.store).run(
+            workers.heartbeat(self.keys, self.worker_id, function, ttl_ms, self.fields(state))
+        )
 
     def wait(self) -> str | None:
         """Heartbeat and read the control stream until a `bind` (its function) or a `stop` (None)."""
@@ -130,10 +126,7 @@ class Standby:
         try:
             while not done.wait(self.settings.heartbeat_s):
                 with contextlib.suppress(*UNAVAILABLE_ERRORS):
-                    ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-                    store.run(
-                        workers.heartbeat(self.keys, self.worker_id, function, ttl_ms, self.fields("binding"))
-                    )
+                    self._beat("binding", function, store)
         finally:
             store.close()
 

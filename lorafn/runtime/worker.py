@@ -661,10 +661,9 @@ def make_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
     return factory(settings, record)
 
 
-def serving_config(
-    settings: WorkerSettings, function: str, keep_alive: float | None, engine: Any
-) -> ServingConfig:
-    """The loop's config, with what the controller reads in the heartbeat (device, backbone, shape, size)."""
+def placement_fields(settings: WorkerSettings, engine: Any) -> dict[str, Any]:
+    """Heartbeat fields the controller places by: device, backbone, adapter shape, reservation (bytes).
+    Standby and bound workers send the same ones."""
     fields: dict[str, Any] = {"gpu": settings.gpu, "backbone": settings.backbone or ""}
     shape = getattr(engine, "lora_shape_key", None)
     if shape:
@@ -672,6 +671,14 @@ def serving_config(
     mem = getattr(engine, "reserved_bytes", None)
     if callable(mem):
         fields["mem_bytes"] = int(mem())
+    return fields
+
+
+def serving_config(
+    settings: WorkerSettings, function: str, keep_alive: float | None, engine: Any
+) -> ServingConfig:
+    """The loop's config, with what the controller reads in the heartbeat (device, backbone, shape, size)."""
+    fields = placement_fields(settings, engine)
     return ServingConfig(
         function=function,
         worker_id=settings.worker_id or default_worker_id(),
