@@ -16,6 +16,8 @@ GROUP = "workers"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _FUNCTION_RE = re.compile(r"^[^\s/:{}]+/[^\s/:{}]+$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+# GPU ids (`local/0`, `<node>/<uuid>`) and adapter shape keys (`q_proj:16,v_proj:16`) in key names
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_.:,/=-]{1,256}$")
 
 
 def check_function(function: str) -> str:
@@ -28,6 +30,13 @@ def check_function(function: str) -> str:
 def check_id(value: str, what: str) -> str:
     if not isinstance(value, str) or not _ID_RE.match(value):
         raise ValueError(f"{what} {value!r} must be 1-128 characters of [A-Za-z0-9_.-]")
+    return value
+
+
+def check_token(value: str, what: str) -> str:
+    """`value` when it is 1-256 characters of [A-Za-z0-9_.:,/=-] (no spaces or braces)."""
+    if not isinstance(value, str) or not _TOKEN_RE.match(value):
+        raise ValueError(f"{what} {value!r} must be 1-256 characters of [A-Za-z0-9_.:,/=-]")
     return value
 
 
@@ -167,3 +176,26 @@ class Keys:
         """hash: worker id -> `<backbone>|<gpu>|<shape>` of the workers that run in a pool (standby) pod,
         learnt while they heartbeat as standby; a stop of one lowers that pool count, not a function's."""
         return f"{self.prefix}:pool_workers"
+
+    # -- SLO-aware batching (lorafn.store.admission, lua/gpu_admission.lua) ------------------------
+    def gpu_slot(self, gpu: str) -> str:
+        """hash: the GPU's prefill slot (holder worker id, until = lease end in server ms)."""
+        return f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:slot"
+
+    def gpu_waiting(self, gpu: str) -> str:
+        """hash: worker id -> `deadline_ms|t_ms|expires_ms|function` of the workers asking the slot."""
+        return f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:waiting"
+
+    def gpu_active(self, gpu: str) -> str:
+        """sorted set: worker id -> last time (server ms) it had a running batch on the GPU."""
+        return f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:active"
+
+    def gpu_admissions(self, gpu: str) -> str:
+        """stream (capped): the slot's grants (worker, function, margin_ms, active, waiters)."""
+        return f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:admissions"
+
+    def latency_profile(self, backbone: str, gpu_model: str, shape: str) -> str:
+        """hash: `<kind>.t0_ms`, `<kind>.alpha_ms`, `<kind>.samples` (kind: prefill, decode) of step
+        latency on one backbone, GPU model and adapter shape."""
+        parts = (check_token(backbone, "backbone"), check_token(gpu_model, "gpu model"))
+        return f"{self.prefix}:profile:{parts[0]}|{parts[1]}|{check_token(shape, 'adapter shape')}"

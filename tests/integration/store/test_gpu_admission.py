@@ -1,0 +1,124 @@
+"""The GPU's prefill slot in Redis (lua/gpu_admission.lua through lorafn.store.admission), on a real
+redis-server: the script decides as `lorafn.runtime.slo.pick` does, holds the slot for one worker until
+it releases it or its lease ends, forgets waiters that stopped asking, counts active batches, and
+records each grant. Latency profiles round-trip."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lorafn.runtime import slo
+from lorafn.store import Keys, Store
+from lorafn.store import admission as adm
+
+GPU = "local/0"
+
+
+def _ask(store: Store, keys: Keys, worker: str, deadline: float, t: float, **kw: float) -> adm.SlotAnswer:
+    args = {"lease_ms": 5000.0, "waiter_ttl_ms": 5000.0, "active_ttl_ms": 5000.0, **kw}
+    return store.run(
+        adm.ask(keys, GPU, worker, f"ns/{worker}", deadline_ms=deadline, t_ms=t, **args)  # type: ignore[arg-type]
+    )
+
+
+def _now_ms(store: Store) -> float:
+    sec, usec = store.client.time()
+    return sec * 1000 + usec // 1000
+
+
+def test_the_holder_keeps_the_slot_until_it_releases_and_grants_are_recorded(redis_server: str) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    now = _now_ms(store)
+    first = _ask(store, keys, "w-loose", now + 5000, 10)
+    assert first.granted and first.active == 1  # alone: M counts the asker's own batch
+    tight = _ask(store, keys, "w-tight", now + 100, 10)
+    assert not tight.granted and tight.other == "w-loose"  # held: a prefill is not pre-empted
+    again = _ask(store, keys, "w-loose", now + 5000, 10)  # the holder asks again: competes afresh
+    assert not again.granted and again.other == "w-tight"
+    assert _ask(store, keys, "w-tight", now + 100, 10).granted
+    assert not store.run(adm.release(keys, GPU, "w-loose"))  # not its slot any more
+    assert store.run(adm.release(keys, GPU, "w-tight"))
+    assert _ask(store, keys, "w-loose", now + 5000, 10).granted
+    grants = store.run(adm.grants(keys, GPU))
+    assert [(g.worker, g.function) for g in grants] == [
+        ("w-loose", "ns/w-loose"), ("w-tight", "ns/w-tight"), ("w-loose", "ns/w-loose"),
+    ]  # fmt: skip
+    assert grants[1].waiters == 2 and grants[2].waiters == 1
+
+
+def test_a_dead_holder_loses_the_slot_when_its_lease_ends(redis_server: str) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    now = _now_ms(store)
+    assert _ask(store, keys, "w-dead", now + 1000, 10, lease_ms=150).granted
+    refused = _ask(store, keys, "w-live", now + 1000, 10)
+    assert not refused.granted and 0 < refused.retry_ms <= 150
+    time.sleep(0.2)
+    assert _ask(store, keys, "w-live", now + 1000, 10).granted
+
+
+def test_a_waiter_that_stopped_asking_is_forgotten(redis_server: str) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    now = _now_ms(store)
+    assert _ask(store, keys, "w-holder", now + 9000, 10).granted
+    assert not _ask(store, keys, "w-gone", now, 10, waiter_ttl_ms=100).granted  # tightest, then leaves
+    assert store.run(adm.release(keys, GPU, "w-holder"))
+    assert not _ask(store, keys, "w-next", now + 8000, 10).granted  # w-gone still counts
+    time.sleep(0.15)
+    answer = _ask(store, keys, "w-next", now + 8000, 10)
+    assert answer.granted and answer.waiters == 1
+
+
+def test_active_batches_count_in_the_margin_and_idle_leaves(redis_server: str) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    assert store.run(adm.mark_active(keys, GPU, "w-1", 5000)) == 1
+    assert store.run(adm.mark_active(keys, GPU, "w-2", 5000)) == 2
+    now = _now_ms(store)
+    answer = _ask(store, keys, "w-3", now + 1000, 100)
+    assert answer.granted and answer.active == 3  # two running batches + the asker's
+    assert 1000 - 3 * 100 - 50 <= answer.margin_ms <= 1000 - 3 * 100
+    store.run(adm.mark_idle(keys, GPU, "w-3"))  # frees its slot too
+    store.run(adm.mark_idle(keys, GPU, "w-1"))
+    answer = _ask(store, keys, "w-2", now + 1000, 100)
+    assert answer.granted and answer.active == 1  # w-2 itself
+
+
+waiter = st.tuples(st.integers(-500, 5000), st.integers(0, 400))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(waiters=st.lists(waiter, min_size=1, max_size=6), active=st.integers(0, 3))
+def test_the_script_picks_as_the_policy_does(
+    redis_server: str, waiters: list[tuple[int, int]], active: int
+) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    for i in range(active):
+        store.run(adm.mark_active(keys, GPU, f"busy-{i}", 60_000))
+    assert _ask(store, keys, "holder", 0, 0).granted  # everyone below waits while it holds the slot
+    now = _now_ms(store)
+    ws = [slo.Waiter(f"w-{i}", now + slack, float(t)) for i, (slack, t) in enumerate(waiters)]
+    for w in ws:
+        store.run(adm.mark_active(keys, GPU, w.worker, 60_000))  # all running: M is the same for each
+        assert not _ask(store, keys, w.worker, w.deadline_ms, w.t_ms).granted
+    store.run(adm.mark_idle(keys, GPU, "holder"))
+    m = active + len(ws)
+    expected = slo.pick(ws, now, m)
+    assert expected is not None
+    granted = [w.worker for w in ws if _ask(store, keys, w.worker, w.deadline_ms, w.t_ms).granted]
+    assert granted == [expected.worker]
+
+
+def test_profiles_round_trip(redis_server: str) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    fit = slo.Fit(12.5, 1.25, samples=64)
+    store.run(
+        adm.put_profile(
+            keys, "tiny", "NVIDIA_H100_80GB_HBM3", "q_proj:16,v_proj:16", "prefill", fit.to_fields()
+        )
+    )
+    got = store.run(adm.get_profile(keys, "tiny", "NVIDIA_H100_80GB_HBM3", "q_proj:16,v_proj:16"))
+    assert slo.Fit.from_fields(got["prefill"]) == fit and "decode" not in got
+    assert store.run(adm.get_profile(keys, "tiny", "cpu", "none")) == {}

@@ -1,0 +1,231 @@
+"""SLO-aware batching policy (lorafn.runtime.slo): profile fit, max batch, fill-or-expire hold, deadline
+margins and the admission order, with the no-starvation and deadline bounds as properties."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorafn.runtime import slo
+from lorafn.runtime.sampling_params import SamplingParams
+from lorafn.runtime.scheduler import Scheduler, SchedulerConfig
+from lorafn.runtime.sequence import Sequence
+
+
+# -- the profile --------------------------------------------------------------------------------
+def test_fit_latency_and_max_batch() -> None:
+    fit = slo.Fit(t0_ms=20.0, alpha_ms=5.0)
+    assert fit.latency_ms(1) == 20.0 and fit.latency_ms(5) == 40.0
+    assert fit.max_batch(40.0, 64) == 5  # T(5) = 40 <= 40 < T(6) = 45
+    assert fit.max_batch(44.9, 64) == 5
+    assert fit.max_batch(1000.0, 8) == 8  # capped by the limit
+    assert fit.max_batch(10.0, 8) == 1  # even one misses: served alone, not never
+    assert slo.Fit(3.0, 0.0).max_batch(5.0, 16) == 16
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda: slo.Fit(-1.0, 0.0), "t0_ms"),
+        (lambda: slo.Fit(1.0, math.nan), "alpha_ms"),
+        (lambda: slo.Fit(1.0, 1.0).latency_ms(0), "batch size"),
+        (lambda: slo.Fit(1.0, 1.0).max_batch(-5, 4), "slo_ms"),
+        (lambda: slo.LatencyProfile(decay=0), "decay"),
+        (lambda: slo.LatencyProfile().observe(2, -1.0), "ms"),
+        (lambda: slo.margin_ms(0, 0, -1, 1), "active"),
+    ],
+)
+def test_bad_input_names_the_field(call, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        call()
+
+
+@given(
+    t0=st.floats(0.1, 500),
+    alpha=st.floats(0, 50),
+    sizes=st.lists(st.integers(1, 64), min_size=2, max_size=40).filter(lambda b: len(set(b)) > 1),
+)
+def test_profile_recovers_a_noiseless_line(t0: float, alpha: float, sizes: list[int]) -> None:
+    profile = slo.LatencyProfile(decay=0.9)
+    for b in sizes:
+        profile.observe(b, t0 + alpha * (b - 1))
+    fit = profile.fit()
+    assert fit is not None and fit.samples == len(sizes)
+    for b in (1, 8, 64):
+        assert fit.latency_ms(b) == pytest.approx(t0 + alpha * (b - 1), rel=1e-4, abs=1e-3)
+
+
+def test_profile_prior_answers_first_and_gives_the_slope_of_one_batch_size() -> None:
+    prior = slo.Fit(10.0, 2.0, samples=50)
+    profile = slo.LatencyProfile(prior=prior)
+    assert profile.fit() == prior
+    for _ in range(5):
+        profile.observe(4, 30.0)  # one batch size: slope from the prior, level from the samples
+    fit = profile.fit()
+    assert fit is not None and fit.alpha_ms == 2.0 and fit.latency_ms(4) == pytest.approx(30.0)
+    assert slo.Fit.from_fields(fit.to_fields()) == slo.Fit(
+        round(fit.t0_ms, 4), round(fit.alpha_ms, 4), fit.samples
+    )
+    assert slo.Fit.from_fields({"t0_ms": "x"}) is None
+
+
+def test_profile_follows_a_gpu_that_grows_slower() -> None:
+    profile = slo.LatencyProfile(decay=0.9)
+    for i in range(200):
+        profile.observe(1 + i % 4, 10.0 + 2.0 * (i % 4))
+    for i in range(200):  # another function now shares the GPU: every step takes twice as long
+        profile.observe(1 + i % 4, 20.0 + 4.0 * (i % 4))
+    fit = profile.fit()
+    assert fit is not None and fit.latency_ms(1) == pytest.approx(20.0, rel=0.01)
+
+
+# -- fill or expire -----------------------------------------------------------------------------
+@given(
+    t0=st.floats(0, 200),
+    alpha=st.floats(0, 20),
+    slo_ms=st.floats(1, 5000),
+    fill_to=st.integers(1, 64),
+    waited=st.floats(0, 5000),
+    interval=st.none() | st.floats(0, 5000),
+)
+def test_hold_never_pushes_a_full_batch_past_the_slo(
+    t0: float, alpha: float, slo_ms: float, fill_to: int, waited: float, interval: float | None
+) -> None:
+    fit = slo.Fit(t0, alpha)
+    hold = slo.hold_ms(fit, slo_ms, fill_to, waited, interval)
+    assert hold >= 0
+    if hold > 0:
+        assert waited + hold + fit.latency_ms(fill_to) <= slo_ms + 1e-6
+        assert interval is not None and interval <= hold  # a companion is expected within it
+        assert fill_to >= 2
+
+
+def test_hold_cases() -> None:
+    fit = slo.Fit(50.0, 10.0)
+    assert slo.hold_ms(fit, 500.0, 11, waited_ms=100.0, interval_ms=20.0) == pytest.approx(250.0)
+    assert slo.hold_ms(fit, 500.0, 11, waited_ms=100.0, interval_ms=None) == 0  # quiet function
+    assert slo.hold_ms(fit, 500.0, 11, waited_ms=100.0, interval_ms=300.0) == 0  # none expected in time
+    assert slo.hold_ms(fit, 500.0, 11, waited_ms=400.0, interval_ms=1.0) == 0  # would miss the SLO
+    assert slo.hold_ms(None, 500.0, 11, waited_ms=0.0, interval_ms=1.0) == 0  # not yet measured
+    assert slo.hold_ms(fit, 500.0, 1, waited_ms=0.0, interval_ms=1.0) == 0  # a batch of one needs nobody
+
+
+def test_arrival_rate() -> None:
+    rate = slo.ArrivalRate(smoothing=0.5)
+    rate.arrived(1000.0)
+    assert rate.interval_ms is None
+    rate.arrived(1100.0)
+    assert rate.interval_ms == 100.0
+    rate.arrived(1140.0, count=2)  # two in 40 ms: 20 ms apart
+    assert rate.interval_ms == 60.0
+
+
+# -- the admission order ------------------------------------------------------------------------
+def test_margin_is_slo_minus_wait_and_the_active_batches() -> None:
+    # arrived at t=1000 with a 500 ms SLO, now t=1200 (w = 200), M = 3 batches of T = 50 ms
+    assert slo.margin_ms(1000 + 500, 1200, 3, 50.0) == 500 - (200 + 3 * 50)
+
+
+def test_pick_smallest_margin_then_worker_id() -> None:
+    tight = slo.Waiter("w-b", deadline_ms=1300, t_ms=10)
+    loose = slo.Waiter("w-a", deadline_ms=3000, t_ms=10)
+    slow = slo.Waiter("w-c", deadline_ms=1500, t_ms=200)  # later deadline, but a long prefill
+    assert slo.pick([loose, tight], now_ms=1000, active=1) == tight
+    assert slo.pick([tight, slow], now_ms=1000, active=0) == tight  # M = 0: the deadline alone
+    assert slo.pick([tight, slow], now_ms=1000, active=2) == slow  # 1500-400 < 1300-20
+    twin = slo.Waiter("w-a", deadline_ms=1300, t_ms=10)
+    assert slo.pick([tight, twin], now_ms=1000, active=1) == twin
+    assert slo.pick([], now_ms=0, active=1) is None
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    release: float
+    deadline: float
+    t: float
+
+
+def simulate(jobs: list[Job], active: int) -> dict[str, tuple[float, float]]:
+    """One GPU prefill slot, work-conserving, non-preemptive: whenever it is free the released waiter of
+    smallest margin runs its prefill. Returns name -> (start, finish)."""
+    pending = sorted(jobs, key=lambda j: j.release)
+    waiting: dict[str, Job] = {}
+    now, out = 0.0, {}
+    while pending or waiting:
+        while pending and pending[0].release <= now:
+            j = pending.pop(0)
+            waiting[j.name] = j
+        if not waiting:
+            now = pending[0].release
+            continue
+        chosen = slo.pick([slo.Waiter(j.name, j.deadline, j.t) for j in waiting.values()], now, active)
+        assert chosen is not None
+        job = waiting.pop(chosen.worker)
+        out[job.name] = (now, now + job.t)
+        now += job.t
+    return out
+
+
+def jobs_strategy(burst: bool) -> st.SearchStrategy[list[Job]]:
+    job = st.tuples(st.just(0.0) if burst else st.floats(0, 1000), st.floats(1, 3000), st.floats(1, 100))
+    return st.lists(job, min_size=1, max_size=12).map(
+        lambda xs: [Job(f"w{i:02d}", r, r + slack, t) for i, (r, slack, t) in enumerate(xs)]
+    )
+
+
+@settings(max_examples=300)
+@given(jobs=jobs_strategy(burst=False), active=st.integers(0, 4))
+def test_no_starvation_every_waiter_starts_within_a_bound(jobs: list[Job], active: int) -> None:
+    """Once a waiter asks, the slot serves only the one running then and waiters of smaller margin
+    (margins of all waiters fall at the same rate), each at most once: its start is bounded."""
+    sched = simulate(jobs, active)
+    assert set(sched) == {j.name for j in jobs}  # everyone is served
+    t_max = max(j.t for j in jobs)
+
+    def key(j: Job) -> tuple[float, str]:
+        return (j.deadline - active * j.t, j.name)
+
+    for j in jobs:
+        ahead = sum(o.t for o in jobs if o is not j and key(o) < key(j))
+        assert sched[j.name][0] <= j.release + t_max + ahead + 1e-6
+
+
+@settings(max_examples=300)
+@given(jobs=jobs_strategy(burst=True), active=st.integers(0, 4))
+def test_a_feasible_burst_finishes_within_deadline_plus_bound(jobs: list[Job], active: int) -> None:
+    """A burst (all asking at once) that earliest-deadline-first could serve in time: every prefill
+    finishes by its deadline + M·T_max (the margin trades deadline for prefill length by at most that)."""
+    by_deadline = sorted(jobs, key=lambda j: j.deadline)
+    done = 0.0
+    for j in by_deadline:
+        done += j.t
+        if done > j.deadline:
+            return  # infeasible load: nothing promised
+    sched = simulate(jobs, active)
+    t_max = max(j.t for j in jobs)
+    for j in jobs:
+        assert sched[j.name][1] <= j.deadline + active * t_max + 1e-6
+
+
+# -- the scheduler's decode-only step -----------------------------------------------------------
+def test_decode_only_step_never_holds_back_decodes() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_blocks=64))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    sched.add(Sequence(seq_id="a", prompt_token_ids=[1, 2, 3], params=params))
+    assert sched.num_pending_prefills == 1
+    out = sched.schedule()
+    sched.update(out, {"a": 7})
+    sched.add(Sequence(seq_id="b", prompt_token_ids=[4, 5, 6, 7], params=params))
+    assert sched.num_pending_prefills == 1  # a decodes now, b waits
+    out = sched.schedule(allow_prefill=False)
+    assert [(c.seq_id, c.is_decode) for c in out.chunks] == [("a", True)]
+    sched.update(out, {"a": 8})
+    out = sched.schedule()
+    assert [c.seq_id for c in out.chunks] == ["a", "b"]
+    sched.update(out, {"a": 9, "b": 1})
+    assert sched.num_pending_prefills == 0
