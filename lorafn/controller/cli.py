@@ -41,6 +41,8 @@ class ControllerSettings(SharedSettings):
     default_kv_mib: int | None = Field(
         default=None, ge=1, description="KV budget of a function whose spec names none (default: per device)"
     )
+    warm_pool: bool = Field(default=True, description="keep standby workers warm (pre-loading)")
+    offloading: bool = Field(default=True, description="stop standby/idle workers to make room")
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="the workers' device kind (sizing)")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus /metrics port (0: off)")
     metrics_host: str = Field(default="0.0.0.0", description="address of the metrics endpoint")
@@ -67,7 +69,11 @@ def build_controller(settings: ControllerSettings) -> Controller:
         interval_s=settings.interval_s,
         lease_ttl_s=settings.lease_ttl_s,
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
-        policy=PolicyConfig(gpu_utilization=settings.gpu_utilization),
+        policy=PolicyConfig(
+            gpu_utilization=settings.gpu_utilization,
+            warm_pool=settings.warm_pool,
+            offloading=settings.offloading,
+        ),
     )
     return Controller(store, keys, executor, sizing, config)
 

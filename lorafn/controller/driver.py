@@ -30,7 +30,7 @@ from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide
 from lorafn.controller.policy.model import GPU, Worker
 from lorafn.controller.snapshot import SizingConfig, SnapshotReader
-from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, control, workers
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, control, streams, workers
 
 log = logging.getLogger("lorafn.controller")
 
@@ -90,6 +90,7 @@ class Controller:
         self._served: set[str] = set()
         # worker id -> when its stop was sent: one stop command per worker, not one per round
         self._stops_sent: dict[str, float] = {}
+        self._demand_cursor: str | None = None  # demand entries after this one wake the loop
         self.last_plan: Plan | None = None
         self.metrics = ControllerMetrics()
 
@@ -122,7 +123,25 @@ class Controller:
                 log.warning("controller: Redis unreachable (%s); retrying", e)
             except Exception:  # one bad round (a bad record, a bug) must not stop every later decision
                 log.exception("controller: round failed; trying again next interval")
-            time.sleep(self.config.interval_s)
+            self.wait_for_demand(self.config.interval_s)
+
+    def wait_for_demand(self, timeout_s: float) -> bool:
+        """Sleep up to `timeout_s`, waking as soon as the gateway records cold-start demand (a request
+        that found no live worker): the round that answers it starts at once, not an interval later.
+        True when demand woke it."""
+        try:
+            if self._demand_cursor is None:  # from now on (a stream id from Redis's clock, not "$",
+                # so that demand recorded while a round runs still wakes the next wait)
+                self._demand_cursor = f"{self.store.run(workers.server_time_ms())}-0"
+            entries = self.store.run(
+                streams.read_demand(self.keys, self._demand_cursor, max(1, int(timeout_s * 1000)))
+            )
+        except UNAVAILABLE_ERRORS:
+            time.sleep(timeout_s)
+            return False
+        for entry_id, _fields in entries:
+            self._demand_cursor = entry_id
+        return bool(entries)
 
     # -- what happened ---------------------------------------------------------------------------
     def _learn(self) -> None:

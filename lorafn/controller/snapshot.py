@@ -10,6 +10,7 @@ A function whose adapter cannot be read is left out of the snapshot and reported
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -45,10 +46,31 @@ class SizingConfig:
 
 @dataclass(frozen=True)
 class FunctionSize:
+    """One worker of a function: its adapter shape, KV budget and LoRA tensors, plus the per-worker
+    overhead (context, kernels, workspaces, activations) as the controller knows it this round."""
+
     shape: str
-    mem_bytes: int
     kv_bytes: int
     lora_bytes: int
+    overhead_bytes: int = 0
+
+    @property
+    def mem_bytes(self) -> int:
+        return self.overhead_bytes + self.kv_bytes + self.lora_bytes
+
+
+OVERHEAD_MARGIN_BYTES = 64 * MiB  # growth a worker may still have ahead (a longer prompt's activations)
+
+
+def learned_overhead(
+    reports: list[int], default_bytes: int, margin_bytes: int = OVERHEAD_MARGIN_BYTES
+) -> int:
+    """A worker's overhead beyond its KV cache and LoRA tensors, from what live workers report (the
+    driver's count of the whole process minus those two): the largest report plus a margin, so that a
+    new worker is never granted less than the biggest one already running needs; `default_bytes` while
+    no worker reports (no NVML, e.g. on CPU, or none up yet)."""
+    real = [r for r in reports if r > 0]
+    return max(real) + margin_bytes if real else default_bytes
 
 
 @dataclass
@@ -64,6 +86,12 @@ class SnapshotReader:
     records: dict[str, FunctionRecord] = field(default_factory=dict)
     backbone_records: dict[str, BackboneRecord] = field(default_factory=dict)
     sizes: dict[str, FunctionSize] = field(default_factory=dict)
+    # this round's per-worker overhead: learned from the workers' reports, else the configured one
+    overhead_bytes: int = 0
+    _overhead_reports: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.overhead_bytes = self.sizing.worker_overhead_bytes
 
     # -- sizing ----------------------------------------------------------------------------------
     def backbone_bytes(self, model_dir: str) -> int:
@@ -95,10 +123,8 @@ class SnapshotReader:
                 spec.resources, kv_bytes_per_token(cfg, backbone.dtype), self.sizing.default_kv_bytes
             )
             lora = lora_bytes(info.ranks, cfg, backbone.dtype)
-            self._sizes[key] = FunctionSize(
-                info.shape_key, self.sizing.worker_overhead_bytes + kv + lora, kv, lora
-            )
-        return self._sizes[key]
+            self._sizes[key] = FunctionSize(info.shape_key, kv, lora)
+        return dataclasses.replace(self._sizes[key], overhead_bytes=self.overhead_bytes)
 
     def standby_bytes(self, shape: str | None, backbone: BackboneRecord) -> int:
         """A standby of `shape`: overhead + default KV budget + LoRA buffers of the shape."""
@@ -106,7 +132,7 @@ class SnapshotReader:
         if shape:
             cfg = self.model_config(backbone.model_dir)
             lora = lora_bytes(parse_shape_key(shape), cfg, backbone.dtype)
-        return self.sizing.worker_overhead_bytes + self.sizing.default_kv_bytes + lora
+        return self.overhead_bytes + self.sizing.default_kv_bytes + lora
 
     # -- the snapshot ----------------------------------------------------------------------------
     def read(self, gpus: list[GPU], starting: list[Worker], costs: Costs | None = None) -> Snapshot:
@@ -128,6 +154,8 @@ class SnapshotReader:
                 combine(*(stats.arrivals(keys, f, now_s, ARRIVAL_WINDOW_S) for f in fn_names)),
             )
         )
+        live_workers = self.live_workers({g.id for g in gpus})
+        self.overhead_bytes = learned_overhead(self._overhead_reports, self.sizing.worker_overhead_bytes)
         self.problems = {}
         self.sizes = {}
         functions: list[Function] = []
@@ -187,7 +215,7 @@ class SnapshotReader:
                 standby[s] = self.standby_bytes(s, bb)
             # A shape-agnostic standby is sized to take any registered function: the largest LoRA.
             largest_lora = max((size.lora_bytes for size in self.sizes.values()), default=0)
-            standby[None] = self.sizing.worker_overhead_bytes + self.sizing.default_kv_bytes + largest_lora
+            standby[None] = self.overhead_bytes + self.sizing.default_kv_bytes + largest_lora
             costs = Costs(
                 fresh_start_s=self.sizing.fresh_start_s,
                 bind_s=self.sizing.bind_s,
@@ -198,7 +226,7 @@ class SnapshotReader:
         # A worker reports its own reservation once it knows it; until then (and if it reports less
         # than it was granted) the account uses what the controller granted it.
         live = []
-        for w in self.live_workers({g.id for g in gpus}):
+        for w in live_workers:
             size = self.sizes.get(w.function or "")
             estimate = size.mem_bytes if size is not None else costs.standby_bytes_for(w.shape)
             live.append(dataclasses.replace(w, mem_bytes=max(w.mem_bytes, estimate)))
@@ -217,6 +245,7 @@ class SnapshotReader:
         now_ms = store.run(workers.server_time_ms())
         ttl_ms = self.heartbeat_ttl_s * 1000
         out = []
+        self._overhead_reports = []
         for wid, h in sorted(info.items()):
             if now_ms - int(h.get("heartbeat") or now_ms) > ttl_ms:
                 continue
@@ -228,6 +257,13 @@ class SnapshotReader:
             policy_state = {"standby": "standby", "draining": "draining", "starting": "starting"}.get(
                 state, "bound"
             )
+            if h.get("mem_source") == "driver" and state in ("standby", "serving"):
+                with contextlib.suppress(ValueError):
+                    self._overhead_reports.append(
+                        int(h.get("mem_bytes") or 0)
+                        - int(h.get("kv_bytes") or 0)
+                        - int(h.get("lora_bytes") or 0)
+                    )
             if policy_state == "standby":
                 function = None
             elif policy_state == "bound" and not function:

@@ -62,6 +62,12 @@ class LocalConfig(SharedSettings):
     gpu_utilization: float = Field(
         default=0.92, gt=0, le=1, description="share of a device the account grants"
     )
+    warm_pool: bool = Field(
+        default=True, description="keep standby workers warm (off: every cold start spawns a process)"
+    )
+    offloading: bool = Field(
+        default=True, description="stop standby/idle workers to make room for a cold start"
+    )
     worker_overhead_mib: int | None = Field(
         default=None,
         ge=0,

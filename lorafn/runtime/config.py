@@ -50,8 +50,9 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     cache_dir: str | Path | None = None
     # CUDA: the per-thread stack the context reserves local memory for (None: the driver's 1 KiB);
-    # 256 saves ~200 MiB per worker process on an H100 (docs/benchmarks.md "Per-worker memory").
-    cuda_stack_bytes: int | None = None
+    # 256 saves ~200 MiB per worker process on an H100 (docs/benchmarks.md "Per-worker memory"), and a
+    # kernel that needs more grows it at launch, so it is the default.
+    cuda_stack_bytes: int | None = 256
     weight_source: WeightSource | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

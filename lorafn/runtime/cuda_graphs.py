@@ -22,6 +22,17 @@ def bucket_for(batch_size: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in sorted(buckets) if b >= batch_size), None)
 
 
+def graph_buckets(sizes: Sequence[int], max_batch: int) -> list[int]:
+    """The buckets worth capturing for batches of at most ``max_batch``: every size below it and the
+    smallest at or above it (so that a full batch still replays a graph); [1] when ``sizes`` is empty."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    ordered = sorted(set(sizes))
+    below = [b for b in ordered if b < max_batch]
+    top = bucket_for(max_batch, ordered)
+    return below + ([top] if top is not None else []) or [1]
+
+
 @dataclass
 class DecodeInputs:
     """Host arrays of one decode step, padded to a bucket: [bucket] int64 ids/positions/slots,

@@ -25,7 +25,7 @@ import torch
 
 from lorafn.runtime.block_manager import blocks_for_tokens, slot_mapping
 from lorafn.runtime.config import EngineConfig, ModelConfig
-from lorafn.runtime.cuda_graphs import DecodeGraphRunner
+from lorafn.runtime.cuda_graphs import DecodeGraphRunner, graph_buckets
 from lorafn.runtime.kv_cache import (
     KVCache,
     block_bytes,
@@ -118,7 +118,9 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         if self.device.type != "cuda" or not cfg.use_cuda_graphs:
             return
-        buckets = [b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs] or [1]
+        # No batch is larger than the KV cache has blocks (one per sequence at least): a small budget
+        # captures few buckets, and their graph pool (activations) stays small.
+        buckets = graph_buckets(cfg.cuda_graph_batch_sizes, min(cfg.max_num_seqs, self.num_blocks))
         self.graphs = DecodeGraphRunner(self.model, self.kv_cache, buckets, max_blocks_per_seq)
         self.graph_capture_s = self.graphs.capture()
 
@@ -140,16 +142,20 @@ class ModelRunner:
             f"; graphs captured in {self.graph_capture_s:.2f} s" if self.graphs else ""
         )
 
-    def reserved_bytes(self) -> int:
-        """What this runner holds on its device besides the shared backbone: KV cache + LoRA tensors
-        (+ on CUDA, everything torch's allocator reserved: activations and graph pools too)."""
+    def memory_parts(self) -> tuple[int, int]:
+        """(KV cache bytes, LoRA tensor bytes): the parts of this worker that its function's spec sizes."""
         lora = 0
         if self.lora is not None:
             for groups in self.lora.layers:
                 for g in groups.values():
                     lora += g.a_cat.numel() * g.a_cat.element_size()
                     lora += sum(b.numel() * b.element_size() for _p, _o, _r, b in g.targets)
-        kv = self.kv_cache.nbytes
+        return self.kv_cache.nbytes, lora
+
+    def reserved_bytes(self) -> int:
+        """What this runner holds on its device besides the shared backbone: KV cache + LoRA tensors
+        (+ on CUDA, everything torch's allocator reserved: activations and graph pools too)."""
+        kv, lora = self.memory_parts()
         if self.device.type == "cuda":
             return max(kv + lora, int(torch.cuda.memory_reserved(self.device)))
         return kv + lora

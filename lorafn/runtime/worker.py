@@ -96,6 +96,8 @@ class ServingConfig:
     stall_after_ttls: float = 12.0
     # What the controller reads besides liveness (gpu, backbone, shape, mem_bytes): see lorafn.controller.
     heartbeat_fields: dict[str, Any] = field(default_factory=dict)
+    # fields read again at every heartbeat (the worker's memory, which grows with use)
+    live_fields: Callable[[], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -273,6 +275,7 @@ class Worker:
             "idle_s": round(0.0 if self.running else max(0.0, self.clock() - self._last_busy), 1),
             "progress_s": round(max(0.0, self.clock() - self._progress_at), 1),  # since the loop advanced
             **self.config.heartbeat_fields,
+            **(self.config.live_fields() if self.config.live_fields else {}),
         }
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
         store.run(workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields))
@@ -562,9 +565,10 @@ class WorkerSettings(SharedSettings):
         description="KV-cache budget granted by the controller (never the GPU's free memory)",
     )
     cuda_stack_bytes: int | None = Field(
-        default=None,
+        default=256,
         ge=16,
-        description="CUDA per-thread stack limit (smaller context; default: the driver's)",
+        description="CUDA per-thread stack limit in bytes (~200 MiB less per H100 context than the "
+        "driver's 1024; a kernel that needs more grows it)",
     )
     spawned_at_ms: int | None = Field(
         default=None, description="unix ms when the process was asked for (a fresh cold start's clock)"
@@ -671,6 +675,16 @@ def placement_fields(settings: WorkerSettings, engine: Any) -> dict[str, Any]:
     mem = getattr(engine, "reserved_bytes", None)
     if callable(mem):
         fields["mem_bytes"] = int(mem())
+    runner = getattr(engine, "runner", None)
+    if runner is not None and hasattr(runner, "memory_parts"):
+        fields["kv_bytes"], fields["lora_bytes"] = runner.memory_parts()
+        # the driver's figure for the whole process (context, kernels, workspaces, allocator) where it
+        # can be read: the controller learns a worker's real overhead from it
+        from lorafn.runtime.gpu_memory import process_bytes
+
+        whole = process_bytes(getattr(runner, "device", None))
+        if whole is not None:
+            fields["mem_bytes"], fields["mem_source"] = max(whole, fields.get("mem_bytes", 0)), "driver"
     return fields
 
 
@@ -689,6 +703,7 @@ def serving_config(
         stall_after_ttls=settings.stall_after_ttls,
         keep_alive_s=keep_alive,
         heartbeat_fields=fields,
+        live_fields=lambda: placement_fields(settings, engine),
     )
 
 

@@ -16,6 +16,10 @@ class PolicyConfig:
     - ``min_standby_probability``: the k-th standby of a shape is worth keeping only while the chance
       of k or more cold arrivals within one refill time is at least this.
     - ``refill_s``: time to bring a new standby up (None: ``Costs.fresh_start_s``).
+    - ``warm_pool``: keep standby workers (pre-loading); off, every cold start is a fresh process (the
+      trace replay's "no warm pool" ablation).
+    - ``offloading``: stop standby or idle bound workers to make room for a cold start; off, a function
+      that does not fit waits for memory to free up by itself (the "no offloading" ablation).
     """
 
     gpu_utilization: float = 0.92
@@ -24,6 +28,8 @@ class PolicyConfig:
     backoff_cap_s: float = 300.0
     min_standby_probability: float = 0.01
     refill_s: float | None = None
+    warm_pool: bool = True
+    offloading: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_utilization <= 1.0:

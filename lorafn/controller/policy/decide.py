@@ -167,7 +167,7 @@ class _Round:
             return True
         free = self.ledger.free
         best = max((g for g in gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
-        if best is None:
+        if best is None and self.config.offloading:
             best = self.offload_for(fn, gpus)
         if best is None:
             self.actions.append(Wait(fn.name, self.no_room_reason(fn, gpus)))
@@ -200,6 +200,8 @@ class _Round:
         """A pool worker still starting that could take ``fn`` (its shape, or shape-agnostic, big enough),
         younger than a fresh start takes, and that no other function of this round claimed; the oldest first
         (it is ready soonest)."""
+        if not self.config.warm_pool:
+            return None
         candidates = [
             w
             for w in self.snapshot.workers
@@ -218,6 +220,8 @@ class _Round:
         return max(candidates, key=lambda w: (w.shape == fn.shape, w.age_s, w.id), default=None)
 
     def pick_standby(self, fn: Function, gpus: set[str], prepared_only: bool = False) -> Worker | None:
+        if not self.config.warm_pool:  # the ablation: every cold start is a fresh process
+            return None
         # A bind that must capture graphs is taken only while it still beats a fresh start.
         mismatch_ok = not prepared_only and self.costs.bind_saving_s(prepared=False) > 0
         best, best_rank = None, None
@@ -282,6 +286,11 @@ class _Round:
 
     # -- step 4 ------------------------------------------------------------------------------
     def warm_pool(self) -> list:
+        if not self.config.warm_pool:  # the ablation: no standby workers at all
+            for w in self.snapshot.workers:
+                if is_pool_worker(w) and w.id not in self.gone and w.id not in self.protected:
+                    self.stop(w, "pool_shrink", "the warm pool is switched off")
+            return []
         # Functions given a worker this round are no longer cold (offloaded idle workers make their
         # functions colder, but they were the least valuable: not worth a second full pass).
         cold = self.cold.without(self.served)

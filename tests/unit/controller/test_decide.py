@@ -215,3 +215,14 @@ def test_a_warming_standby_is_waited_for_once_not_raced_by_a_fresh_start():
     # a warming standby of another shape does not hold anyone back
     other = decide(snap([gpu("g0")], [fn("ns/a", shape="r8", queued=1)], [warming]))
     assert not other.of_type(Wait) and len(_demand_starts(other)) == 1
+
+
+def test_warm_pool_switched_off_stops_standbys_and_starts_fresh_workers():
+    # the trace replay's "no warm pool" ablation: no standby is bound, kept or started
+    functions = [fn("ns/a", queued=1), fn("ns/b", arrival_rate=5.0)]
+    workers = [standby("s1", "g0", "r16")]
+    plan = decide(snap([gpu("g0")], functions, workers), PolicyConfig(warm_pool=False))
+    assert not plan.of_type(Bind)
+    assert [(s.worker_id, s.reason) for s in plan.of_type(Stop)] == [("s1", "pool_shrink")]
+    assert [a.function for a in plan.of_type(Start)] == ["ns/a"]  # a fresh worker, no standby starts
+    assert plan.pool == []

@@ -82,3 +82,19 @@ def test_a_crash_after_serving_is_not_a_failed_start(controller: Controller) -> 
     # w1 had served (its `bound` event): only w2, which never did, counts against the function
     assert _sample(controller, "lorafn_controller_start_failures_total") == 1
     assert store.run(control.statuses(keys, ["a/b"]))["a/b"]["start_failures"] == "1"
+
+
+def test_demand_wakes_the_wait_at_once(controller: Controller) -> None:
+    import threading
+    import time
+
+    from lorafn.store import streams
+
+    assert controller.wait_for_demand(0.05) is False  # nothing recorded: the whole timeout
+    store, keys = controller.store, controller.keys
+    timer = threading.Timer(0.2, lambda: store.run(streams.record_demand(keys, "a/b", "request")))
+    timer.start()
+    t0 = time.monotonic()
+    assert controller.wait_for_demand(30.0) is True
+    assert time.monotonic() - t0 < 20  # woken by the demand, not by the 30 s timeout
+    timer.join()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorafn.controller.policy import Start, Stop, Wait, Worker, decide
+from lorafn.controller.policy import PolicyConfig, Start, Stop, Wait, Worker, decide
 from lorafn.controller.policy.offload import IDLE_BOUND, STANDBY, Victim, candidates, choose_victims
 from lorafn.controller.policy.planner import cold_demand
 
@@ -135,3 +135,17 @@ def test_decide_never_offloads_busy_workers_and_waits_with_numbers():
     (wait,) = plan.of_type(Wait)
     assert wait.function == "ns/new"
     assert "20.0 GiB worker" in wait.reason and "g0: 5.6 GiB free of 73.6 GiB" in wait.reason
+
+
+def test_offloading_switched_off_waits_instead_of_stopping_idle_workers():
+    # the trace replay's "no offloading" ablation: the same GPU as above, nothing is stopped for ns/new
+    g = gpu("g0", backbones={"llama": 13})
+    functions = [fn("ns/new", mem_gib=14, queued=1), fn("ns/idle", mem_gib=10, arrival_rate=0.1)]
+    workers = [standby("s-cold", "g0", shape="r64", mem_gib=4), bound("b-idle", "g0", "ns/idle", mem_gib=50)]
+    offloads = [
+        s.worker_id for s in decide(snap([g], functions, workers)).of_type(Stop) if s.reason == "offload"
+    ]
+    assert offloads == ["b-idle"]
+    plan = decide(snap([g], functions, workers), PolicyConfig(offloading=False))
+    assert not [s for s in plan.of_type(Stop) if s.reason == "offload"]
+    assert [w.function for w in plan.of_type(Wait)] == ["ns/new"]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from lorafn.runtime.config import EngineConfig, ModelConfig
-from lorafn.runtime.cuda_graphs import bucket_for, pad_decode_inputs
+from lorafn.runtime.cuda_graphs import bucket_for, graph_buckets, pad_decode_inputs
 from lorafn.runtime.kv_cache import (
     KVCache,
     block_bytes,
@@ -40,6 +40,23 @@ CFG = ModelConfig.from_dict(
 @pytest.mark.parametrize("n,expected", [(1, 1), (2, 2), (3, 4), (8, 8), (9, 16), (64, 64), (65, None)])
 def test_bucket_for(n: int, expected: int | None) -> None:
     assert bucket_for(n, (64, 1, 2, 4, 8, 16, 32)) == expected
+
+
+@pytest.mark.parametrize(
+    "max_batch,expected",
+    [
+        (64, [1, 2, 4, 8, 16, 32, 64]),
+        (8, [1, 2, 4, 8]),
+        (6, [1, 2, 4, 8]),
+        (1, [1]),
+        (100, [1, 2, 4, 8, 16, 32, 64]),
+    ],
+)
+def test_graph_buckets_stop_at_the_largest_possible_batch(max_batch: int, expected: list[int]) -> None:
+    # a KV budget of 8 blocks never runs more than 8 sequences: buckets above that only cost graph memory
+    assert graph_buckets((64, 1, 2, 4, 8, 16, 32), max_batch) == expected
+    with pytest.raises(ValueError, match="max_batch"):
+        graph_buckets((1, 2), 0)
 
 
 def test_pad_decode_inputs_pads_with_scratch() -> None:
