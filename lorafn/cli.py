@@ -30,6 +30,7 @@ _GROUPS: list[tuple[str, str, str | None]] = [
     ("lorafn.operator.cli", "app", "operator"),
     ("lorafn.controller.cli", "app", "controller"),
     ("lorafn.backbone_server.cli", "app", "backbone-server"),
+    ("lorafn.replay.cli", "app", "bench"),
 ]
 _ROOT_REGISTRARS: list[str] = ["lorafn.local.cli"]
 

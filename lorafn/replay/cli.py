@@ -1,0 +1,285 @@
+"""`lorafn bench ...`: benchmarks through the real platform. `lorafn bench replay` replays real arrivals.
+
+Heavy imports (numpy, httpx, matplotlib, torch for the random assets) happen inside the command.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Benchmarks through the real platform (docs/replay.md).", no_args_is_help=True)
+
+TRACES = ("code", "conv")
+
+
+def default_data_dir() -> Path:
+    """$LORAFN_REPLAY_DATA, else ../shared/data beside the clone this package runs from."""
+    env = os.environ.get("LORAFN_REPLAY_DATA")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)
+
+
+@app.command("replay")
+def replay(
+    # -- the workload --------------------------------------------------------------------------------
+    trace: str = typer.Option(
+        "code",
+        "--trace",
+        help="Arrivals: 'code' (Azure LLM 2023 code trace: bursty, inter-arrival CoV ≈ 13), 'conv' "
+        "(conversation trace: smoother, CoV ≈ 1.1), or a CSV path with "
+        "TIMESTAMP,ContextTokens,GeneratedTokens.",
+    ),
+    data_dir: Path = typer.Option(
+        None,
+        "--data-dir",
+        help="Where the traces and gsm8k_test.jsonl lie (default: $LORAFN_REPLAY_DATA, else ../shared/data "
+        "beside this clone).",
+    ),
+    prompts: Path = typer.Option(
+        None, "--prompts", help="GSM8K JSONL file (default: <data dir>/gsm8k_test.jsonl)."
+    ),
+    functions: int = typer.Option(
+        8,
+        "--functions",
+        "-n",
+        min=1,
+        max=1024,
+        help="Functions the arrivals are spread over (a started platform registers replay/f000...; with "
+        "--keys, the first N of the file in sorted order).",
+    ),
+    rate: float = typer.Option(
+        2.0,
+        "--rate",
+        min=0.001,
+        help="Mean arrival rate (requests/s) the trace is scaled to: rate × duration consecutive trace rows, "
+        "their timestamps stretched linearly to span the duration (the trace's bursts keep their shape).",
+    ),
+    duration: float = typer.Option(60.0, "--duration", min=0.1, help="Seconds of arrivals to replay."),
+    trace_start: float = typer.Option(
+        0.0, "--trace-start", min=0.0, help="Seconds into the trace where the replayed window begins."
+    ),
+    zipf: float = typer.Option(
+        1.0,
+        "--zipf",
+        min=0.0,
+        help="Popularity exponent: function k gets a share ∝ 1/(k+1)^zipf of the requests (0: uniform).",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seeds the function of each request and the prompt order."),
+    max_prompt_tokens: int = typer.Option(
+        512,
+        "--max-prompt-tokens",
+        min=1,
+        help="Cap on the trace's context tokens (prompts are GSM8K text sized to min(trace, cap), ~4 chars "
+        "per token). Keep it small for a CPU run with the tiny preset.",
+    ),
+    max_output_tokens: int = typer.Option(
+        64, "--max-output-tokens", min=1, help="Cap on the trace's generated tokens (sent as max_tokens)."
+    ),
+    prompt_size: str = typer.Option(
+        "trace",
+        "--prompt-size",
+        help="'trace': prompt length from the trace's context tokens (capped); 'question': one GSM8K "
+        "question each, as the paper sent.",
+    ),
+    # -- what to run -----------------------------------------------------------------------------------
+    configs: str = typer.Option(
+        "default",
+        "--configs",
+        help="Comma-separated configurations, each a platform of its own and a row: full, no-sharing, "
+        "no-warm-pool, no-offloading, no-slo-admission, always-on (minReplicas 1, shared backbone), "
+        "always-on-private (minReplicas 1, a weight copy per worker); 'default' = all but "
+        "always-on-private; 'all'. A switch this build's LocalConfig lacks makes its row n/a.",
+    ),
+    device: str = typer.Option("auto", "--device", help="Started platform: auto | cpu | cuda."),
+    model: Path = typer.Option(
+        None, "--model", help="Started platform: the backbone's model directory (default: a random --preset)."
+    ),
+    preset: str = typer.Option(
+        "tiny",
+        "--preset",
+        help="Started platform without --model: random weights of this shape (tiny | llama-2-7b | "
+        "llama-3-8b), written once under <out>/assets.",
+    ),
+    dtype: str = typer.Option(
+        None, "--dtype", help="Backbone dtype (default: bfloat16 on cuda, float32 on cpu)."
+    ),
+    rank: int = typer.Option(8, "--rank", min=1, help="LoRA rank of the random adapters."),
+    target_modules: str = typer.Option(
+        "q_proj,v_proj", "--target-modules", help="Adapter target modules, comma-separated, or all-linear."
+    ),
+    adapters: int = typer.Option(
+        8, "--adapters", min=1, help="Distinct random adapters written; function i uses adapter i mod this."
+    ),
+    slo_ms: int = typer.Option(
+        2500,
+        "--slo-ms",
+        min=1,
+        help="Every function's spec.slo.ttftMs (paper: 5× the first warm TTFT, 2500 ms for 7B); violations "
+        "are judged against it (an error is a violation).",
+    ),
+    keep_alive: int = typer.Option(
+        60, "--keep-alive", min=0, help="spec.scaling.keepAliveSeconds of every function (not always-on)."
+    ),
+    max_replicas: int = typer.Option(
+        4, "--max-replicas", min=1, help="spec.scaling.maxReplicas of every function."
+    ),
+    kv_mib: int = typer.Option(
+        None,
+        "--kv-mib",
+        min=1,
+        help="spec.resources.kvCacheMiB of every function (default: the controller's).",
+    ),
+    platform_config: Path = typer.Option(
+        None,
+        "--platform-config",
+        help="YAML of LocalConfig settings for every started platform (devices, device_memory_mib, "
+        "worker_overhead_mib, ...); each configuration adds its own switch.",
+    ),
+    settle_timeout: float = typer.Option(
+        600.0,
+        "--settle-timeout",
+        min=0.0,
+        help="Seconds to wait before arrivals for the backbone, the warm pool or the always-on workers.",
+    ),
+    # -- or drive a running platform -----------------------------------------------------------------------
+    gateway_url: str = typer.Option(
+        None, "--gateway-url", help="Drive this running gateway instead of starting platforms (one row)."
+    ),
+    keys: Path = typer.Option(
+        None, "--keys", help="With --gateway-url: YAML/JSON mapping namespace/name -> API key ('' if public)."
+    ),
+    redis_url: str = typer.Option(
+        None,
+        "--redis-url",
+        help="With --gateway-url: the platform's Redis, for worker records (GPU-seconds, worker counts, "
+        "cold-start paths); without it those stay empty.",
+    ),
+    key_prefix: str = typer.Option(
+        "lorafn", "--key-prefix", help="With --redis-url: the deployment's key prefix."
+    ),
+    device_memory_gib: float = typer.Option(
+        80.0, "--device-memory-gib", min=0.1, help="With --gateway-url: each GPU's memory, for GPU-seconds."
+    ),
+    # -- measurement and output ------------------------------------------------------------------------------
+    usd_per_gpu_hour: float = typer.Option(
+        2.0, "--usd-per-gpu-hour", min=0.0, help="Price of one GPU-hour for the cost column."
+    ),
+    worker_overhead_mib: int = typer.Option(
+        None,
+        "--worker-overhead-mib",
+        min=0,
+        help="Memory each worker holds beyond its heartbeat's mem_bytes (its CUDA context), counted in "
+        "GPU-seconds (default: the controller's per-device estimate).",
+    ),
+    request_timeout: float = typer.Option(
+        600.0, "--request-timeout", min=1.0, help="Client timeout of one request (s)."
+    ),
+    drain_timeout: float = typer.Option(
+        300.0,
+        "--drain-timeout",
+        min=0.0,
+        help="After the last arrival, seconds to wait for answers still running; later ones are errors.",
+    ),
+    sample_interval: float = typer.Option(
+        0.5, "--sample-interval", min=0.05, help="Seconds between samples of the workers' records."
+    ),
+    out: Path = typer.Option(
+        Path("replay-out"), "--out", help="Directory for replay.json, the PNG plots and each run's logs."
+    ),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots (needs matplotlib)."),
+) -> None:
+    """Replay real arrivals (Azure LLM traces) over N functions through the real HTTP API, open-loop.
+
+    For each configuration it starts `lorafn up` (its own state under <out>/runs/<config>), registers the
+    backbone and the functions, waits until the platform is settled, then sends every request at its
+    time (streamed completions; arrivals never wait for answers) while it samples the workers' records
+    in Redis. It reports per function and overall TTFT, TPOT and end-to-end p50/p90/p99, SLO violations,
+    the path each request took (warm / standby / fresh / queued), GPU-seconds held and their cost, beside
+    ServerlessLoRA's own tables (docs/replay.md).
+    """
+    from rich.console import Console
+
+    from lorafn.replay.configs import select_configs
+    from lorafn.replay.driver import DriveOptions
+    from lorafn.replay.platform import FunctionSetup, read_keys_file
+    from lorafn.replay.run import External, Managed, ReplayOptions, run_replay
+    from lorafn.replay.trace import PlanOptions
+
+    if prompt_size not in ("trace", "question"):
+        raise _fail(f"--prompt-size {prompt_size!r}: choose trace or question")
+    ddir = data_dir or default_data_dir()
+    trace_path = ddir / f"azure_llm_2023_{trace}.csv" if trace in TRACES else Path(trace)
+    prompts_path = prompts or ddir / "gsm8k_test.jsonl"
+    for what, path in (("--trace", trace_path), ("--prompts", prompts_path)):
+        if not path.is_file():
+            raise _fail(f"{what}: {path} does not exist (see --data-dir)")
+    try:
+        chosen = select_configs(configs)
+        managed = external = None
+        if gateway_url:
+            if keys is None:
+                raise ValueError("--gateway-url needs --keys (namespace/name -> API key)")
+            external = External(
+                gateway_url.rstrip("/"), read_keys_file(keys), redis_url, key_prefix, float(slo_ms),
+                device_memory_gib, model=model,
+            )  # fmt: skip
+        else:
+            import yaml
+
+            from lorafn.local.config import LocalConfig
+
+            settings = yaml.safe_load(platform_config.read_text()) or {} if platform_config else {}
+            if not isinstance(settings, dict):
+                raise ValueError(
+                    f"--platform-config {platform_config}: expected a mapping of LocalConfig settings"
+                )
+            resolved = LocalConfig(device=device).resolved_device() if device == "auto" else device
+            if resolved not in ("cpu", "cuda"):
+                raise ValueError(f"--device {device!r}: choose auto, cpu or cuda")
+            targets = (
+                "all-linear"
+                if target_modules == "all-linear"
+                else [t for t in target_modules.split(",") if t]
+            )
+            managed = Managed(
+                resolved, model, preset, dtype, rank, targets, adapters, settings,
+                FunctionSetup(slo_ms, keep_alive, max_replicas, kv_mib), settle_timeout,
+            )  # fmt: skip
+        options = ReplayOptions(
+            trace=trace_path,
+            prompts=prompts_path,
+            plan=PlanOptions(
+                functions,
+                rate,
+                duration,
+                trace_start,
+                zipf,
+                seed,
+                max_prompt_tokens,
+                max_output_tokens,
+                prompt_size == "trace",
+            ),
+            configs=chosen,
+            out_dir=out,
+            drive=DriveOptions(request_timeout, drain_timeout, sample_interval),
+            usd_per_gpu_hour=usd_per_gpu_hour,
+            worker_overhead_mib=worker_overhead_mib,
+            plots=plots,
+            managed=managed,
+            external=external,
+        )
+        report = run_replay(options, Console())
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    runs = [r for r in report["configs"] if not r.get("unavailable")]
+    if not runs:
+        raise _fail("no configuration ran")

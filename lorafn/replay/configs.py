@@ -1,0 +1,114 @@
+"""The configurations a replay compares: the full platform, one ablation per switch, and the always-on
+baselines. Each is `LocalConfig` settings for `lorafn up` plus changes to the registered objects. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# keepAliveSeconds of an always-on function: the longest the spec allows is not needed, the run's length is
+ALWAYS_ON_KEEP_ALIVE_S = 86_400
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """One row of the report: how the platform runs for it."""
+
+    name: str
+    description: str
+    local: dict[str, Any] = field(default_factory=dict)  # LocalConfig settings
+    min_replicas: int = 0  # every function's spec.scaling.minReplicas
+    keep_alive_s: int | None = None  # every function's spec.scaling.keepAliveSeconds (None: the option's)
+    # Backbone spec.warmPool (min, max) when the LocalConfig switch it stands for is missing (None: default)
+    warm_pool_fallback: tuple[int, int] | None = None
+
+    @property
+    def shares_backbone(self) -> bool:
+        return bool(self.local.get("share_backbone", True))
+
+
+CONFIGS: dict[str, ReplayConfig] = {
+    c.name: c
+    for c in (
+        ReplayConfig("full", "everything on: shared backbone, warm pool, offloading, SLO admission"),
+        ReplayConfig(
+            "no-sharing",
+            "every worker loads its own copy of the backbone (LocalConfig share_backbone: false)",
+            {"share_backbone": False},
+        ),
+        ReplayConfig(
+            "no-warm-pool",
+            "no standby workers, no pre-loading: every cold start spawns a process (warm_pool: false)",
+            {"warm_pool": False},
+            warm_pool_fallback=(0, 0),
+        ),
+        ReplayConfig(
+            "no-offloading",
+            "a cold start that does not fit waits instead of evicting standby/idle workers "
+            "(offloading: false)",
+            {"offloading": False},
+        ),
+        ReplayConfig(
+            "no-slo-admission",
+            "no deadline-margin admission of prefills across a GPU's workers (gpu_admission: false)",
+            {"gpu_admission": False},
+        ),
+        ReplayConfig(
+            "always-on",
+            "one bound worker per function from the start, never scaled to zero (minReplicas 1), "
+            "shared backbone, no warm pool",
+            {"warm_pool": False},
+            min_replicas=1,
+            keep_alive_s=ALWAYS_ON_KEEP_ALIVE_S,
+            warm_pool_fallback=(0, 0),
+        ),
+        ReplayConfig(
+            "always-on-private",
+            "what a user without lorafn runs: one always-on worker per function with its own copy of the "
+            "weights (minReplicas 1, share_backbone: false, no warm pool)",
+            {"share_backbone": False, "warm_pool": False},
+            min_replicas=1,
+            keep_alive_s=ALWAYS_ON_KEEP_ALIVE_S,
+            warm_pool_fallback=(0, 0),
+        ),
+    )
+}
+DEFAULT_CONFIGS = ("full", "no-sharing", "no-warm-pool", "no-offloading", "no-slo-admission", "always-on")
+# The baseline of cost-effectiveness (the paper's vLLM = 1), in order of preference.
+BASELINES = ("always-on-private", "always-on")
+
+
+def select_configs(names: str | Sequence[str]) -> list[ReplayConfig]:
+    """`full,no-sharing` (or `all`, or `default`) -> the configurations, in the order given."""
+    wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    out: list[ReplayConfig] = []
+    for name in wanted:
+        if name == "all":
+            out += [c for c in CONFIGS.values() if c not in out]
+        elif name == "default":
+            out += [CONFIGS[n] for n in DEFAULT_CONFIGS if CONFIGS[n] not in out]
+        elif name in CONFIGS:
+            if CONFIGS[name] not in out:
+                out.append(CONFIGS[name])
+        elif name:
+            raise ValueError(f"configs: unknown {name!r}; choose from all, default, {', '.join(CONFIGS)}")
+    if not out:
+        raise ValueError("configs: none given")
+    return out
+
+
+def resolve(config: ReplayConfig, available: Iterable[str]) -> tuple[dict[str, Any], bool, str | None]:
+    """(LocalConfig settings, whether the Backbone warm-pool fallback applies, why it cannot run or None)
+    for a platform whose LocalConfig has the fields `available`. A switch the platform lacks makes the
+    row unavailable, except the warm pool, which the Backbone's spec.warmPool = 0/0 also turns off."""
+    fields = set(available)
+    local = {k: v for k, v in config.local.items() if k in fields}
+    missing = sorted(set(config.local) - fields)
+    fallback = config.warm_pool_fallback is not None and "warm_pool" in missing
+    if fallback:
+        missing.remove("warm_pool")
+    if missing:
+        return local, fallback, f"this platform's LocalConfig has no {', '.join(missing)}"
+    return local, fallback, None

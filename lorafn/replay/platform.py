@@ -1,0 +1,265 @@
+"""A platform of one configuration for a replay: `lorafn up` as a child process (its own state directory,
+any free ports), the backbone and N functions registered the way `lorafn apply -f` registers them, and
+a wait until it is settled (backbone loaded, warm pool or always-on workers up) before arrivals start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lorafn.local.apply import apply_manifest
+from lorafn.local.config import LocalConfig, PlatformState
+from lorafn.local.manifests import parse_manifest
+from lorafn.local.procs import child_env, lorafn_argv
+from lorafn.replay.configs import ReplayConfig
+from lorafn.store import Keys, Store
+from lorafn.store import workers as wk
+
+BACKBONE = "replay-backbone"
+NAMESPACE = "replay"
+
+
+def local_config_fields() -> set[str]:
+    """The settings this build's `lorafn up` accepts (an ablation whose switch is missing cannot run)."""
+    return set(LocalConfig.model_fields)
+
+
+def prepare_model(preset: str, out: Path, dtype: str) -> Path:
+    """A random model of `preset`'s real shape under `out` (written once, reused by later runs)."""
+    from lorafn.models.random_model import write_random_model
+
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    return write_random_model(preset, out, seed=0, dtype=dtype, progress=True)
+
+
+def prepare_adapters(
+    model_dir: Path, out: Path, count: int, rank: int, targets: list[str] | str
+) -> list[Path]:
+    """`count` random PEFT adapters (seeds 0..count-1) for the model (written once, reused)."""
+    from lorafn.runtime.config import ModelConfig
+    from lorafn.runtime.lora import write_random_adapter
+
+    mc = ModelConfig.from_dir(model_dir)
+    paths = []
+    for i in range(count):
+        path = out / f"adapter-r{rank}-{i}"
+        if not (path / "adapter_model.safetensors").exists():
+            write_random_adapter(mc, path, rank=rank, lora_alpha=2.0 * rank, seed=i, target_modules=targets)
+        paths.append(path)
+    return paths
+
+
+@dataclass(frozen=True)
+class FunctionSetup:
+    """What every function of a replay is registered with."""
+
+    slo_ttft_ms: int
+    keep_alive_s: int
+    max_replicas: int
+    kv_cache_mib: int | None = None
+
+
+def manifest(
+    model_dir: Path,
+    dtype: str,
+    functions: list[str],
+    adapters: list[Path],
+    keys: dict[str, str],
+    setup: FunctionSetup,
+    config: ReplayConfig,
+    warm_pool_off_by_spec: bool,
+) -> str:
+    """The YAML `lorafn apply -f` would take: a Backbone, a Secret of keys and the LoRAFunctions."""
+    backbone_spec: dict[str, Any] = {"model": {"uri": f"file://{model_dir}"}, "dtype": dtype}
+    if warm_pool_off_by_spec and config.warm_pool_fallback is not None:
+        low, high = config.warm_pool_fallback
+        backbone_spec["warmPool"] = {"minStandby": low, "maxStandby": high}
+    docs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "lorafn.io/v1alpha1",
+            "kind": "Backbone",
+            "metadata": {"name": BACKBONE},
+            "spec": backbone_spec,
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "replay-keys", "namespace": NAMESPACE},
+            "stringData": {fn.split("/", 1)[1]: keys[fn] for fn in functions},
+        },
+    ]
+    for i, fn in enumerate(functions):
+        name = fn.split("/", 1)[1]
+        spec: dict[str, Any] = {
+            "backbone": BACKBONE,
+            "adapter": {"uri": f"file://{adapters[i % len(adapters)]}"},
+            "slo": {"ttftMs": setup.slo_ttft_ms},
+            "scaling": {
+                "minReplicas": config.min_replicas,
+                "maxReplicas": max(setup.max_replicas, config.min_replicas, 1),
+                "keepAliveSeconds": config.keep_alive_s or setup.keep_alive_s,
+            },
+            "auth": {"apiKeySecretRef": {"name": "replay-keys", "key": name}},
+        }
+        if setup.kv_cache_mib:
+            spec["resources"] = {"kvCacheMiB": setup.kv_cache_mib}
+        docs.append(
+            {
+                "apiVersion": "lorafn.io/v1alpha1",
+                "kind": "LoRAFunction",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": spec,
+            }
+        )
+    return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+class ManagedPlatform:
+    """`lorafn up --config <workdir>/up.yaml --state-dir <workdir>/state` as a child of the replay."""
+
+    def __init__(self, workdir: Path, settings: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.state_dir = workdir / "state"
+        self.settings = {**settings, "gateway_port": 0, "redis_port": 0}
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.state: PlatformState | None = None
+        self.store: Store | None = None
+        self.log_path = workdir / "up.log"
+
+    @property
+    def keys(self) -> Keys:
+        assert self.state is not None
+        return Keys(self.state.key_prefix)
+
+    def start(self, timeout_s: float = 300.0) -> PlatformState:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "up.yaml"
+        config.write_text(
+            yaml.safe_dump({k: (str(v) if isinstance(v, Path) else v) for k, v in self.settings.items()})
+        )
+        argv = lorafn_argv("up", "--config", str(config), "--state-dir", str(self.state_dir))
+        env = child_env({"PYTHONUNBUFFERED": "1", **self.env})
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        path = PlatformState.path(self.state_dir)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lorafn up exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if path.exists():
+                try:
+                    self.state = PlatformState.read(self.state_dir)
+                    break
+                except ValueError:
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"lorafn up did not come up in {timeout_s:g} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+        self.store = Store(self.state.redis_url)
+        return self.state
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def apply(self, text: str) -> None:
+        assert self.store is not None
+        (self.workdir / "functions.yaml").write_text(text)
+        apply_manifest(self.store, self.keys, parse_manifest(text))
+
+    def workers(self) -> dict[str, dict[str, str]]:
+        assert self.store is not None
+        ids = self.store.run(wk.worker_ids(self.keys))
+        return self.store.run(wk.worker_info(self.keys, ids)) if ids else {}
+
+    def settle(
+        self, functions: list[str], min_replicas: int, want_standby: bool, shared: bool, timeout_s: float
+    ) -> dict[str, Any]:
+        """Wait until the platform is what a user would find before traffic: the backbone server up (when
+        shared), a standby worker (when the warm pool is on), `min_replicas` bound workers per function.
+        Returns what was found; a timeout is reported, not raised (the run then shows the cost)."""
+        deadline = time.monotonic() + timeout_s
+        found: dict[str, Any] = {}
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"lorafn up exited with {self.proc.returncode}:\n{self.log_tail()}")
+            ws = self.workers()
+            sockets = list((self.state_dir / "sockets").glob("*.sock"))
+            standby = sum(h.get("state") == "standby" for h in ws.values())
+            bound = {
+                fn: sum(h.get("function") == fn and h.get("state") != "standby" for h in ws.values())
+                for fn in functions
+            }
+            found = {
+                "backbone_server": bool(sockets),
+                "standby": standby,
+                "bound_min": min(bound.values()) if bound else 0,
+            }
+            ready = (
+                (not shared or found["backbone_server"])
+                and (not want_standby or standby >= 1)
+                and found["bound_min"] >= min_replicas
+            )
+            if ready:
+                found["settled"] = True
+                return found
+            if time.monotonic() > deadline:
+                found["settled"] = False
+                return found
+            time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        if self.store is not None:
+            self.store.close()
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def new_keys(functions: list[str]) -> dict[str, str]:
+    return {fn: f"lfn-replay-{secrets.token_urlsafe(18)}" for fn in functions}
+
+
+def backbone_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def read_keys_file(path: Path) -> dict[str, str]:
+    """`{"namespace/name": "key", ...}` (JSON or YAML) for a replay against a platform it did not start."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--keys {path}: {exc}") from None
+    if not isinstance(data, dict) or not data or not all(isinstance(k, str) for k in data):
+        raise ValueError(f"--keys {path}: expected a mapping of namespace/name -> API key")
+    return {str(k): "" if v is None else str(v) for k, v in data.items()}
+
+
+def _json_default(value: object) -> str:
+    return str(value)
+
+
+def dump_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_json_default))
+    os.replace(tmp, path)

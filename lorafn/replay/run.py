@@ -1,0 +1,295 @@
+"""One replay from start to end: plan the requests, run each configuration (a platform of its own, or
+the given one), gather the figures, compare, write the JSON and the plots, print the tables."""
+
+from __future__ import annotations
+
+import asyncio
+import platform as host
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from lorafn.api.sizing import MiB
+from lorafn.replay import report as rep
+from lorafn.replay.configs import ReplayConfig, resolve
+from lorafn.replay.driver import Drive, DriveOptions, Target, drive
+from lorafn.replay.platform import (
+    BACKBONE,
+    FunctionSetup,
+    ManagedPlatform,
+    backbone_bytes,
+    dump_json,
+    local_config_fields,
+    manifest,
+    new_keys,
+    prepare_adapters,
+    prepare_model,
+)
+from lorafn.replay.stats import assign_paths
+from lorafn.replay.trace import (
+    PlannedRequest,
+    PlanOptions,
+    describe_plan,
+    function_names,
+    load_questions,
+    parse_trace,
+    plan_requests,
+)
+
+
+@dataclass
+class Managed:
+    """The replay starts `lorafn up` itself, once per configuration."""
+
+    device: str  # cpu | cuda
+    model: Path | None = None
+    preset: str = "tiny"
+    dtype: str | None = None
+    rank: int = 8
+    target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
+    num_adapters: int = 8
+    settings: dict[str, Any] = field(default_factory=dict)  # extra LocalConfig settings (--platform-config)
+    setup: FunctionSetup = field(default_factory=lambda: FunctionSetup(2500, 60, 4))
+    settle_timeout_s: float = 600.0
+
+
+@dataclass
+class External:
+    """The replay drives a platform someone else runs."""
+
+    gateway_url: str
+    api_keys: dict[str, str]
+    redis_url: str | None = None
+    key_prefix: str = "lorafn"
+    slo_ttft_ms: float = 2500.0
+    device_memory_gib: float = 80.0
+    shared: bool = True
+    model: Path | None = None  # the backbone's directory, for the weight bytes of GPU-seconds
+
+
+@dataclass
+class ReplayOptions:
+    trace: Path
+    prompts: Path
+    plan: PlanOptions
+    configs: list[ReplayConfig]
+    out_dir: Path
+    drive: DriveOptions
+    usd_per_gpu_hour: float = 2.0
+    worker_overhead_mib: int | None = None
+    plots: bool = True
+    managed: Managed | None = None
+    external: External | None = None
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip() or "unknown"  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _drive_with_progress(
+    plan: list[PlannedRequest], target: Target, options: DriveOptions, label: str, console: Console
+) -> Drive:
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=False,
+    ) as progress:  # fmt: skip
+        sent = progress.add_task(f"{label}: sent", total=len(plan))
+        done = progress.add_task(f"{label}: ended", total=len(plan))
+        return asyncio.run(
+            drive(
+                plan, target, options,
+                on_sent=lambda: progress.advance(sent), on_done=lambda: progress.advance(done),
+            )
+        )  # fmt: skip
+
+
+def _device_bytes(device: str, settings: dict[str, Any]) -> dict[str, int]:
+    from lorafn.local.executor import CPU_DEVICE_MIB, gpu_id, query_gpus
+
+    mem = settings.get("device_memory_mib")
+    n = settings.get("devices")
+    if device == "cuda":
+        found = query_gpus()[: n or None]
+        return {gpu_id(i): (mem * MiB if mem else total) for i, total in found}
+    return {gpu_id(i): (mem or CPU_DEVICE_MIB) * MiB for i in range(n or 1)}
+
+
+def _overhead_bytes(options: ReplayOptions, device: str) -> int:
+    if options.worker_overhead_mib is not None:
+        return options.worker_overhead_mib * MiB
+    from lorafn.controller.snapshot import default_sizing
+
+    return default_sizing(device).worker_overhead_bytes
+
+
+def _run_managed(
+    options: ReplayOptions,
+    m: Managed,
+    config: ReplayConfig,
+    plan: list[PlannedRequest],
+    functions: list[str],
+    model_dir: Path,
+    adapters: list[Path],
+    console: Console,
+) -> dict[str, Any]:
+    local, spec_fallback, unavailable = resolve(config, local_config_fields())
+    if unavailable:
+        console.print(f"[yellow]{config.name}: skipped, {unavailable}[/]")
+        return {"config": config.name, "description": config.description, "unavailable": unavailable}
+    settings = {**m.settings, **local, "device": m.device}
+    dtype = m.dtype or ("bfloat16" if m.device == "cuda" else "float32")
+    workdir = options.out_dir / "runs" / config.name
+    platform = ManagedPlatform(workdir, settings)
+    keys = new_keys(functions)
+    console.print(f"[bold]{config.name}[/]: {config.description}")
+    started = time.monotonic()
+    try:
+        state = platform.start()
+        platform.apply(manifest(model_dir, dtype, functions, adapters, keys, m.setup, config, spec_fallback))
+        warm_pool = settings.get("warm_pool", True) and not spec_fallback
+        settled = platform.settle(
+            functions, config.min_replicas, warm_pool, config.shares_backbone, m.settle_timeout_s
+        )
+        if not settled["settled"]:
+            console.print(f"[yellow]{config.name}: not settled after {m.settle_timeout_s:g} s: {settled}[/]")
+        setup_s = time.monotonic() - started
+        target = Target(state.gateway_url, keys, state.redis_url, state.key_prefix)
+        result = _drive_with_progress(plan, target, options.drive, config.name, console)
+    finally:
+        platform.stop()
+    assign_paths(result.results, result.events)
+    slo = dict.fromkeys(functions, float(m.setup.slo_ttft_ms))
+    figures = rep.config_figures(
+        result.results, result.samples, result.duration_s, slo,
+        _device_bytes(m.device, settings), {BACKBONE: backbone_bytes(model_dir)}, config.shares_backbone,
+        _overhead_bytes(options, m.device), options.usd_per_gpu_hour,
+    )  # fmt: skip
+    return {
+        "config": config.name,
+        "description": config.description,
+        "local_settings": settings,
+        "backbone_warm_pool_off_by_spec": spec_fallback,
+        "settle": settled,
+        "setup_s": setup_s,
+        "duration_s": result.duration_s,
+        "log": str(platform.log_path),
+        **figures,
+        "bound_events": [e.__dict__ for e in result.events],
+        "requests": [r.to_json() for r in result.results],
+    }
+
+
+def _run_external(
+    options: ReplayOptions, e: External, plan: list[PlannedRequest], functions: list[str], console: Console
+) -> dict[str, Any]:
+    target = Target(e.gateway_url, e.api_keys, e.redis_url, e.key_prefix)
+    result = _drive_with_progress(plan, target, options.drive, "external", console)
+    assign_paths(result.results, result.events)
+    gpus = sorted({w.gpu for s in result.samples for w in s.workers if w.gpu}) or ["local/0"]
+    device_bytes = dict.fromkeys(gpus, int(e.device_memory_gib * 1024 * MiB))
+    bb = {BACKBONE: backbone_bytes(e.model)} if e.model else {}
+    figures = rep.config_figures(
+        result.results, result.samples, result.duration_s, dict.fromkeys(functions, e.slo_ttft_ms),
+        device_bytes, bb, e.shared, _overhead_bytes(options, "cuda"), options.usd_per_gpu_hour,
+    )  # fmt: skip
+    return {
+        "config": "external",
+        "description": f"the platform at {e.gateway_url}",
+        "duration_s": result.duration_s,
+        **figures,
+        "bound_events": [ev.__dict__ for ev in result.events],
+        "requests": [r.to_json() for r in result.results],
+    }
+
+
+def run_replay(options: ReplayOptions, console: Console | None = None) -> dict[str, Any]:
+    """Run every configuration; returns the report (also written to out_dir/replay.json, plots beside)."""
+    console = console or Console()
+    if (options.managed is None) == (options.external is None):
+        raise ValueError("give either a platform to start (managed) or one to drive (external), not both")
+    rows = parse_trace(options.trace)
+    questions = load_questions(options.prompts)
+    if options.external is not None:
+        functions = sorted(options.external.api_keys)[: options.plan.num_functions]
+        if len(functions) < options.plan.num_functions:
+            raise ValueError(
+                f"functions: {options.plan.num_functions} wanted, the keys file names {len(functions)}"
+            )
+    else:
+        functions = function_names(options.plan.num_functions)
+    plan = plan_requests(rows, questions, functions, options.plan)
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    workload = {
+        "trace": options.trace.stem.replace("azure_llm_2023_", ""),
+        "trace_file": str(options.trace),
+        "prompts_file": str(options.prompts),
+        "functions": len(functions),
+        "duration_s": options.plan.duration_s,
+        **describe_plan(plan, options.plan.duration_s),
+        "plan_options": options.plan.__dict__,
+        "function_share": {fn: sum(p.function == fn for p in plan) for fn in functions},
+    }
+    console.print(
+        f"{workload['requests']} requests ({workload['workload_class']}, CoV {workload['interarrival_cov']}) "
+        f"over {options.plan.duration_s:g} s onto {len(functions)} functions"
+    )
+    runs: list[dict[str, Any]] = []
+    if options.managed is not None:
+        m = options.managed
+        dtype = m.dtype or ("bfloat16" if m.device == "cuda" else "float32")
+        assets = options.out_dir / "assets"
+        model_dir = m.model or prepare_model(m.preset, assets / f"model-{m.preset}-{dtype}", dtype)
+        adapters = prepare_adapters(
+            model_dir,
+            assets / "adapters",
+            max(1, min(m.num_adapters, len(functions))),
+            m.rank,
+            m.target_modules,
+        )
+        for config in options.configs:
+            try:
+                runs.append(_run_managed(options, m, config, plan, functions, model_dir, adapters, console))
+            except (RuntimeError, TimeoutError, ValueError) as exc:  # one broken row must not lose the others
+                console.print(f"[red]{config.name}: failed: {exc}[/]")
+                runs.append(
+                    {
+                        "config": config.name,
+                        "description": config.description,
+                        "unavailable": f"failed: {exc}",
+                    }
+                )
+    else:
+        assert options.external is not None
+        runs.append(_run_external(options, options.external, plan, functions, console))
+    report: dict[str, Any] = {
+        "tool": "lorafn bench replay",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "host": {"machine": host.machine(), "node": host.node(), "python": host.python_version()},
+        "usd_per_gpu_hour": options.usd_per_gpu_hour,
+        "workload": workload,
+        "configs": runs,
+        "comparison": rep.compare(runs),
+    }
+    if options.plots:
+        from lorafn.replay.plots import write_plots
+
+        report["plots"] = [str(p) for p in write_plots(report, options.out_dir)]
+    dump_json(options.out_dir / "replay.json", report)
+    rep.render(report, console)
+    console.print(
+        f"report: {options.out_dir / 'replay.json'}; plots: {', '.join(report.get('plots', [])) or 'none'}"
+    )
+    return report

@@ -1,0 +1,255 @@
+"""What a replay measured, and the arithmetic over it: percentiles, SLO violations, the path each request
+took, GPU-seconds held, cost, cost-effectiveness. Pure (no I/O), so every figure is tested on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+QUANTILES = (50, 90, 99)
+# The paths a request can take (docs/replay.md#paths). `cold` is a cold request whose cold start left no
+# `bound` event the replay could match (e.g. the run ended first); `none`: it never reached a worker.
+PATHS = ("warm", "standby", "fresh", "queued", "cold", "none")
+MiB = 1 << 20
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it. Times are seconds from the replay's start; durations in ms."""
+
+    index: int
+    function: str
+    scheduled_s: float
+    sent_s: float | None = None
+    status: int = 0  # HTTP status; 0 when no response came (connection error, client timeout)
+    cold: bool | None = None  # the gateway's x-lorafn-cold-start header: no live worker at admission
+    request_id: str | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None  # set for every request that did not end with a complete answer
+    path: str = "none"
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.ttft_ms is None or self.e2e_ms is None or not self.completion_tokens:
+            return None
+        if self.completion_tokens < 2:
+            return None
+        return (self.e2e_ms - self.ttft_ms) / (self.completion_tokens - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "tpot_ms": self.tpot_ms}
+
+
+@dataclass(frozen=True)
+class WorkerSample:
+    """One worker as its heartbeat record said at a sampling instant."""
+
+    worker_id: str
+    state: str  # standby | serving | draining | ...
+    function: str
+    gpu: str
+    backbone: str
+    mem_bytes: int
+
+
+@dataclass
+class Sample:
+    """The platform at one instant (seconds from the replay's start)."""
+
+    t_s: float
+    workers: list[WorkerSample] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BoundEvent:
+    """A cold start completed: a worker took `function` by `path` (standby | fresh) at `t_s`."""
+
+    t_s: float
+    function: str
+    path: str
+    ms: float | None
+
+
+def percentiles(values: Iterable[float | None], qs: Sequence[int] = QUANTILES) -> dict[str, float | None]:
+    """`{"p50": ..., "p90": ..., "p99": ..., "mean": ...}` of the values that are not None (None if none)."""
+    data = np.asarray([v for v in values if v is not None], dtype=float)
+    if data.size == 0:
+        return {**{f"p{q}": None for q in qs}, "mean": None}
+    return {**{f"p{q}": float(np.percentile(data, q)) for q in qs}, "mean": float(data.mean())}
+
+
+def slo_violated(result: RequestResult, slo_ttft_ms: float) -> bool:
+    """An error, or a first token later than the SLO, violates it (an unanswered request met no target)."""
+    if slo_ttft_ms <= 0:
+        raise ValueError(f"slo_ttft_ms: {slo_ttft_ms} must be > 0")
+    return (not result.ok) or result.ttft_ms is None or result.ttft_ms > slo_ttft_ms
+
+
+def assign_paths(
+    results: Sequence[RequestResult], events: Sequence[BoundEvent], slack_s: float = 1.0
+) -> None:
+    """Set each result's `path` in place.
+
+    The gateway tells per request whether a live worker existed at admission (`cold`). Which way a cold
+    start went is recorded per function (`bound` lifecycle events with their path), not per request, so
+    it is inferred: per function, the first cold request with no cold start in flight leads an episode,
+    which ends at its first token (or its end); the first `bound` event of that function at or after the
+    leader was sent (less `slack_s` for clock skew) gives the leader its path, and the other cold requests
+    sent during the episode waited behind that same start: `queued`.
+    """
+    by_function: dict[str, list[BoundEvent]] = defaultdict(list)
+    for e in sorted(events, key=lambda e: e.t_s):
+        by_function[e.function].append(e)
+    for r in results:
+        r.path = "none" if r.cold is None else "warm" if not r.cold else "cold"
+    cold = sorted(
+        (r for r in results if r.cold and r.sent_s is not None), key=lambda r: (r.function, r.sent_s or 0.0)
+    )
+    episode_end: dict[str, float] = {}
+    for r in cold:
+        assert r.sent_s is not None
+        if r.sent_s < episode_end.get(r.function, -math.inf):
+            r.path = "queued"
+            continue
+        ends = r.ttft_ms if r.ttft_ms is not None else r.e2e_ms
+        episode_end[r.function] = r.sent_s + (ends or 0.0) / 1000
+        queue = by_function.get(r.function, [])
+        while queue and queue[0].t_s < r.sent_s - slack_s:
+            queue.pop(0)  # a start for an earlier episode (or before the replay): not this one's
+        if queue:
+            r.path = queue.pop(0).path or "cold"
+
+
+def summarize(results: Sequence[RequestResult], slo_ttft_ms: float) -> dict[str, Any]:
+    """Counts, latency percentiles (ms), SLO violations and paths of a set of requests."""
+    ok = [r for r in results if r.ok]
+    errors = Counter((r.error or "").split(":", 1)[0] for r in results if not r.ok)
+    violations = sum(slo_violated(r, slo_ttft_ms) for r in results)
+    return {
+        "requests": len(results),
+        "answered": len(ok),
+        "errors": sum(errors.values()),
+        "error_kinds": dict(errors),
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_violations": violations,
+        "slo_violation_rate": violations / len(results) if results else 0.0,
+        "ttft_ms": percentiles(r.ttft_ms for r in ok),
+        "tpot_ms": percentiles(r.tpot_ms for r in ok),
+        "e2e_ms": percentiles(r.e2e_ms for r in ok),
+        "paths": {p: n for p in PATHS if (n := sum(r.path == p for r in results))},
+        "completion_tokens": sum(r.completion_tokens or 0 for r in ok),
+    }
+
+
+def summarize_all(results: Sequence[RequestResult], slo_ms: dict[str, float]) -> dict[str, Any]:
+    """Overall (violations judged against each request's own function's SLO) and per function."""
+    per_function = {
+        fn: summarize([r for r in results if r.function == fn], slo)
+        for fn, slo in sorted(slo_ms.items())
+        if any(r.function == fn for r in results)
+    }
+    overall = summarize(results, 1.0)  # its violation fields are replaced just below
+    violations = sum(slo_violated(r, slo_ms[r.function]) for r in results)
+    overall.update(
+        slo_ttft_ms=None,
+        slo_violations=violations,
+        slo_violation_rate=violations / len(results) if results else 0.0,
+    )
+    return {"overall": overall, "functions": per_function}
+
+
+def held_bytes(
+    sample: Sample,
+    devices: Sequence[str],
+    backbone_bytes: dict[str, int],
+    shared: bool,
+    worker_overhead_bytes: int,
+) -> dict[str, int]:
+    """Memory held on each device at one instant: every worker's reservation (its heartbeat `mem_bytes`:
+    KV cache + LoRA, on GPU all torch reserved) plus `worker_overhead_bytes` (its context), plus the
+    backbone weights: with sharing one copy of each backbone per device (the backbone server holds it
+    whether or not a worker runs), without sharing one copy inside every worker."""
+    held = dict.fromkeys(devices, 0)
+    if shared:
+        for d in devices:
+            held[d] += sum(backbone_bytes.values())
+    for w in sample.workers:
+        extra = 0 if shared else backbone_bytes.get(w.backbone, 0)
+        held[w.gpu] = held.get(w.gpu, 0) + w.mem_bytes + worker_overhead_bytes + extra
+    return held
+
+
+def gpu_seconds(
+    samples: Sequence[Sample],
+    end_s: float,
+    device_bytes: dict[str, int],
+    backbone_bytes: dict[str, int],
+    shared: bool,
+    worker_overhead_bytes: int = 0,
+) -> float:
+    """∫ Σ_devices min(1, held / device size) dt over [first sample, end_s]: a GPU held whole for a second
+    is one GPU-second; half its memory for a second, half of one (what a GPU shared by functions costs
+    each). Each sample holds until the next (step function)."""
+    if not samples:
+        return 0.0
+    ordered = sorted(samples, key=lambda s: s.t_s)
+    total = 0.0
+    for s, nxt in zip(ordered, [*ordered[1:], None], strict=True):
+        until = end_s if nxt is None else nxt.t_s
+        dt = max(0.0, until - s.t_s)
+        held = held_bytes(s, list(device_bytes), backbone_bytes, shared, worker_overhead_bytes)
+        total += dt * sum(min(1.0, held.get(d, 0) / size) for d, size in device_bytes.items() if size > 0)
+    return total
+
+
+def worker_series(samples: Sequence[Sample]) -> dict[str, list[float]]:
+    """Time series for the plots: bound and standby worker counts and the workers' memory (MiB)."""
+    out: dict[str, list[float]] = {"t_s": [], "bound": [], "standby": [], "worker_mib": []}
+    for s in sorted(samples, key=lambda s: s.t_s):
+        out["t_s"].append(s.t_s)
+        out["standby"].append(sum(w.state == "standby" for w in s.workers))
+        out["bound"].append(sum(w.state != "standby" for w in s.workers))
+        out["worker_mib"].append(sum(w.mem_bytes for w in s.workers) / MiB)
+    return out
+
+
+def cost_usd(gpu_s: float, usd_per_gpu_hour: float) -> float:
+    if usd_per_gpu_hour < 0:
+        raise ValueError(f"usd_per_gpu_hour: {usd_per_gpu_hour} must be >= 0")
+    return gpu_s / 3600.0 * usd_per_gpu_hour
+
+
+def cost_effectiveness(
+    e2e_ms: float | None, cost: float, base_e2e_ms: float | None, base_cost: float
+) -> float | None:
+    """ServerlessLoRA's cost-effectiveness 1 / (E2E × cost), relative to a baseline's (baseline = 1)."""
+    if not e2e_ms or not base_e2e_ms or cost <= 0 or base_cost <= 0:
+        return None
+    return (base_e2e_ms * base_cost) / (e2e_ms * cost)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None when either is missing or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def reduction(value: float | None, baseline: float | None) -> float | None:
+    """1 - value / baseline: 0.87 means 87% lower than the baseline."""
+    r = ratio(value, baseline)
+    return None if r is None else 1.0 - r

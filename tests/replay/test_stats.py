@@ -1,0 +1,172 @@
+"""Percentiles, SLO violations, paths, GPU-seconds and cost, the paper comparison, the configurations."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafn.replay import paper
+from lorafn.replay.configs import CONFIGS, DEFAULT_CONFIGS, resolve, select_configs
+from lorafn.replay.report import peak_in_flight, throughput
+from lorafn.replay.stats import (
+    BoundEvent,
+    MiB,
+    RequestResult,
+    Sample,
+    WorkerSample,
+    assign_paths,
+    cost_effectiveness,
+    cost_usd,
+    gpu_seconds,
+    held_bytes,
+    percentiles,
+    reduction,
+    slo_violated,
+    summarize_all,
+    worker_series,
+)
+
+
+def _ok(fn: str, sent: float, ttft: float, e2e: float, tokens: int = 5, cold: bool = False) -> RequestResult:
+    return RequestResult(0, fn, sent, sent, 200, cold, "r", ttft, e2e, 10, tokens)
+
+
+def test_percentiles_of_known_values() -> None:
+    got = percentiles([*range(1, 101), None])
+    assert got["p50"] == pytest.approx(50.5)
+    assert got["p90"] == pytest.approx(90.1)
+    assert got["p99"] == pytest.approx(99.01)
+    assert got["mean"] == pytest.approx(50.5)
+    assert percentiles([None, None]) == {"p50": None, "p90": None, "p99": None, "mean": None}
+
+
+def test_tpot_and_slo_violations() -> None:
+    r = _ok("a/x", 0, ttft=100, e2e=500, tokens=5)
+    assert r.tpot_ms == pytest.approx(100.0)  # 400 ms over 4 tokens after the first
+    assert _ok("a/x", 0, 100, 500, tokens=1).tpot_ms is None
+    assert not slo_violated(r, 100.0) and slo_violated(r, 99.9)
+    failed = RequestResult(1, "a/x", 0, 0, 503, None, error="http 503: busy", e2e_ms=5)
+    assert slo_violated(failed, 10_000)  # an unanswered request met no target
+    with pytest.raises(ValueError, match="slo_ttft_ms"):
+        slo_violated(r, 0)
+
+
+def test_summarize_judges_each_function_by_its_own_slo() -> None:
+    results = [
+        _ok("a/x", 0, 150, 300),  # within a/x's 200
+        _ok("a/x", 1, 250, 400),  # over
+        _ok("a/y", 2, 250, 400),  # within a/y's 1000
+        RequestResult(3, "a/y", 3, 3, 0, None, error="transport: ConnectError: refused", e2e_ms=1),
+    ]
+    assign_paths(results, [])
+    s = summarize_all(results, {"a/x": 200.0, "a/y": 1000.0})
+    o = s["overall"]
+    assert (o["requests"], o["answered"], o["errors"]) == (4, 3, 1)
+    assert o["error_kinds"] == {"transport": 1}
+    assert o["slo_violations"] == 2 and o["slo_violation_rate"] == pytest.approx(0.5)
+    assert s["functions"]["a/x"]["slo_violations"] == 1
+    assert s["functions"]["a/y"]["slo_violations"] == 1
+    assert s["functions"]["a/y"]["ttft_ms"]["p50"] == pytest.approx(250)
+    assert o["paths"] == {"warm": 3, "none": 1}
+
+
+def test_assign_paths_leaders_take_the_bound_path_followers_queue() -> None:
+    results = [
+        _ok("a/x", 0.0, ttft=2000, e2e=2500, cold=True),  # leads; bound by standby at 1.5 s
+        _ok("a/x", 0.5, ttft=1600, e2e=2000, cold=True),  # during the cold start: queued
+        _ok("a/x", 3.0, ttft=50, e2e=100),  # warm
+        _ok("a/x", 100.0, ttft=9000, e2e=9500, cold=True),  # a later cold start: fresh at 108 s
+        _ok("a/y", 1.0, ttft=300, e2e=400, cold=True),  # no event matched: cold
+    ]
+    events = [
+        BoundEvent(-50.0, "a/x", "fresh", 10.0),  # before the replay: not this episode's
+        BoundEvent(1.5, "a/x", "standby", 12.0),
+        BoundEvent(108.0, "a/x", "fresh", 8000.0),
+    ]
+    assign_paths(results, events)
+    assert [r.path for r in results] == ["standby", "queued", "warm", "fresh", "cold"]
+
+
+def _sample(t: float, *workers: tuple[str, str, int]) -> Sample:
+    return Sample(
+        t, [WorkerSample(f"w{i}", st, "a/x", gpu, "bb", mem) for i, (st, gpu, mem) in enumerate(workers)]
+    )
+
+
+def test_held_bytes_and_gpu_seconds() -> None:
+    dev = {"g0": 1000 * MiB, "g1": 1000 * MiB}
+    bb = {"bb": 300 * MiB}
+    s = _sample(0.0, ("serving", "g0", 100 * MiB), ("standby", "g0", 50 * MiB))
+    # shared: one backbone copy per device, whether a worker runs there or not
+    assert held_bytes(s, list(dev), bb, True, 10 * MiB) == {"g0": 470 * MiB, "g1": 300 * MiB}
+    # private weights: a copy inside every worker, none on an empty device
+    assert held_bytes(s, list(dev), bb, False, 0) == {"g0": 750 * MiB, "g1": 0}
+    samples = [s, _sample(2.0), _sample(3.0, ("serving", "g1", 2000 * MiB))]
+    # 0-2 s: g0 0.75 of a GPU; 2-3 s: nothing; 3-5 s: g1 full (capped at 1)
+    assert gpu_seconds(samples, 5.0, dev, bb, False) == pytest.approx(2 * 0.75 + 0 + 2 * 1.0)
+    assert gpu_seconds([], 5.0, dev, bb, False) == 0.0
+    series = worker_series(samples)
+    assert series["bound"] == [1, 0, 1] and series["standby"] == [1, 0, 0]
+    assert series["worker_mib"] == [150, 0, 2000]
+
+
+def test_cost_and_cost_effectiveness() -> None:
+    assert cost_usd(7200, 2.5) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="usd_per_gpu_hour"):
+        cost_usd(1, -1)
+    # half the latency at a quarter of the cost: 8× as cost-effective
+    assert cost_effectiveness(500, 1.0, 1000, 4.0) == pytest.approx(8.0)
+    assert cost_effectiveness(None, 1.0, 1000, 4.0) is None
+    assert reduction(13, 100) == pytest.approx(0.87)
+
+
+def test_throughput_and_peak_in_flight() -> None:
+    results = [
+        _ok("a/x", 0, 10, 1000, tokens=10),
+        _ok("a/x", 0.5, 10, 1000, tokens=10),
+        _ok("a/x", 2.0, 10, 1000),
+    ]
+    assert peak_in_flight(results) == 2
+    th = throughput(results)
+    assert th["tokens_per_s"] == pytest.approx(25 / 3.0) and th["requests_per_s"] == pytest.approx(1.0)
+
+
+def test_paper_ratios_and_targets() -> None:
+    rows = {
+        "full": {"ttft_ms_mean": 100.0, "e2e_ms_mean": 1000.0, "cost_usd": 1.0, "ttft_ms_p50": 50.0,
+                 "gpu_seconds": 5.0, "slo_violation_rate": 0.01},
+        "no-sharing": {"ttft_ms_mean": 400.0, "e2e_ms_mean": 2000.0, "cost_usd": 2.0, "ttft_ms_p50": 500.0,
+                       "gpu_seconds": 100.0, "slo_violation_rate": 0.3},
+        "no-warm-pool": {"ttft_ms_mean": 200.0, "e2e_ms_mean": 1100.0, "cost_usd": 1.0, "ttft_ms_p50": 80.0,
+                         "gpu_seconds": 5.0, "slo_violation_rate": 0.1},
+    }  # fmt: skip
+    cmp = {r["config"]: r for r in paper.ablation_comparison(rows)}
+    assert cmp["no-sharing"]["ttft_vs_full"] == pytest.approx(4.0)
+    assert cmp["no-sharing"]["paper_ttft_vs_full"] == pytest.approx(2608 / 576)  # the issue's 4.5×
+    assert cmp["no-warm-pool"]["paper_row"] == "no pre-loading"
+    assert cmp["no-warm-pool"]["paper_cost_vs_full"] == pytest.approx(9.48 / 7.53)
+    shares = paper.gain_shares(rows, "ttft_ms_mean")
+    assert shares == pytest.approx({"no-sharing": 0.75, "no-warm-pool": 0.25})
+    t = paper.targets_check(rows)
+    assert t["ttft_p50_reduction"] == pytest.approx(0.9) and t["ttft_p50_reduction_met"]
+    assert t["gpu_seconds_reduction"] == pytest.approx(0.95) and t["gpu_seconds_reduction_met"]
+    assert t["slo_violation_rate_met"]
+    assert paper.targets_check({"full": rows["full"]})["ttft_p50_reduction"] is None
+
+
+def test_configs_selection_and_missing_switches() -> None:
+    assert [c.name for c in select_configs("default")] == list(DEFAULT_CONFIGS)
+    assert [c.name for c in select_configs("no-sharing,full,no-sharing")] == ["no-sharing", "full"]
+    assert len(select_configs("all")) == len(CONFIGS)
+    with pytest.raises(ValueError, match="unknown 'fast'"):
+        select_configs("full,fast")
+    with pytest.raises(ValueError, match="none given"):
+        select_configs(" , ")
+    fields = {"share_backbone", "warm_pool", "offloading"}
+    assert resolve(CONFIGS["no-sharing"], fields) == ({"share_backbone": False}, False, None)
+    _, _, why = resolve(CONFIGS["no-slo-admission"], fields)
+    assert why is not None and "gpu_admission" in why
+    # without a warm_pool switch, the Backbone's warmPool 0/0 turns the pool off instead
+    assert resolve(CONFIGS["no-warm-pool"], {"share_backbone"}) == ({}, True, None)
+    assert resolve(CONFIGS["no-warm-pool"], fields) == ({"warm_pool": False}, False, None)
+    assert CONFIGS["always-on"].min_replicas == 1 and CONFIGS["always-on"].shares_backbone
+    assert not CONFIGS["always-on-private"].shares_backbone

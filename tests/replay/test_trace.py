@@ -1,0 +1,163 @@
+"""Trace parsing, window selection and scaling, popularity mapping and prompts (pure functions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lorafn.replay.trace import (
+    CHARS_PER_TOKEN,
+    PlanOptions,
+    TraceRow,
+    assign_functions,
+    build_prompt,
+    describe_plan,
+    function_names,
+    interarrival_cov,
+    load_questions,
+    parse_trace,
+    plan_requests,
+    select_and_scale,
+    workload_class,
+    zipf_weights,
+)
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+CSV = [
+    "TIMESTAMP,ContextTokens,GeneratedTokens",
+    "2023-11-16 18:17:04.0319600,3180,8",
+    "2023-11-16 18:17:03.9799600,4808,10",
+    "2023-11-16 18:17:05.5000000,100,200",
+]
+
+
+def test_parse_trace_sorts_and_counts_from_the_first_request() -> None:
+    rows = parse_trace(CSV)
+    assert [r.context_tokens for r in rows] == [4808, 3180, 100]
+    assert rows[0].at_s == 0.0
+    assert rows[1].at_s == pytest.approx(0.052, abs=1e-6)  # 7 fractional digits parsed
+    assert rows[2].at_s == pytest.approx(1.52004, abs=1e-6)
+    assert rows[2].generated_tokens == 200
+
+
+def test_parse_trace_refuses_bad_input_naming_it() -> None:
+    with pytest.raises(ValueError, match="expected the columns"):
+        parse_trace(["time,a,b", "1,2,3"])
+    with pytest.raises(ValueError, match="line 3"):
+        parse_trace([CSV[0], CSV[1], "yesterday,1,2"])
+    with pytest.raises(ValueError, match="no rows"):
+        parse_trace([CSV[0]])
+
+
+@pytest.mark.skipif(not (DATA / "azure_llm_2023_code.csv").exists(), reason="no shared data")
+def test_the_shared_traces_have_the_readme_shape() -> None:
+    code = parse_trace(DATA / "azure_llm_2023_code.csv")
+    conv = parse_trace(DATA / "azure_llm_2023_conv.csv")
+    assert len(code) == 8819 and len(conv) == 19366
+    code_cov = interarrival_cov([r.at_s for r in code])
+    conv_cov = interarrival_cov([r.at_s for r in conv])
+    assert 10 < code_cov < 16 and workload_class(code_cov) == "bursty"
+    assert 1.0 < conv_cov < 1.3 and workload_class(conv_cov) == "normal"
+
+
+def test_workload_class_boundaries() -> None:
+    assert [workload_class(c) for c in (0.5, 1.0, 1.01, 4.0, 4.01)] == [
+        "predictable", "predictable", "normal", "normal", "bursty",
+    ]  # fmt: skip
+    assert interarrival_cov([0.0, 1.0, 2.0, 3.0]) == 0.0  # evenly spaced
+    assert interarrival_cov([0.0]) == 0.0
+
+
+def _rows(times: list[float]) -> list[TraceRow]:
+    return [TraceRow(t, 10 * i + 1, i + 1) for i, t in enumerate(times)]
+
+
+def test_select_and_scale_keeps_the_shape_and_hits_the_rate() -> None:
+    rows = _rows([0.0, 1.0, 1.5, 10.0, 11.0, 20.0])
+    # 2 requests/s × 2 s = 4 rows from t >= 1: 1.0, 1.5, 10.0, 11.0; the 5th (20.0) closes the span
+    got = select_and_scale(rows, start_s=0.5, rate_rps=2.0, duration_s=2.0)
+    assert [r.at_s for _, r in got] == [1.0, 1.5, 10.0, 11.0]
+    times = [t for t, _ in got]
+    factor = 2.0 / (20.0 - 1.0)
+    assert times == pytest.approx([0.0, 0.5 * factor, 9.0 * factor, 10.0 * factor])
+    assert all(0 <= t < 2.0 for t in times)
+    # gaps keep their ratios: the trace's burstiness survives the scaling
+    assert interarrival_cov(times) == pytest.approx(interarrival_cov([1.0, 1.5, 10.0, 11.0]))
+
+
+def test_select_and_scale_refuses_what_the_trace_cannot_give() -> None:
+    rows = _rows([0.0, 1.0, 2.0])
+    with pytest.raises(ValueError, match="rate × duration = 5 requests"):
+        select_and_scale(rows, 0.0, 1.0, 5.0)
+    with pytest.raises(ValueError, match="rate"):
+        select_and_scale(rows, 0.0, 0.0, 5.0)
+    with pytest.raises(ValueError, match="duration"):
+        select_and_scale(rows, 0.0, 1.0, -1.0)
+    with pytest.raises(ValueError, match="one timestamp"):
+        select_and_scale(_rows([1.0, 1.0, 1.0]), 0.0, 1.0, 2.0)
+
+
+def test_zipf_weights_and_seeded_assignment() -> None:
+    w = zipf_weights(4, 1.0)
+    assert w.sum() == pytest.approx(1.0)
+    assert w == pytest.approx(np.array([1, 1 / 2, 1 / 3, 1 / 4]) / (1 + 1 / 2 + 1 / 3 + 1 / 4))
+    assert zipf_weights(3, 0.0) == pytest.approx([1 / 3] * 3)
+    with pytest.raises(ValueError, match="functions"):
+        zipf_weights(0, 1.0)
+    with pytest.raises(ValueError, match="exponent"):
+        zipf_weights(3, -1.0)
+    a = assign_functions(20_000, 4, 1.0, seed=7)
+    assert a == assign_functions(20_000, 4, 1.0, seed=7)
+    assert a != assign_functions(20_000, 4, 1.0, seed=8)
+    share = np.bincount(a, minlength=4) / len(a)
+    assert share == pytest.approx(w, abs=0.015)
+
+
+def test_build_prompt_sizes_gsm8k_text() -> None:
+    qs = ["one two three four five six seven eight nine ten", "alpha beta gamma delta", "x y z"]
+    assert build_prompt(qs, 1, 0) == qs[1]
+    short = build_prompt(qs, 0, 3)
+    assert len(short) <= 3 * CHARS_PER_TOKEN and qs[0].startswith(short)
+    long = build_prompt(qs, 2, 30)  # wraps around the questions
+    assert long.startswith("x y z\none two") and len(long) <= 30 * CHARS_PER_TOKEN
+    assert len(long) > 30 * CHARS_PER_TOKEN // 2
+    with pytest.raises(ValueError, match="questions"):
+        build_prompt([], 0, 3)
+
+
+def test_load_questions(tmp_path: Path) -> None:
+    path = tmp_path / "g.jsonl"
+    path.write_text(json.dumps({"question": "q1", "answer": "a"}) + "\n\n" + json.dumps({"question": "q2"}))
+    assert load_questions(path) == ["q1", "q2"]
+    path.write_text('{"answer": 1}\n')
+    with pytest.raises(ValueError, match=r"g\.jsonl:1"):
+        load_questions(path)
+
+
+def test_plan_requests_is_deterministic_and_capped() -> None:
+    rows = [TraceRow(i * 0.5, 2000 if i % 2 else 5, 300 if i % 3 else 1) for i in range(200)]
+    qs = [f"question number {i} about apples and pears" for i in range(10)]
+    fns = function_names(3)
+    assert fns == ["replay/f000", "replay/f001", "replay/f002"]
+    opts = PlanOptions(3, rate_rps=4.0, duration_s=10.0, seed=1, max_prompt_tokens=16, max_output_tokens=8)
+    plan = plan_requests(rows, qs, fns, opts)
+    assert plan == plan_requests(rows, qs, fns, opts)
+    assert len(plan) == 40
+    assert [p.index for p in plan] == list(range(40))
+    assert all(0 <= p.at_s < 10.0 for p in plan)
+    assert [p.at_s for p in plan] == sorted(p.at_s for p in plan)
+    assert {p.max_tokens for p in plan} == {1, 8}  # min(trace, cap)
+    assert {p.prompt_tokens for p in plan} == {5, 16}
+    assert all(len(p.prompt) <= p.prompt_tokens * CHARS_PER_TOKEN for p in plan)
+    assert {p.function for p in plan} <= set(fns)
+    d = describe_plan(plan, 10.0)
+    assert (
+        d["requests"] == 40 and d["rate_rps"] == pytest.approx(4.0) and d["workload_class"] == "predictable"
+    )
+    with pytest.raises(ValueError, match="functions"):
+        plan_requests(rows, qs, fns[:2], opts)
+    with pytest.raises(ValueError, match="max prompt/output"):
+        plan_requests(rows, qs, fns, PlanOptions(3, 4.0, 10.0, max_output_tokens=0))
