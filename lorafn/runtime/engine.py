@@ -87,6 +87,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.last_step: tuple[int, int] = (0, 0)  # (prefill, decode) sequences of the last step
 
     # ------------------------------------------------------------------ requests
 
@@ -144,6 +145,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def num_pending_prefills(self) -> int:
+        """Requests with prompt tokens still to compute (the worker's GPU admission asks for these)."""
+        return self.scheduler.num_pending_prefills
+
     def get_output(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
         return None if req is None else req.output
@@ -181,9 +187,13 @@ class Engine:
 
     # ------------------------------------------------------------------ one iteration
 
-    def step(self) -> list[StreamDelta]:
-        """Run one iteration of the batch; returns the deltas of the requests that advanced."""
-        out = self.scheduler.schedule()
+    def step(self, allow_prefill: bool = True) -> list[StreamDelta]:
+        """Run one iteration of the batch; returns the deltas of the requests that advanced.
+
+        `allow_prefill=False` runs the decodes only (the GPU's prefill slot is another worker's).
+        `last_step` tells what ran: (prefill sequences, decode sequences), for the latency profile."""
+        out = self.scheduler.schedule(allow_prefill=allow_prefill)
+        self.last_step = (len(out.chunks) - out.num_decodes, out.num_decodes)
         self.num_preemptions += len(out.preempted)
         deltas: list[StreamDelta] = []
         for seq in out.finished:  # the scheduler's max_model_len safety net

@@ -217,8 +217,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan the next step (see the module docstring for the order and the rules)."""
+    @property
+    def num_pending_prefills(self) -> int:
+        """Sequences whose prompt (or recompute) is not yet fully computed: waiting ones and partial
+        prefills. The worker asks its GPU's prefill slot while there are any (lorafn.runtime.slo)."""
+        return len(self._waiting) + sum(1 for s in self._running if s.num_uncomputed_tokens > 1)
+
+    def schedule(self, allow_prefill: bool = True) -> SchedulerOutput:
+        """Plan the next step (see the module docstring for the order and the rules).
+
+        ``allow_prefill=False``: decodes only (steps 2 and 3 are skipped) — the worker runs its decodes
+        while another function of the GPU holds the prefill slot; decodes are never held back."""
         cfg = self.config
         out = SchedulerOutput()
         # Safety net: never let a sequence outgrow the cache. Only running sequences can get there
@@ -295,7 +304,7 @@ class Scheduler:
                 add_chunk(decodes, seq, 1)
 
         # 2. Ongoing partial prefills, oldest first (their blocks were reserved at admission).
-        for seq in list(self._running):
+        for seq in list(self._running) if allow_prefill else []:
             if budget < 1:
                 break
             if (
@@ -316,7 +325,7 @@ class Scheduler:
         #    large request is never overtaken forever by smaller ones. Admission reserves blocks for
         #    the whole prompt (+ output, after a preemption), so a partial prefill never stalls on
         #    memory and a decode needs at most one new block.
-        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+        while allow_prefill and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             seq = self._waiting[0]
             if seq.seq_id in preempted_now:  # no ping-pong within one step
                 break

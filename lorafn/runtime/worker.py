@@ -54,6 +54,7 @@ import typer
 from pydantic import Field
 
 from lorafn.api.settings import SharedSettings
+from lorafn.runtime.batching import Batching, BatchingConfig, gpu_model_name
 from lorafn.runtime.outputs import StreamDelta
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, streams, workers
@@ -96,6 +97,8 @@ class ServingConfig:
     stall_after_ttls: float = 12.0
     # What the controller reads besides liveness (gpu, backbone, shape, mem_bytes): see lorafn.controller.
     heartbeat_fields: dict[str, Any] = field(default_factory=dict)
+    # SLO-aware batching (lorafn.runtime.batching); the default (no device id) asks no GPU slot
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
     # fields read again at every heartbeat (the worker's memory, which grows with use)
     live_fields: Callable[[], dict[str, Any]] | None = None
 
@@ -119,6 +122,13 @@ class _Running:
     request_id: str
     entry_id: str
     completion_tokens: int = 0
+    arrival_ms: float = 0.0  # when the gateway enqueued it (the entry id's server time)
+
+
+def entry_ms(entry_id: str) -> float:
+    """The unix ms a stream entry id carries (`<ms>-<seq>`), the time Redis enqueued it."""
+    head = entry_id.partition("-")[0]
+    return float(head) if head.isdigit() else time.time() * 1000
 
 
 class Worker:
@@ -145,6 +155,7 @@ class Worker:
         self._last_busy = clock()
         self._progress_at = clock()  # the loop's last iteration: the heartbeat thread reads it
         self.served = 0
+        self.batching = Batching(store, keys, self.worker_id, self.function, config.batching, clock=clock)
 
     # -- public ---------------------------------------------------------------------------------
     def drain(self, *_: Any) -> None:
@@ -166,6 +177,7 @@ class Worker:
         if self._control_cursor is None:
             self._control_cursor = self.store.run(workers.last_control_id(self.keys, self.worker_id))
         self._ensure_group()
+        self._load_batching()
         self._heartbeat(self.store)
         beating = threading.Event()
         beater = threading.Thread(target=self._heartbeats, args=(beating,), name="heartbeat", daemon=True)
@@ -192,6 +204,10 @@ class Worker:
                         self._claim_dead()
                         next_claim = now + cfg.claim_interval_s
                     if self.running:
+                        hold_ms = 0.0 if self._draining else self.batching.hold_left_ms(len(self.running))
+                        if hold_ms > 0:  # fill or expire: wait for companions of the first prefill
+                            self._read(block_ms=max(1, int(hold_ms)))
+                            continue
                         self._step()
                         last_busy = self._last_busy = self.clock()
                         continue
@@ -243,6 +259,16 @@ class Worker:
             if "BUSYGROUP" not in str(e):
                 raise
 
+    def _load_batching(self) -> None:
+        """The SLO and the stored latency profile (one round trip at start)."""
+        from lorafn.store.registry import get_function
+
+        try:
+            record = self.store.run(get_function(self.keys, self.function))
+            self.batching.load(record)
+        except ValueError as e:  # a registration that does not validate: serve without SLO batching
+            log.warning("worker %s: no SLO-aware batching (%s)", self.worker_id, e)
+
     def _heartbeats(self, stop: threading.Event) -> None:
         """Heartbeat thread, on its own connection: liveness must not depend on how long one engine step
         takes (a long prefill would otherwise let another worker claim requests that are still running)."""
@@ -293,10 +319,11 @@ class Worker:
                 log.warning("worker %s: ignoring control command %r", self.worker_id, body)
 
     def _free_slots(self) -> int:
-        return 0 if self._draining else max(0, self.config.max_running - len(self.running))
+        limit = self.batching.max_running(self.config.max_running)  # the TPOT SLO's batch, if set
+        return 0 if self._draining else max(0, limit - len(self.running))
 
     def _pending_ops(self) -> list[Op[Any]]:
-        ops: list[Op[Any]] = []
+        ops: list[Op[Any]] = self.batching.pipeline_ops(busy=bool(self.running))
         if self._events:
             ops.append(
                 streams.reply_events(
@@ -334,15 +361,29 @@ class Worker:
         if check:
             self._abort_cancelled(results[-2] if free else results[-1])
         entries = results[-1] if free else []
+        idle_before = not self.running
         for entry_id, fields in entries:
             self._admit(entry_id, fields, restart=False)
+        self.batching.arrived(
+            [entry_ms(e) for e, _ in entries], idle_before and bool(self.running), self.config.max_running
+        )
         if entries:  # `accepted` at once, not after the next engine step (the gateway's accept deadline)
             self._flush()
         return len(entries)
 
     def _step(self) -> None:
+        allow_prefill = True
+        if self.batching.gated(self.engine):
+            waiting = [r.arrival_ms for r in self.running.values() if not r.completion_tokens]
+            ttft = self.batching.config.ttft_ms or 1000.0
+            allow_prefill = self.batching.allow_prefill(self.engine, min(waiting) + ttft if waiting else None)
+            if not allow_prefill and len(waiting) == len(self.running):  # nothing to decode: wait
+                time.sleep(self.batching.config.poll_ms / 1000)
+                self._read(block_ms=None)
+                return
+        started = time.perf_counter()
         try:
-            deltas = self.engine.step()
+            deltas = self.engine.step() if allow_prefill else self.engine.step(allow_prefill=False)
         except Exception:
             log.exception(
                 "worker %s: engine step failed; ending %d requests", self.worker_id, len(self.running)
@@ -358,6 +399,9 @@ class Worker:
             self.running.clear()
             self._flush()
             raise
+        step = getattr(self.engine, "last_step", None)
+        if step is not None:
+            self.batching.observe(step, (time.perf_counter() - started) * 1000)
         for delta in deltas:
             run = self.running.get(delta.request_id)
             if run is None:
@@ -422,7 +466,7 @@ class Worker:
             return
         if rid in self.running:
             return
-        run = _Running(rid, entry_id)
+        run = _Running(rid, entry_id, arrival_ms=entry_ms(entry_id))
         try:
             deadline = int(fields.get("deadline") or 0)
         except ValueError:
@@ -573,6 +617,14 @@ class WorkerSettings(SharedSettings):
     spawned_at_ms: int | None = Field(
         default=None, description="unix ms when the process was asked for (a fresh cold start's clock)"
     )
+    gpu_admission: bool = Field(
+        default=True,
+        description="ask the device's prefill slot (cross-function admission by deadline margin); off for "
+        "ablations",
+    )
+    batch_hold: bool = Field(
+        default=True, description="fill or expire: an idle worker holds its first prefill for companions"
+    )
     log_level: str = "INFO"
 
 
@@ -703,6 +755,14 @@ def serving_config(
         stall_after_ttls=settings.stall_after_ttls,
         keep_alive_s=keep_alive,
         heartbeat_fields=fields,
+        batching=BatchingConfig(
+            gpu=settings.gpu,
+            gpu_admission=settings.gpu_admission,
+            batch_hold=settings.batch_hold,
+            backbone=settings.backbone or "",
+            gpu_model=gpu_model_name(settings.device),
+            shape=fields.get("shape", ""),
+        ),
         live_fields=lambda: placement_fields(settings, engine),
     )
 

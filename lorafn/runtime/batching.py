@@ -1,0 +1,240 @@
+"""SLO-aware batching in a worker: latency profile, fill or expire, and the GPU's prefill slot.
+
+The serving loop (`worker.py`) calls `Batching` at four points; the decisions are `lorafn.runtime.slo`'s
+(pure), the Redis operations `lorafn.store.admission`'s:
+
+- `load()` at start (one round trip): the function's SLO and the stored profile of its backbone, GPU
+  model and adapter shape (the prior until this worker has measured its own steps);
+- `arrived()` when entries were read: an idle worker may hold its first prefill for companions (`hold_left_ms`
+  says how much longer; the loop waits for more entries that long, never past `SLO − T(N)`);
+- `allow_prefill()` before an engine step: with prefills pending it asks the GPU's prefill slot (one
+  round trip); refused, the step runs the decodes only, or, with none, the loop waits `poll_ms`. No
+  prefill pending (a decode step): nothing is asked. Switched off (`gpu_admission=False`), or without a
+  device id, or with an engine that cannot hold its prefills back, it always answers True;
+- `observe()` after the step (its wall time into the profile) and `pipeline_ops()` on the round trip the
+  loop makes anyway: release of the slot, the active mark (M), the profile's publication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lorafn.runtime import slo
+from lorafn.store import Keys, Op, Store
+from lorafn.store import admission as store_admission
+
+log = logging.getLogger("lorafn.worker")
+
+
+@dataclass
+class BatchingConfig:
+    """`gpu`: the controller's id of the worker's device (the slot is per device; "" = no admission).
+    `ttft_ms`/`tpot_ms`: the function's SLO (None: read from its registration at `load`)."""
+
+    gpu: str = ""
+    gpu_admission: bool = True
+    batch_hold: bool = True
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    backbone: str = ""
+    gpu_model: str = "cpu"
+    shape: str = ""
+    lease_ms: float = 2000.0  # the slot of a worker that died frees itself after this
+    poll_ms: float = 5.0  # a refused worker with no decode to run asks again after this
+    active_ttl_ms: float = 2000.0  # a worker that stopped marking itself active leaves M after this
+    publish_every: int = 32  # store the fit every this many measured steps of a kind
+    warmup_steps: int = 2  # first steps of each kind are not measured (kernels load, caches fill)
+
+    def __post_init__(self) -> None:
+        for name in ("lease_ms", "poll_ms", "active_ttl_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+
+
+def gpu_model_name(device: str) -> str:
+    """The profile's GPU model: `cpu`, or the CUDA device's name as a key token (`NVIDIA_H100_80GB_HBM3`)."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", torch.cuda.get_device_name(index)).strip("_") or "cuda"
+
+
+class Batching:
+    """One worker's SLO-aware batching state (see the module doc)."""
+
+    def __init__(
+        self,
+        store: Store,
+        keys: Keys,
+        worker_id: str,
+        function: str,
+        config: BatchingConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store, self.keys, self.worker_id, self.function = store, keys, worker_id, function
+        self.config, self.clock = dataclasses.replace(config), clock  # load() fills in the SLO: a copy
+        self.profiles = {kind: slo.LatencyProfile() for kind in slo.KINDS}
+        self.arrivals = slo.ArrivalRate()
+        self._seen = dict.fromkeys(slo.KINDS, 0)
+        self._publish: set[str] = set()
+        self._hold_until: float | None = None
+        self._hold_target = 1
+        self._holds_slot = False
+        self._active_at: float | None = None  # when this worker last marked itself active
+        self._was_active = False
+        self.granted = self.refused = 0  # slot answers (tests and logs read them)
+
+    @property
+    def admission_on(self) -> bool:
+        return self.config.gpu_admission and bool(self.config.gpu)
+
+    # -- start ----------------------------------------------------------------------------------
+    def load(self, record: Any = None) -> None:
+        """The function's SLO (from `record`, its registration, unless configured) and the stored profile."""
+        cfg = self.config
+        if (cfg.ttft_ms is None or not cfg.backbone) and record is not None and record.spec:
+            from lorafn.api import LoRAFunctionSpec
+
+            spec = LoRAFunctionSpec.model_validate(record.spec)
+            cfg.ttft_ms = cfg.ttft_ms or float(spec.slo.ttft_ms)
+            cfg.tpot_ms = cfg.tpot_ms or (float(spec.slo.tpot_ms) if spec.slo.tpot_ms else None)
+            cfg.backbone = cfg.backbone or spec.backbone
+        if not self._profile_key():
+            return
+        stored = self.store.run(
+            store_admission.get_profile(self.keys, cfg.backbone, cfg.gpu_model, cfg.shape or "none")
+        )
+        for kind, fields in stored.items():
+            if kind in self.profiles:
+                self.profiles[kind].prior = slo.Fit.from_fields(fields)
+
+    def _profile_key(self) -> bool:
+        return bool(self.config.backbone and self.config.gpu_model)
+
+    # -- the profile ----------------------------------------------------------------------------
+    def fit(self, kind: str) -> slo.Fit | None:
+        return self.profiles[kind].fit()
+
+    def max_running(self, limit: int) -> int:
+        """The batch the decode SLO allows (`tpotMs`), within `limit`; `limit` without a TPOT or a profile."""
+        fit = self.fit(slo.DECODE)
+        if self.config.tpot_ms is None or fit is None:
+            return limit
+        return fit.max_batch(self.config.tpot_ms, limit)
+
+    def observe(self, step: tuple[int, int], ms: float) -> None:
+        """One engine step that ran `step` = (prefill, decode) sequences in `ms`."""
+        num_prefill, num_decode = step
+        kind, b = (slo.PREFILL, num_prefill) if num_prefill else (slo.DECODE, num_decode)
+        if b < 1:
+            return
+        self._seen[kind] += 1
+        if self._seen[kind] <= self.config.warmup_steps:
+            return
+        profile = self.profiles[kind]
+        profile.observe(b, ms)
+        if profile.samples % self.config.publish_every == 0:
+            self._publish.add(kind)
+
+    # -- fill or expire -------------------------------------------------------------------------
+    def arrived(self, arrivals_ms: list[float], idle_before: bool, limit: int) -> None:
+        """Entries arrived (their enqueue times, unix ms). A worker idle before them may hold."""
+        if not arrivals_ms:
+            return
+        now_ms = time.time() * 1000
+        self.arrivals.arrived(now_ms, len(arrivals_ms))
+        if not (idle_before and self.config.batch_hold and self.config.ttft_ms):
+            return
+        fit = self.fit(slo.PREFILL)
+        if fit is None:
+            return
+        target = fit.max_batch(self.config.ttft_ms, limit)
+        waited = max(0.0, now_ms - min(arrivals_ms))
+        hold = slo.hold_ms(fit, self.config.ttft_ms, target, waited, self.arrivals.interval_ms)
+        if hold > 0 and len(arrivals_ms) < target:
+            self._hold_until, self._hold_target = self.clock() + hold / 1000, target
+
+    def hold_left_ms(self, num_running: int) -> float:
+        """How much longer the first prefill waits for companions (0: go)."""
+        if self._hold_until is None:
+            return 0.0
+        left = (self._hold_until - self.clock()) * 1000
+        if left <= 0 or num_running >= self._hold_target:
+            self._hold_until = None
+            return 0.0
+        return left
+
+    # -- the GPU's prefill slot -----------------------------------------------------------------
+    def gated(self, engine: Any) -> bool:
+        return self.admission_on and hasattr(engine, "num_pending_prefills")
+
+    def allow_prefill(self, engine: Any, oldest_deadline_ms: float | None) -> bool:
+        """True: run a full step (the slot is ours, or no prefill is pending, or admission is off).
+        False: run the decodes only, or — with none — wait `poll_ms` and call again."""
+        if not self.gated(engine):
+            return True
+        pending = engine.num_pending_prefills
+        if pending == 0:
+            return True
+        cfg = self.config
+        fit = self.fit(slo.PREFILL)
+        limit = max(1, pending)
+        t_ms = fit.latency_ms(limit) if fit else 0.0
+        if oldest_deadline_ms is None:
+            oldest_deadline_ms = time.time() * 1000 + (cfg.ttft_ms or 1000.0)
+        decode = self.fit(slo.DECODE)
+        step_ms = decode.latency_ms(1) if decode else 0.0
+        answer = self.store.run(
+            store_admission.ask(
+                self.keys, cfg.gpu, self.worker_id, self.function,
+                deadline_ms=oldest_deadline_ms, t_ms=t_ms, lease_ms=max(cfg.lease_ms, 4 * t_ms),
+                waiter_ttl_ms=max(250.0, 4 * step_ms, 8 * cfg.poll_ms), active_ttl_ms=cfg.active_ttl_ms,
+            )
+        )  # fmt: skip
+        if answer.granted:
+            self.granted += 1
+            self._holds_slot = True
+            return True
+        self.refused += 1
+        return False
+
+    def pipeline_ops(self, busy: bool) -> list[Op[Any]]:
+        """What rides on the loop's round trip: the slot's release, the active mark, the profile."""
+        ops: list[Op[Any]] = []
+        cfg = self.config
+        if self.admission_on:
+            if self._holds_slot:
+                ops.append(store_admission.release(self.keys, cfg.gpu, self.worker_id))
+                self._holds_slot = False
+            now = self.clock()
+            if busy and (self._active_at is None or now - self._active_at > cfg.active_ttl_ms / 3000):
+                ops.append(store_admission.mark_active(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms))
+                self._active_at, self._was_active = now, True
+            elif not busy and self._was_active:
+                ops.append(store_admission.mark_idle(self.keys, cfg.gpu, self.worker_id))
+                self._active_at, self._was_active = None, False
+        if self._publish and self._profile_key():
+            for kind in sorted(self._publish):
+                fit = self.fit(kind)
+                if fit is not None:
+                    ops.append(
+                        store_admission.put_profile(
+                            self.keys, cfg.backbone, cfg.gpu_model, cfg.shape or "none", kind, fit.to_fields()
+                        )
+                    )
+                    log.info("worker %s: %s profile T0 %.2f ms, alpha %.2f ms", self.worker_id, kind,
+                             fit.t0_ms, fit.alpha_ms)  # fmt: skip
+            self._publish.clear()
+        return ops

@@ -1,0 +1,168 @@
+"""SLO-aware batching in the serving loop, with real workers (threads) on a real redis-server and a fake
+engine whose prefills and decodes take time: the GPU's prefill slot goes to the tighter SLO when both
+functions wait, decodes run while the slot is another's, a worker alone asks once per prefill step and
+never for a decode step, the switch turns the asking off, and nothing is lost."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorafn.runtime.batching import BatchingConfig
+from lorafn.runtime.outputs import StreamDelta
+from lorafn.store import Keys, Store, streams
+from lorafn.store import admission as adm
+from lorafn.store.protocol import Done, Error, ReplyEvent, RequestBody
+from tests.integration.gateway.harness import register, worker_thread
+
+GPU = "sim/0"
+
+
+@dataclass
+class PrefillEngine:
+    """Fake engine (tests only) with a prefill phase: a step that prefills every pending request takes
+    `prefill_s` and gives each its first token; a decode step takes `decode_s`; `max_tokens` tokens each."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    reqs: dict[str, list[int]] = field(default_factory=dict)  # rid -> [sent, max_tokens]
+    steps: list[tuple[int, int]] = field(default_factory=list)
+    last_step: tuple[int, int] = (0, 0)
+
+    def add_request(self, prompt: Any, params: Any, request_id: str | None = None) -> str:
+        assert request_id is not None
+        self.reqs[request_id] = [0, params.max_tokens]
+        return request_id
+
+    @property
+    def num_pending_prefills(self) -> int:
+        return sum(1 for sent, _ in self.reqs.values() if sent == 0)
+
+    def step(self, allow_prefill: bool = True) -> list[StreamDelta]:
+        prefill = [r for r, (sent, _) in self.reqs.items() if sent == 0] if allow_prefill else []
+        decode = [r for r, (sent, _) in self.reqs.items() if sent > 0]
+        time.sleep(self.prefill_s if prefill else self.decode_s if decode else 0)
+        self.last_step = (len(prefill), len(decode))
+        self.steps.append(self.last_step)
+        out = []
+        for rid in prefill + decode:
+            r = self.reqs[rid]
+            r[0] += 1
+            done = r[0] == r[1]
+            out.append(StreamDelta(rid, [1], "x", done, "length" if done else None, 1, r[0] if done else 0))
+            if done:
+                del self.reqs[rid]
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        return self.reqs.pop(request_id, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs)
+
+
+def _spec(ttft_ms: int) -> dict[str, Any]:
+    return {"backbone": "tiny", "adapter": {"uri": "file:///adapters/a"}, "slo": {"ttftMs": ttft_ms}}
+
+
+def _send(store: Store, keys: Keys, function: str, rid: str, max_tokens: int = 4) -> None:
+    body = RequestBody(prompt="hi", params={"max_tokens": max_tokens}).encode()  # type: ignore[arg-type]
+    store.client.xadd(keys.requests(function), {"rid": rid, "body": body, "deadline": "0"})
+
+
+def _final(store: Store, keys: Keys, rid: str, timeout: float = 20.0) -> ReplyEvent:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events = [e for _, _, e in store.run(streams.read_replies(keys, rid, "0", None))]
+        if events and isinstance(events[-1], Done | Error):
+            return events[-1]
+        time.sleep(0.02)
+    raise AssertionError(f"no final reply event for {rid} within {timeout} s")
+
+
+def _wait(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _block(store: Store, keys: Keys) -> None:
+    """Another function's long prefill holds the GPU's slot (the test plays that worker)."""
+    now = time.time() * 1000
+    held = store.run(
+        adm.ask(keys, GPU, "blocker", "t/other", deadline_ms=now + 60_000, t_ms=0, lease_ms=30_000,
+                waiter_ttl_ms=1000, active_ttl_ms=1000)
+    )  # fmt: skip
+    assert held.granted
+
+
+def test_the_tight_slo_gets_the_slot_first_and_nothing_is_lost(redis_server: str) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, "t/tight", [], spec=_spec(300), public=True)
+    register(store, keys, "t/loose", [], spec=_spec(20_000), public=True)
+    loose_engine = PrefillEngine(prefill_s=0.05, decode_s=0.01)
+    tight_engine = PrefillEngine(prefill_s=0.05, decode_s=0.01)
+    cfg = {"batching": BatchingConfig(gpu=GPU, batch_hold=False)}
+    with (
+        worker_thread(redis_server, prefix, "t/loose", loose_engine, **cfg) as loose,
+        worker_thread(redis_server, prefix, "t/tight", tight_engine, **cfg) as tight,
+    ):
+        _block(store, keys)
+        _send(store, keys, "t/loose", "loose-1", max_tokens=40)
+        _send(store, keys, "t/tight", "tight-1")
+        _wait(lambda: store.client.hlen(keys.gpu_waiting(GPU)) == 2)  # both ask while it is held
+        assert not loose_engine.steps and not tight_engine.steps
+        assert store.run(adm.release(keys, GPU, "blocker"))
+        _wait(lambda: loose_engine.steps)  # loose-1 prefilled: it decodes from now on
+        _block(store, keys)
+        _send(store, keys, "t/loose", "loose-2")
+        _wait(lambda: (0, 1) in loose_engine.steps)  # refused the slot, it keeps decoding loose-1
+        assert store.run(adm.release(keys, GPU, "blocker"))
+
+        rids = ["loose-1", "loose-2", "tight-1"]
+        finals = {rid: _final(store, keys, rid) for rid in rids}
+        assert all(isinstance(e, Done) for e in finals.values()), finals
+        grants = [g for g in store.run(adm.grants(keys, GPU)) if g.worker != "blocker"]
+        assert [g.function for g in grants] == ["t/tight", "t/loose", "t/loose"], grants
+        assert grants[0].waiters == 2  # both waited: the margin decided
+        assert grants[0].margin_ms < 300 < grants[1].margin_ms
+        assert tight.batching.granted == 1 and loose.batching.granted == 2
+        assert loose.batching.refused >= 2 and tight.batching.refused >= 1
+        assert store.run(streams.pending(keys, "t/loose", 0)) == []
+        assert store.run(streams.pending(keys, "t/tight", 0)) == []
+
+
+def test_a_worker_alone_asks_once_per_prefill_and_never_per_decode(redis_server: str) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, "t/alone", [], spec=_spec(1000), public=True)
+    engine = PrefillEngine()
+    cfg = {"batching": BatchingConfig(gpu=GPU, batch_hold=False)}
+    with worker_thread(redis_server, prefix, "t/alone", engine, **cfg) as worker:
+        _send(store, keys, "t/alone", "a-1", max_tokens=12)
+        assert isinstance(_final(store, keys, "a-1"), Done)
+        _send(store, keys, "t/alone", "a-2", max_tokens=12)
+        assert isinstance(_final(store, keys, "a-2"), Done)
+        prefill_steps = sum(1 for p, _ in engine.steps if p)
+        assert prefill_steps == 2 and len(engine.steps) == 24
+        assert (worker.batching.granted, worker.batching.refused) == (2, 0)
+        assert len(store.run(adm.grants(keys, GPU))) == 2
+
+
+def test_switched_off_the_worker_asks_nothing(redis_server: str) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, "t/off", [], spec=_spec(1000), public=True)
+    engine = PrefillEngine()
+    cfg = {"batching": BatchingConfig(gpu=GPU, gpu_admission=False)}
+    with worker_thread(redis_server, prefix, "t/off", engine, **cfg) as worker:
+        for i in range(3):
+            _send(store, keys, "t/off", f"o-{i}")
+        assert all(isinstance(_final(store, keys, f"o-{i}"), Done) for i in range(3))
+        assert worker.batching.granted == worker.batching.refused == 0
+        assert store.run(adm.grants(keys, GPU)) == []
+        assert not store.client.exists(keys.gpu_active(GPU), keys.gpu_waiting(GPU))
