@@ -289,7 +289,9 @@ def main() -> None:
         print(
             f"\ndensity: {d['bound']} of {d['asked']} functions bound at once on one GPU "
             f"(KV {args.kv_mib} MiB each); GPU memory per bound function beyond the backbones: "
-            f"{d['per_function_mib']:.0f} MiB (target: >= 100 functions, <= 400 MiB each)"
+            f"{d['per_function_mib']:.0f} MiB (target: >= 100 functions, <= 400 MiB each); "
+            f"workers' own reports (driver): median {d['reported_mib_median']} MiB, "
+            f"max {d['reported_mib_max']} MiB"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
@@ -300,12 +302,14 @@ def density(
 ) -> dict[str, Any]:
     """N functions with a small KV budget, all invoked at once; how many get a worker on the GPU."""
     before = gpu_used_bytes()
-    docs, names = [], []
-    for i in range(args.density):
-        name = f"d{i:03d}"
-        names.append(name)
-        docs.append(function_doc(name, "pooled", adapter, f", resources: {{kvCacheMiB: {args.kv_mib}}}"))
-        platform.apply(docs[-1], f"k-{name}", workdir, name)
+    names = [f"d{i:03d}" for i in range(args.density)]
+
+    def apply(name: str) -> None:
+        doc = function_doc(name, "pooled", adapter, f", resources: {{kvCacheMiB: {args.kv_mib}}}")
+        platform.apply(doc, f"k-{name}", workdir, name)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:  # one `lorafn apply` each (a key per function)
+        list(pool.map(apply, names))
     url = platform.state["gateway_url"]
 
     errors: dict[str, int] = {}
@@ -331,9 +335,13 @@ def density(
     bound = [h for h in platform.workers().values() if h.get("function", "").startswith("bench/d")]
     after = gpu_used_bytes()
     per = ((after or 0) - (before or 0)) / MiB / max(1, len(bound))
+    # each worker's own figure (the driver's count of its process, the controller's learning input)
+    reported = [int(h["mem_bytes"]) / MiB for h in bound if h.get("mem_source") == "driver"]
     return {
         "asked": args.density, "answered": sum(ok), "errors": errors, "bound": len(bound),
         "per_function_mib": per, "gpu_used_before": before, "gpu_used_after": after,
+        "reported_mib_median": statistics.median(reported) if reported else None,
+        "reported_mib_max": max(reported) if reported else None,
     }  # fmt: skip
 
 

@@ -8,7 +8,6 @@ The 7B model is written once per run (about 13.5 GB); point LORAFN_LLAMA2_7B_DIR
 from __future__ import annotations
 
 import gc
-import os
 from pathlib import Path
 
 import pytest
@@ -95,18 +94,6 @@ def test_tiny_graphs_on_off_and_kv_init_reuse(
         )
     )
     assert again.runner.kv_blocks_from == "saved"  # no profiling forward on the second start
-
-
-@pytest.fixture(scope="module")
-def llama7b_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get("LORAFN_LLAMA2_7B_DIR")
-    if env:
-        return Path(env)
-    from lorafn.models.random_model import write_random_model
-
-    return write_random_model(
-        "llama-2-7b", tmp_path_factory.mktemp("m") / "llama-2-7b", seed=0, dtype="bfloat16", progress=False
-    )
 
 
 @pytest.fixture(scope="module")

@@ -12,50 +12,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
+from tests.integration.local.platform_helpers import invoke as _invoke
+from tests.integration.local.platform_helpers import lorafn
+from tests.integration.local.platform_helpers import wait_for as _wait
+from tests.integration.local.platform_helpers import workers as _workers
 from tests.integration.runtime.engine_helpers import write_peft_adapter
 
 pytestmark = pytest.mark.slow
-
-
-def _lorafn(*args: str, state_dir: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lorafn.cli", *args, "--state-dir", str(state_dir)],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
-def _wait(what: str, check: Any, timeout_s: float, up: subprocess.Popen[str]) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if up.poll() is not None:
-            raise AssertionError(f"lorafn up exited ({up.returncode}) while waiting for {what}")
-        got = check()
-        if got:
-            return got
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _workers(r: redis.Redis) -> dict[str, dict[str, str]]:
-    out = {}
-    for wid in r.zrange("lorafn:workers", 0, -1):
-        h = r.hgetall(f"lorafn:worker:{wid}")
-        if h:
-            out[wid] = h
-    return out
-
-
-def _invoke(state_dir: Path, function: str, key: str) -> subprocess.CompletedProcess[str]:
-    return _lorafn(
-        "invoke", function, "hello", "--api-key", key, "--max-tokens", "4", "--raw", state_dir=state_dir
-    )
 
 
 def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
@@ -106,7 +74,7 @@ def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
             manifest = tmp_path / f"doc{i}.yaml"
             manifest.write_text(doc)
             key = ["--api-key", f"key-{i}"] if i else []
-            applied = _lorafn("apply", "-f", str(manifest), *key, state_dir=state_dir)
+            applied = lorafn("apply", "-f", str(manifest), *key, state_dir=state_dir)
             assert applied.returncode == 0, applied.stderr
         keys = {name: f"key-{i + 1}" for i, (name, _, _) in enumerate(functions)} | {"t/huge": "key-4"}
 
