@@ -30,7 +30,7 @@ from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide
 from lorafn.controller.policy.model import GPU, Worker
 from lorafn.controller.snapshot import SizingConfig, SnapshotReader
-from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, control, streams, workers
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, combine, control, streams, workers
 
 log = logging.getLogger("lorafn.controller")
 
@@ -86,6 +86,7 @@ class Controller:
         self._events_cursor: str | None = None
         self._counter = 0
         self._waiting: set[str] = set()
+        self._problems: set[str] | None = None  # functions whose status holds a `problem` (None: unknown)
         # workers that reached serving (a `bound` event): a later crash is not a failed start
         self._served: set[str] = set()
         # worker id -> when its stop was sent: one stop command per worker, not one per round
@@ -240,7 +241,15 @@ class Controller:
                 self.store.run(control.set_status(self.keys, action.function, wait_reason=action.reason))
         for function, problem in self.reader.problems.items():
             waiting.add(function)
-            self.store.run(control.set_status(self.keys, function, wait_reason=problem))
+            # `problem`: no worker can start until the function changes; the gateway refuses at once
+            self.store.run(control.set_status(self.keys, function, wait_reason=problem, problem=problem))
+        # a fixed function's problem goes (all of them on a fresh controller's first round: one round trip)
+        solved = (set(self.reader.records) if self._problems is None else self._problems) - set(
+            self.reader.problems
+        )
+        if solved:
+            self.store.run(combine(*(control.set_status(self.keys, f, problem=None) for f in sorted(solved))))
+        self._problems = set(self.reader.problems)
         for function in self._waiting - waiting:
             self.store.run(control.set_status(self.keys, function, wait_reason=None))
         self._waiting = waiting

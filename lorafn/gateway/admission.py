@@ -58,6 +58,7 @@ class Job:
     t0: float
     first_text_at: float | None = None
     restarts: int = 0
+    submitted_at_ms: int = 0  # unix ms of the enqueue: a start failure after it was this request's
     # non-streamed requests: polled while waiting (a streamed response is cancelled by the server instead)
     disconnected: Callable[[], Awaitable[bool]] | None = None
 
@@ -230,7 +231,15 @@ class Admitter:
         if cold:
             self.metrics.cold_starts.labels(self.metrics.function(fn)).inc()
             await self.store.run(streams.record_demand(self.keys, fn, "request", s.demand_guard_ms))
-        return Job(fn, rid, admission.entry_id, cold, prompt_tokens, time.monotonic())
+        return Job(
+            fn,
+            rid,
+            admission.entry_id,
+            cold,
+            prompt_tokens,
+            time.monotonic(),
+            submitted_at_ms=int(now * 1000),
+        )
 
 
 def prepare(

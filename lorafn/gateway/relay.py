@@ -2,8 +2,10 @@
 turned into text deltas and a final `Done`, with timeouts, restarts and cancellation.
 
 - `Relay.events`: the typed reply events (`lorafn.store.protocol`) of one job until `Done` or `Error`;
-  no worker in time -> 503 `no_worker` (and demand again), too long -> 504, an entry that does not
-  parse -> 502 `invalid_reply`. After a `Restart` only its writer's events count.
+  no worker in time -> 503 `no_worker` (and demand again), the function's workers fail to start (a
+  broken adapter) -> 503 `function_start_failed` with the reason at once (`start_failure`), too long ->
+  504, an entry that does not parse -> 502 `invalid_reply`. After a `Restart` only its writer's events
+  count.
 - `Relay.texts`: events -> (text, None) ... ("", Done); a restart voids text given out before
   (docs/gateway.md#failure-behaviour).
 - `Relay.cancel`: the request's client went away (or the gateway gave up on it): stop it at the worker.
@@ -25,7 +27,7 @@ from lorafn.gateway.admission import Job
 from lorafn.gateway.errors import APIError, bad_request, unavailable
 from lorafn.gateway.metrics import Metrics
 from lorafn.gateway.settings import GatewaySettings
-from lorafn.store import UNAVAILABLE_ERRORS, AsyncStore, Keys, cancel, control, streams, workers
+from lorafn.store import UNAVAILABLE_ERRORS, AsyncStore, Keys, cancel, combine, control, streams, workers
 from lorafn.store.protocol import Accepted, Delta, Done, Error, ProtocolError, ReplyEvent, Restart
 
 log = logging.getLogger("lorafn.gateway")
@@ -38,6 +40,39 @@ def client_gone() -> APIError:
     return APIError(
         499, "the client closed the connection", type="invalid_request_error", code="client_closed"
     )
+
+
+# a function whose starts failed this many times in a row fails fast even when the last failure came
+# before the request (the controller is backing off: no worker is coming soon)
+FAIL_FAST_AFTER = 3
+
+
+def start_failure(
+    status: dict[str, str], submitted_at_ms: int, fail_fast_after: int = FAIL_FAST_AFTER
+) -> str | None:
+    """Why no worker is coming for a request that waits with no live worker, or None to keep waiting.
+
+    `status` is the function's status hash, written by the controller (`lorafn.store.control`):
+    `problem` (the controller cannot plan a worker at all until the function changes, e.g. its adapter
+    no longer reads), `start_failures` (failed starts in a row, 0 after a worker bound), `last_failure`
+    (the loader's or the process's reason), `last_failure_at_ms` (unix ms). A start that failed after the
+    request was submitted was the one made for it; `fail_fast_after` failures in a row mean the
+    controller backs off and a retry within the request's wait is unlikely. Pure.
+    """
+    if status.get("problem"):
+        return status["problem"]
+    try:
+        failures = int(status.get("start_failures") or 0)
+        failed_at = int(status.get("last_failure_at_ms") or 0)
+    except ValueError:
+        return None
+    reason = status.get("last_failure", "")
+    if failures <= 0 or not reason:
+        return None
+    if failed_at < submitted_at_ms and failures < fail_fast_after:
+        return None
+    plural = "s" if failures != 1 else ""
+    return f"{reason} ({failures} failed start{plural} in a row)"
 
 
 def redis_unavailable() -> APIError:
@@ -93,8 +128,22 @@ class Relay:
             except ProtocolError as e:
                 raise self._invalid_reply(job, e) from None
             if not batch:
-                # nobody answered for a while: is anyone left to? If not, ask for a worker (again).
-                live = await self.store.run(workers.count_live_workers(self.keys, job.function, ttl_ms))
+                # nobody answered for a while: is anyone left to? If not, ask for a worker (again), unless
+                # the function's workers keep failing to start: then say why at once (issue 15).
+                live, status = await self.store.run(
+                    combine(
+                        workers.count_live_workers(self.keys, job.function, ttl_ms),
+                        control.statuses(self.keys, [job.function]),
+                    )
+                )
+                failed = start_failure(status[job.function], job.submitted_at_ms) if live == 0 else None
+                if failed is not None and not accepted:
+                    raise unavailable(
+                        f"function {job.function!r} cannot start a worker: {failed}; fix the function "
+                        "(e.g. its adapter) and apply it again",
+                        code="function_start_failed",
+                        retry_after_s=10,
+                    )
                 if live == 0:
                     await self.store.run(
                         streams.record_demand(self.keys, job.function, "waiting", s.demand_guard_ms)
