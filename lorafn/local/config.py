@@ -68,6 +68,10 @@ class LocalConfig(SharedSettings):
     offloading: bool = Field(
         default=True, description="stop standby/idle workers to make room for a cold start"
     )
+    gpu_admission: bool = Field(
+        default=True,
+        description="workers of a device take turns for prefills by deadline margin (off: ablation)",
+    )
     worker_overhead_mib: int | None = Field(
         default=None,
         ge=0,

@@ -67,6 +67,7 @@ class LocalPlatform:
             kv_budget=self._kv_budget,
             num_devices=config.devices,
             device_memory_mib=config.device_memory_mib,
+            worker_extra_env={"LORAFN_GPU_ADMISSION": "true" if config.gpu_admission else "false"},
         )
         self.controller: Controller | None = None
         self._demand_cursor = "$"

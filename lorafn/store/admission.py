@@ -36,7 +36,7 @@ class SlotAnswer:
 
 @dataclass(frozen=True)
 class Grant:
-    """One recorded grant of the slot."""
+    """One recorded grant of the slot: the grantee's margin and the next smallest one, as decided."""
 
     entry_id: str
     worker: str
@@ -44,6 +44,7 @@ class Grant:
     margin_ms: float
     active: int
     waiters: int
+    runner_up_ms: float | None = None  # the next smallest margin among the waiters (None: alone)
 
 
 def _keys(keys: Keys, gpu: str) -> list[str]:
@@ -118,6 +119,7 @@ def grants(keys: Keys, gpu: str, count: int = 1000) -> Op[list[Grant]]:
                 margin_ms=float(f.get("margin_ms", 0)),
                 active=int(f.get("active", 0)),
                 waiters=int(f.get("waiters", 0)),
+                runner_up_ms=float(f["runner_up_ms"]) if f.get("runner_up_ms") else None,
             )
             out.append(grant)
         return out

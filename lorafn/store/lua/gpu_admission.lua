@@ -2,7 +2,8 @@
 -- Margin of a waiter: deadline - now - M * t, M = active batches on the GPU (the asker counted as one
 -- if it has none yet); ties go to the smaller worker id. lorafn.runtime.slo.pick is the reference.
 -- KEYS: 1 slot hash (holder, until), 2 waiting hash (worker -> deadline|t|expires|function),
---       3 active zset (worker -> last active ms), 4 admissions stream (grants, capped)
+--       3 active zset (worker -> last active ms), 4 admissions stream (grants, capped: worker, function,
+--       margin_ms, active, waiters, runner_up_ms = the next smallest margin among the waiters)
 -- ARGV: 1 op, 2 worker id, then per op:
 --   ask:     3 function, 4 deadline (unix ms), 5 t (ms), 6 lease (ms), 7 waiter ttl (ms), 8 active ttl (ms)
 --            -> {1, margin, M, waiters}  granted (the slot is the asker's until released or the lease ends)
@@ -71,7 +72,7 @@ if holder then
   return {0, tostring(own), active, holder, math.max(1, lease_end - now)}
 end
 
-local best, best_margin, count = nil, nil, 0
+local best, best_margin, second, count = nil, nil, nil, 0
 local all = redis.call('HGETALL', KEYS[2])
 for i = 1, #all, 2 do
   local w = all[i]
@@ -83,7 +84,10 @@ for i = 1, #all, 2 do
     count = count + 1
     local m = tonumber(dl) - now - active * tonumber(tt)
     if best == nil or m < best_margin or (m == best_margin and w < best) then
+      if best ~= nil then second = best_margin end
       best, best_margin = w, m
+    elseif second == nil or m < second then
+      second = m
     end
   end
 end
@@ -93,7 +97,8 @@ if best == worker then
   redis.call('PEXPIRE', KEYS[1], lease)
   redis.call('HDEL', KEYS[2], worker)
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', '1000', '*', 'worker', worker, 'function', fn,
-    'margin_ms', tostring(own), 'active', tostring(active), 'waiters', tostring(count))
+    'margin_ms', tostring(own), 'active', tostring(active), 'waiters', tostring(count),
+    'runner_up_ms', second == nil and '' or tostring(second))
   return {1, tostring(own), active, count}
 end
 return {0, tostring(own), active, best, 1}

@@ -48,6 +48,8 @@ def test_the_holder_keeps_the_slot_until_it_releases_and_grants_are_recorded(red
         ("w-loose", "ns/w-loose"), ("w-tight", "ns/w-tight"), ("w-loose", "ns/w-loose"),
     ]  # fmt: skip
     assert grants[1].waiters == 2 and grants[2].waiters == 1
+    assert grants[0].runner_up_ms is None and grants[2].runner_up_ms is None  # alone
+    assert grants[1].runner_up_ms is not None and grants[1].margin_ms < grants[1].runner_up_ms
 
 
 def test_a_dead_holder_loses_the_slot_when_its_lease_ends(redis_server: str) -> None:
