@@ -31,6 +31,7 @@ _GROUPS: list[tuple[str, str, str | None]] = [
     ("lorafn.controller.cli", "app", "controller"),
     ("lorafn.backbone_server.cli", "app", "backbone-server"),
     ("lorafn.replay.cli", "app", "bench"),
+    ("lorafn.runtime.zygote", "app", "zygote"),
 ]
 _ROOT_REGISTRARS: list[str] = ["lorafn.local.cli"]
 

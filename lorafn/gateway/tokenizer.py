@@ -14,11 +14,12 @@ import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+from lorafn.api.tokenizer import read_tokenizer, token_text
 
 # When the model ships no chat template: ChatML, the most common format of instruct models.
 DEFAULT_CHAT_TEMPLATE = (
@@ -33,12 +34,6 @@ _PUA_FIRST, _PUA_LAST = 0x100000, 0x10FFFD
 _PLACEHOLDER = re.compile(f"[{chr(_PUA_FIRST)}-{chr(_PUA_LAST)}]")
 
 
-def _token_text(value: Any) -> str:
-    if isinstance(value, dict):
-        return str(value.get("content", ""))
-    return str(value or "")
-
-
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
@@ -50,13 +45,7 @@ class ChatTemplateError(ValueError):
 class GatewayTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: the gateway needs the backbone's tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(str(path))
-        config: dict[str, Any] = {}
-        if (model_dir / "tokenizer_config.json").is_file():
-            config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        self.tokenizer, config = read_tokenizer(model_dir, who="gateway")
         template = config.get("chat_template")
         if (model_dir / "chat_template.jinja").is_file():
             template = (model_dir / "chat_template.jinja").read_text()
@@ -70,10 +59,10 @@ class GatewayTokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.template = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
         self.special = {
-            "bos_token": _token_text(config.get("bos_token")),
-            "eos_token": _token_text(config.get("eos_token")),
-            "pad_token": _token_text(config.get("pad_token")),
-            "unk_token": _token_text(config.get("unk_token")),
+            "bos_token": token_text(config.get("bos_token")),
+            "eos_token": token_text(config.get("eos_token")),
+            "pad_token": token_text(config.get("pad_token")),
+            "unk_token": token_text(config.get("unk_token")),
         }
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         # A message's own text is tokenized without special tokens: `<|im_start|>system` typed by a

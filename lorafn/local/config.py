@@ -42,6 +42,9 @@ class LocalConfig(SharedSettings):
     share_backbone: bool = Field(
         default=True, description="one backbone server per backbone; workers map its weights read-only"
     )
+    zygote: bool = Field(
+        default=True, description="fork workers from a pre-imported zygote process (off: spawn each)"
+    )
     worker_start_timeout_s: float = Field(default=180.0, gt=0)
     backbone_start_timeout_s: float = Field(default=600.0, gt=0)
     poll_interval_s: float = Field(default=0.2, gt=0, le=5)

@@ -6,6 +6,10 @@ keeps workers from oversubscribing the host). A worker starts as `lorafn worker 
 the controller granted (`--kv-budget-mib`), on its device, mapping the backbone server's copy
 (`LORAFN_BACKBONE_SOCKET`): a standby with `--standby --backbone B [--shape S]`, a bound one with
 `--function F`.
+
+Workers are forked from the zygote (`local.zygote`: a process that has imported torch and the runtime,
+so a worker skips seconds of imports) when it runs, else spawned as new processes; either way they are
+children the platform reaps, signals and reads the logs of in the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from lorafn.controller.driver import Exit
 from lorafn.controller.policy.actions import Start
 from lorafn.controller.policy.model import GPU, Worker
 from lorafn.local.procs import Child, ProcessGroup, lorafn_argv
+from lorafn.local.zygote import ZYGOTE_NAME, ZygoteKeeper, become_subreaper
 
 log = logging.getLogger("lorafn.up")
 
@@ -74,6 +79,7 @@ class LocalExecutor:
         num_devices: int | None = None,
         device_memory_mib: int | None = None,
         worker_extra_env: dict[str, str] | None = None,
+        zygote: ZygoteKeeper | None = None,
     ) -> None:
         self.procs, self.device, self.env = procs, device, env
         self.backbone_socket, self.backbone_bytes, self.resident = backbone_socket, backbone_bytes, resident
@@ -94,6 +100,40 @@ class LocalExecutor:
             self.devices = [(gpu_id(i), "cpu", size) for i in range(n)]
         self.tracked: dict[str, _Tracked] = {}
         self._exits: list[Exit] = []
+        self.zygote = zygote
+
+    # -- the zygote ------------------------------------------------------------------------------
+    def start_zygote(self) -> None:
+        """Start the zygote (it imports for seconds; workers are spawned plainly until it listens)."""
+        if self.zygote is None or not self.zygote.enabled:
+            return
+        if not become_subreaper():
+            log.warning("not a child subreaper: exit codes of workers outliving a dead zygote are lost")
+        self.zygote.started_at = time.monotonic()
+        self.procs.start(ZYGOTE_NAME, self.zygote.argv())
+        log.info("zygote starting (socket %s)", self.zygote.socket_path)
+
+    def wait_zygote(self, timeout_s: float) -> bool:
+        """Wait until the zygote listens; False (logged) when it died or took longer."""
+        child = self.procs.children.get(ZYGOTE_NAME)
+        if self.zygote is None or child is None:
+            return False
+        try:
+            self.procs.wait_until(child, self.zygote.ready, timeout_s=timeout_s, poll_s=0.1)
+        except (RuntimeError, TimeoutError) as e:
+            log.warning("the zygote is not ready (%s); workers are spawned until it is", e)
+            return False
+        log.info("zygote ready: workers are forked from it")
+        return True
+
+    def zygote_exited(self, child: Child) -> None:
+        """Called by the reaper: log the zygote's end and start a new one (unless it keeps dying)."""
+        assert self.zygote is not None
+        code = child.exit_code()
+        log.error("the zygote died (code %s); log tail:\n%s", code, child.log_tail(1500))
+        self.zygote.socket_path.unlink(missing_ok=True)
+        if self.zygote.exited(code, time.monotonic() - self.zygote.started_at):
+            self.start_zygote()
 
     # -- Executor ------------------------------------------------------------------------------
     def gpus(self) -> list[GPU]:
@@ -131,10 +171,12 @@ class LocalExecutor:
         socket = self.backbone_socket(action.backbone, action.gpu)
         if socket is not None:
             env["LORAFN_BACKBONE_SOCKET"] = str(socket)
-        child = self.procs.start(f"worker/{worker_id}", lorafn_argv(*argv), env=env)
+        fork = self.zygote.fork if self.zygote is not None and self.zygote.enabled else None
+        child = self.procs.start(f"worker/{worker_id}", lorafn_argv(*argv), env=env, fork=fork)
         self.tracked[worker_id] = _Tracked(child, action, time.monotonic())
         what = action.function or f"standby of {action.backbone}"
-        log.info("worker %s (%s) on %s started, pid %d", worker_id, what, action.gpu, child.pid)
+        how = "forked from the zygote" if child.forked else "spawned"
+        log.info("worker %s (%s) on %s %s, pid %d", worker_id, what, action.gpu, how, child.pid)
 
     def stop(self, worker_id: str) -> None:
         """SIGTERM: the worker drains (finishes what it runs) and exits; the reaper collects it."""

@@ -7,6 +7,7 @@ stops them. Logs go to `<state dir>/logs/<name>.log`, so a crash leaves its trac
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,6 +16,31 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger("lorafn.up")
+
+
+class Proc(Protocol):
+    """What is used of a child process: `subprocess.Popen`, or a worker the zygote forked
+    (`lorafn.local.zygote.ForkedProcess`)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+# Forks `argv` with the whole environment `env`, output appended to the log file; raises
+# `lorafn.local.zygote.ZygoteUnavailable` (with the reason) when it cannot.
+Forker = Callable[[Sequence[str], Mapping[str, str], Path], Proc]
 
 
 @dataclass
@@ -22,8 +48,9 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen[bytes]
+    proc: Proc
     started_at: float = field(default_factory=time.monotonic)
+    forked: bool = False  # from the zygote (else a plain spawn)
 
     @property
     def pid(self) -> int:
@@ -143,9 +170,17 @@ class ProcessGroup:
         self.restarts = restarts or RestartPolicy()
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Child:
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        fork: Forker | None = None,
+    ) -> Child:
         """Start `name`; one that keeps dying at start waits out its backoff first, and after the same
-        failure `give_up_after` times in a row this raises RuntimeError with that failure."""
+        failure `give_up_after` times in a row this raises RuntimeError with that failure.
+
+        With `fork` (the zygote's), the process is forked from it; where it cannot, spawned (logged)."""
         if name in self.children and self.children[name].alive():
             raise ValueError(f"a process named {name!r} is already running (pid {self.children[name].pid})")
         reason = self.restarts.give_up(name)
@@ -153,14 +188,25 @@ class ProcessGroup:
             raise RuntimeError(f"{reason} (log {self.log_dir / _log_name(name)})")
         time.sleep(self.restarts.delay_s(name))
         log_path = self.log_dir / _log_name(name)
-        log = log_path.open("ab")
         full_env = child_env({"PYTHONUNBUFFERED": "1", **(env or {})})
+        if fork is not None:
+            from lorafn.local.zygote import ZygoteUnavailable
+
+            try:
+                forked = fork(list(argv), full_env, log_path)
+            except ZygoteUnavailable as e:
+                log.info("%s: %s; spawning it as a new process", name, e)
+            else:
+                child = Child(name=name, argv=list(argv), log_path=log_path, proc=forked, forked=True)
+                self.children[name] = child
+                return child
+        log_file = log_path.open("ab")
         # A new session: Ctrl-C in the terminal reaches only `lorafn up`, which then stops the
         # children in order (workers drain before the gateway and Redis go away).
         proc = subprocess.Popen(
-            list(argv), stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            list(argv), stdout=log_file, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
-        log.close()
+        log_file.close()
         child = Child(name=name, argv=list(argv), log_path=log_path, proc=proc)
         self.children[name] = child
         return child
