@@ -1,0 +1,266 @@
+"""`lorafn up`: the whole platform on one machine, as real processes.
+
+redis-server, one backbone server per registered backbone and device (weights loaded once, mapped
+read-only by every worker), the gateway, and the controller (`lorafn.controller`), which decides where
+workers run: it keeps a warm pool of standby workers, binds one to a function on a cold start, starts
+fresh workers within each device's memory account, offloads the least valuable under pressure, and backs
+off failed starts. This module only runs processes; every placement decision is the controller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import urllib.request
+from pathlib import Path
+
+from lorafn.api.sizing import MiB
+from lorafn.controller.driver import Controller, ControllerConfig
+from lorafn.controller.policy.actions import Start
+from lorafn.controller.policy.config import PolicyConfig
+from lorafn.controller.snapshot import SizingConfig, default_sizing
+from lorafn.local.config import LocalConfig, PlatformState
+from lorafn.local.executor import LocalExecutor, gpu_id
+from lorafn.local.lifecycle import gateway_answers
+from lorafn.local.procs import ProcessGroup, lorafn_argv
+from lorafn.local.redis_proc import RedisProcess, free_port
+from lorafn.local.zygote import ZYGOTE_NAME, ZygoteKeeper
+from lorafn.store import Keys, Store
+from lorafn.store.backbones import get_backbone, list_backbones
+from lorafn.store.streams import read_demand
+from lorafn.store.workers import server_time_ms
+
+log = logging.getLogger("lorafn.up")
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return 200 <= reply.status < 300
+    except OSError:
+        return False
+
+
+class LocalPlatform:
+    def __init__(self, config: LocalConfig) -> None:
+        self.config = config
+        self.state_dir = config.state_dir
+        self.device = config.resolved_device()
+        self.keys = Keys(config.key_prefix)
+        self.procs = ProcessGroup(self.state_dir / "logs")
+        self.redis = RedisProcess(data_dir=self.state_dir / "redis", port=config.redis_port)
+        self.store: Store | None = None
+        self.gateway_url = ""
+        self.instance_id = secrets.token_hex(8)  # the gateway's /healthz names it: ours answers, no other
+        # (backbone, device id) -> the socket of its backbone server; one server per device on GPU,
+        # one per backbone on CPU (shared memory serves every simulated device)
+        self.backbone_sockets: dict[tuple[str, str], Path] = {}
+        self._backbone_bytes: dict[str, int] = {}
+        self.sizing = self._sizing()
+        self.executor = LocalExecutor(
+            self.procs,
+            self.device,
+            env=self._component_env,
+            backbone_socket=self._socket_of,
+            backbone_bytes=self._bytes_of,
+            resident=self._resident_on,
+            kv_budget=self._kv_budget,
+            num_devices=config.devices,
+            device_memory_mib=config.device_memory_mib,
+            zygote=ZygoteKeeper(self.state_dir / "sockets" / "zygote.sock", enabled=config.zygote),
+            worker_extra_env={"LORAFN_GPU_ADMISSION": "true" if config.gpu_admission else "false"},
+        )
+        self.controller: Controller | None = None
+        self._demand_cursor = "$"
+
+    def _sizing(self) -> SizingConfig:
+        base = default_sizing(self.device)
+        c = self.config
+        return SizingConfig(
+            worker_overhead_bytes=(
+                c.worker_overhead_mib * MiB
+                if c.worker_overhead_mib is not None
+                else base.worker_overhead_bytes
+            ),
+            default_kv_bytes=c.default_kv_mib * MiB
+            if c.default_kv_mib is not None
+            else base.default_kv_bytes,
+            fresh_start_s=base.fresh_start_s,
+            bind_s=base.bind_s,
+            capture_s=base.capture_s,
+        )
+
+    # -- start and stop --------------------------------------------------------------------------
+    def start(self) -> PlatformState:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "sockets").mkdir(exist_ok=True)
+        log.info("starting redis-server (data in %s)", self.redis.data_dir)
+        self.redis.start()
+        self.store = Store(self.redis.url)
+        self.executor.start_zygote()  # its imports overlap the gateway's start
+        # Demand recorded before this start (a previous run's) is stale: read entries after now only.
+        self._demand_cursor = f"{self.store.run(server_time_ms())}-0"
+        self._start_gateway()
+        self.executor.wait_zygote(self.config.worker_start_timeout_s)
+        state = PlatformState(
+            pid=os.getpid(),
+            redis_url=self.redis.url,
+            gateway_url=self.gateway_url,
+            key_prefix=self.config.key_prefix,
+            device=self.device,
+        )
+        state.write(self.state_dir)
+        self.sync_backbones()
+        self.controller = Controller(
+            self.store,
+            self.keys,
+            self.executor,
+            self.sizing,
+            ControllerConfig(
+                interval_s=self.config.poll_interval_s,
+                heartbeat_ttl_s=self.config.heartbeat_ttl_s,
+                policy=PolicyConfig(gpu_utilization=self.config.gpu_utilization),
+            ),
+        )
+        if self.config.controller_metrics_port:
+            self.controller.metrics.serve(self.config.controller_metrics_port, self.config.host)
+        return state
+
+    def _component_env(self) -> dict[str, str]:
+        return {"LORAFN_REDIS_URL": self.redis.url, "LORAFN_KEY_PREFIX": self.config.key_prefix}
+
+    def _start_gateway(self) -> None:
+        # A restarted gateway keeps the port it had, so platform.json and clients stay right.
+        port = (
+            int(self.gateway_url.rsplit(":", 1)[1])
+            if self.gateway_url
+            else self.config.gateway_port or free_port(self.config.host)
+        )
+        self.gateway_url = f"http://{self.config.host}:{port}"
+        child = self.procs.start(
+            "gateway",
+            lorafn_argv("gateway", "serve", "--host", self.config.host, "--port", str(port)),
+            env={**self._component_env(), "LORAFN_INSTANCE_ID": self.instance_id},
+        )
+        self.procs.wait_until(
+            child, lambda: gateway_answers(self.gateway_url, self.instance_id), timeout_s=60
+        )
+        log.info("gateway ready at %s", self.gateway_url)
+
+    def stop(self) -> None:
+        """Workers drain first, then the gateway and backbone servers, then Redis."""
+        log.info("stopping: workers, gateway, backbone servers, redis")
+        self.procs.stop_all(order=("worker/", "gateway", "backbone/"), timeout_s=15)
+        if self.store is not None:
+            self.store.close()
+        self.redis.stop()
+        PlatformState.path(self.state_dir).unlink(missing_ok=True)
+
+    # -- backbones ---------------------------------------------------------------------------------
+    def _server_devices(self) -> list[tuple[str, str]]:
+        """(device id, torch device) of each backbone server to run: one per GPU, one on CPU."""
+        devices = [(gid, dev) for gid, dev, _ in self.executor.devices]
+        return devices if self.device == "cuda" else devices[:1]
+
+    def _socket_of(self, backbone: str, gpu: str) -> Path | None:
+        if self.device != "cuda":
+            gpu = self.executor.devices[0][0]
+        return self.backbone_sockets.get((backbone, gpu))
+
+    def _resident_on(self, gpu: str) -> list[str]:
+        """Backbones a worker on `gpu` can map (without sharing: every registered one, loaded privately)."""
+        if not self.config.share_backbone:
+            return sorted(self._backbone_bytes)
+        if self.device != "cuda":
+            gpu = self.executor.devices[0][0]
+        return sorted(name for name, g in self.backbone_sockets if g == gpu)
+
+    def _bytes_of(self, backbone: str) -> int:
+        # On CPU the one shared-memory copy is host memory, not a device's: it does not count against
+        # the simulated devices' accounts. On GPU every device holds a copy.
+        if self.device != "cuda" and self.config.share_backbone:
+            return 0
+        return self._backbone_bytes.get(backbone, 0)
+
+    def _kv_budget(self, action: Start) -> int:
+        assert self.controller is not None
+        size = self.controller.reader.sizes.get(action.function or "")
+        return size.kv_bytes if size is not None else self.sizing.default_kv_bytes
+
+    def sync_backbones(self) -> None:
+        """Start a backbone server for each registered backbone and device that has none."""
+        assert self.store is not None
+        for name in self.store.run(list_backbones(self.keys)):
+            record = self.store.run(get_backbone(self.keys, name))
+            if record is None:
+                continue
+            if name not in self._backbone_bytes:
+                self._backbone_bytes[name] = sum(
+                    p.stat().st_size for p in Path(record.model_dir).glob("*.safetensors")
+                )
+            if not self.config.share_backbone:
+                continue
+            for gid, dev in self._server_devices():
+                proc_name = f"backbone/{name}/{gid.replace('/', '-')}"
+                if proc_name in self.procs.children and self.procs.children[proc_name].alive():
+                    continue
+                socket_path = self.state_dir / "sockets" / f"{name}.{gid.replace('/', '-')}.sock"
+                socket_path.unlink(missing_ok=True)
+                log.info("loading backbone %s from %s on %s", name, record.model_dir, dev)
+                child = self.procs.start(
+                    proc_name,
+                    lorafn_argv(
+                        "backbone-server", "serve", "--model", record.model_dir, "--socket", str(socket_path),
+                        "--device", dev,
+                    ),
+                )  # fmt: skip
+                self.procs.wait_until(
+                    child, socket_path.exists, timeout_s=self.config.backbone_start_timeout_s, poll_s=0.2
+                )
+                self.backbone_sockets[(name, gid)] = socket_path
+                log.info("backbone %s ready on %s (socket %s)", name, gid, socket_path)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def _reap(self) -> None:
+        for child in self.procs.reap():
+            code = child.exit_code()
+            if child.name.startswith("worker/"):
+                self.executor.note_exit(child)
+            elif child.name == "gateway":
+                log.error("the gateway died (code %s); restarting it. Log tail:\n%s", code, child.log_tail())
+                self._start_gateway()
+            elif child.name == ZYGOTE_NAME:
+                self.executor.zygote_exited(child)
+            elif child.name.startswith("backbone/"):
+                log.error("backbone server %s died (code %s):\n%s", child.name, code, child.log_tail())
+                _, name, dev = child.name.split("/", 2)
+                self.backbone_sockets = {
+                    k: v
+                    for k, v in self.backbone_sockets.items()
+                    if not (k[0] == name and k[1].replace("/", "-") == dev)
+                }
+
+    def tick(self, block_ms: int) -> None:
+        """One supervisor iteration: reap, start backbones, wait briefly for demand, one controller round."""
+        assert self.store is not None and self.controller is not None
+        self._reap()
+        self.sync_backbones()
+        # The gateway records cold-start demand: waking on it makes the round that answers it start at once.
+        for entry_id, _fields in self.store.run(read_demand(self.keys, self._demand_cursor, block_ms)):
+            self._demand_cursor = entry_id
+        try:
+            self.controller.round()
+        except Exception:  # a bad round (a bad record, a bug) must not take the platform down
+            log.exception("controller round failed; trying again next tick")
+
+    def serve_forever(self, stop_after_s: float | None = None) -> None:
+        import time
+
+        deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
+        block_ms = int(self.config.poll_interval_s * 1000)
+        while deadline is None or time.monotonic() < deadline:
+            self.tick(block_ms)
+
+
+__all__ = ["LocalPlatform", "gpu_id", "http_ok"]
