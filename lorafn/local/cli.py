@@ -98,6 +98,8 @@ def _run_platform(cfg: LocalConfig, demo: bool, once: bool) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_signal)
+    # SIGUSR1: a fresh controller (as if its process had crashed and restarted); everything else runs on
+    signal.signal(signal.SIGUSR1, lambda *_: platform.request_controller_restart("SIGUSR1"))
     ok = True
     try:
         state = platform.start()

@@ -23,6 +23,7 @@ from lorafn.local.apply import apply_manifest
 from lorafn.local.manifests import parse_manifest
 from lorafn.local.platform import LocalPlatform
 from lorafn.local.procs import child_env, lorafn_argv
+from lorafn.local.redis_proc import write_private
 
 NAMESPACE = "demo"
 BACKBONE = "smollm2-135m"
@@ -124,6 +125,13 @@ def _call(base_url: str, api_key: str, function: str, prompt: str, kind: str) ->
     return Call(function, prompt, kind, first, (time.perf_counter() - started) * 1000, "".join(pieces))
 
 
+def write_demo_manifest(state_dir: Path, text: str) -> Path:
+    """`<state dir>/demo.yaml`, 0600: its Secret holds the demo functions' API keys (issue 15)."""
+    path = state_dir / "demo.yaml"
+    write_private(path, text)
+    return path
+
+
 def run_demo(platform: LocalPlatform, console: Console | None = None) -> bool:
     """Run the demo against a started platform; True when every invocation returned text."""
     console = console or Console()
@@ -132,8 +140,7 @@ def run_demo(platform: LocalPlatform, console: Console | None = None) -> bool:
     model_dir = pull_model(platform.state_dir)
     keys = {name: f"lfn-{secrets.token_urlsafe(24)}" for name, _, _ in DEMO_FUNCTIONS}
     text = demo_manifest(model_dir, examples_dir(), keys)
-    manifest_path = platform.state_dir / "demo.yaml"
-    manifest_path.write_text(text)
+    manifest_path = write_demo_manifest(platform.state_dir, text)
     for item in apply_manifest(platform.store, platform.keys, parse_manifest(text)):
         console.print(item.line())
     console.print(f"(the YAML applied is in {manifest_path}; its Secret holds the demo's API keys)")

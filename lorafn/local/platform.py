@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
+import time
 import urllib.request
 from pathlib import Path
 
@@ -24,14 +26,19 @@ from lorafn.local.config import LocalConfig, PlatformState
 from lorafn.local.executor import LocalExecutor, gpu_id
 from lorafn.local.lifecycle import gateway_answers
 from lorafn.local.procs import ProcessGroup, lorafn_argv
-from lorafn.local.redis_proc import RedisProcess, free_port
+from lorafn.local.redis_proc import RedisProcess, RedisWatch, free_port
 from lorafn.local.zygote import ZYGOTE_NAME, ZygoteKeeper
-from lorafn.store import Keys, Store
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store
 from lorafn.store.backbones import get_backbone, list_backbones
 from lorafn.store.streams import read_demand
 from lorafn.store.workers import server_time_ms
 
 log = logging.getLogger("lorafn.up")
+
+# a restarted redis-server replays its AOF before it answers PING
+REDIS_START_TIMEOUT_S = 30.0
+# rounds failing this many times in a row (not Redis outages): start a fresh controller
+CONTROLLER_MAX_FAILED_ROUNDS = 5
 
 
 def http_ok(url: str, timeout_s: float = 1.0) -> bool:
@@ -73,6 +80,14 @@ class LocalPlatform:
         )
         self.controller: Controller | None = None
         self._demand_cursor = "$"
+        self.redis_watch = RedisWatch()
+        self._redis_trouble = False  # a Redis call failed: check the server before the next round
+        self.redis_restarts = 0
+        self._redis_started_at = 0.0
+        self._controller_generation = 0
+        self.controller_restarts = 0
+        self._controller_restart: str | None = None
+        self._failed_rounds = 0
 
     def _sizing(self) -> SizingConfig:
         base = default_sizing(self.device)
@@ -97,6 +112,7 @@ class LocalPlatform:
         (self.state_dir / "sockets").mkdir(exist_ok=True)
         log.info("starting redis-server (data in %s)", self.redis.data_dir)
         self.redis.start()
+        self._redis_started_at = time.monotonic()
         self.store = Store(self.redis.url)
         self.executor.start_zygote()  # its imports overlap the gateway's start
         # Demand recorded before this start (a previous run's) is stale: read entries after now only.
@@ -112,20 +128,48 @@ class LocalPlatform:
         )
         state.write(self.state_dir)
         self.sync_backbones()
-        self.controller = Controller(
+        self.controller = self._new_controller()
+        if self.config.controller_metrics_port:
+            self.controller.metrics.serve(self.config.controller_metrics_port, self.config.host)
+        return state
+
+    def _new_controller(self) -> Controller:
+        """A controller with no memory of any before it (its own lease holder name: it takes the lease once a
+        predecessor's lapses, as a restarted controller process does)."""
+        self._controller_generation += 1
+        controller = Controller(
             self.store,
             self.keys,
             self.executor,
             self.sizing,
             ControllerConfig(
+                holder=f"{socket.gethostname()[:40]}-{os.getpid()}-c{self._controller_generation}",
                 interval_s=self.config.poll_interval_s,
                 heartbeat_ttl_s=self.config.heartbeat_ttl_s,
-                policy=PolicyConfig(gpu_utilization=self.config.gpu_utilization),
+                policy=PolicyConfig(
+                    gpu_utilization=self.config.gpu_utilization,
+                    warm_pool=self.config.warm_pool,
+                    offloading=self.config.offloading,
+                ),
             ),
         )
-        if self.config.controller_metrics_port:
-            self.controller.metrics.serve(self.config.controller_metrics_port, self.config.host)
-        return state
+        if self.controller is not None:
+            controller.metrics = self.controller.metrics  # the served registry keeps counting
+        return controller
+
+    def restart_controller(self, reason: str) -> None:
+        """Replace the in-process controller by a fresh one, as if its process had crashed and restarted:
+        binds in flight, the events it read and the stops it sent are forgotten; the new one rebuilds its
+        view from Redis and the executor's processes (`lorafn up` on SIGUSR1, and after
+        `CONTROLLER_MAX_FAILED_ROUNDS` failed rounds in a row)."""
+        log.warning("restarting the controller: %s", reason)
+        self.controller = self._new_controller()
+        self.controller_restarts += 1
+        self._failed_rounds = 0
+
+    def request_controller_restart(self, reason: str) -> None:
+        """Safe from a signal handler: the next tick restarts the controller."""
+        self._controller_restart = reason
 
     def _component_env(self) -> dict[str, str]:
         return {"LORAFN_REDIS_URL": self.redis.url, "LORAFN_KEY_PREFIX": self.config.key_prefix}
@@ -242,21 +286,85 @@ class LocalPlatform:
                 }
 
     def tick(self, block_ms: int) -> None:
-        """One supervisor iteration: reap, start backbones, wait briefly for demand, one controller round."""
+        """One supervisor iteration: reap, start backbones, wait briefly for demand, one controller round.
+
+        Redis trouble never ends `lorafn up`: while the server does not answer, the tick only supervises
+        it (restart when it exited or hung, `_supervise_redis`); the gateway answers 503 meanwhile and the
+        workers and the controller carry on once it is back (issue 15)."""
         assert self.store is not None and self.controller is not None
         self._reap()
-        self.sync_backbones()
-        # The gateway records cold-start demand: waking on it makes the round that answers it start at once.
-        for entry_id, _fields in self.store.run(read_demand(self.keys, self._demand_cursor, block_ms)):
-            self._demand_cursor = entry_id
+        if (self._redis_trouble or not self.redis.alive()) and not self._supervise_redis():
+            time.sleep(min(0.5, block_ms / 1000))
+            return
+        try:  # a backbone server that cannot start still ends `lorafn up` (procs.RestartPolicy)
+            self.sync_backbones()
+            # The gateway records cold-start demand: waking on it makes the round that answers it start
+            # at once.
+            for entry_id, _fields in self.store.run(read_demand(self.keys, self._demand_cursor, block_ms)):
+                self._demand_cursor = entry_id
+        except UNAVAILABLE_ERRORS as e:
+            log.warning("redis is unreachable (%s); checking the server", e)
+            self._redis_trouble = True
+            return
         try:
+            if self._controller_restart is not None:
+                reason, self._controller_restart = self._controller_restart, None
+                self.restart_controller(reason)
             self.controller.round()
+            self._failed_rounds = 0
+        except UNAVAILABLE_ERRORS as e:
+            log.warning("redis is unreachable (%s); checking the server", e)
+            self._redis_trouble = True
         except Exception:  # a bad round (a bad record, a bug) must not take the platform down
             log.exception("controller round failed; trying again next tick")
+            self._failed_rounds += 1
+            if self._failed_rounds >= CONTROLLER_MAX_FAILED_ROUNDS:  # its memory may be what is broken
+                self.restart_controller(f"{self._failed_rounds} failed rounds in a row")
+
+    def _supervise_redis(self) -> bool:
+        """True when Redis answers. Else restart it when it exited or stopped answering for
+        `RedisWatch.hang_s` (same port, password and data directory: the AOF brings back registrations,
+        queued requests and consumer groups; workers re-create a lost group themselves), with the process
+        group's backoff (a server that dies soon after each start, with the same last log line five times
+        in a row, ends `lorafn up` with a RuntimeError naming it)."""
+        alive = self.redis.alive()
+        verdict = self.redis_watch.verdict(alive, alive and self.redis.answers(), time.monotonic())
+        if verdict == "ok":
+            if self._redis_trouble:
+                log.info("redis answers again")
+            self._redis_trouble = False
+            return True
+        self._redis_trouble = True
+        if verdict == "wait":
+            return False
+        if alive:
+            log.error("redis-server (pid %s) stopped answering; killing it", self.redis.pid)
+            self.redis.kill()
+        else:
+            log.error(
+                "redis-server died (code %s); restarting it from its AOF. Log tail:\n%s",
+                self.redis.exit_code(),
+                self.redis.log_tail(),
+            )
+        policy = self.procs.restarts
+        lines = self.redis.log_tail().strip().splitlines()
+        policy.exited("redis", time.monotonic() - self._redis_started_at, lines[-1] if lines else "")
+        reason = policy.give_up("redis")
+        if reason is not None:
+            raise RuntimeError(f"redis-server cannot be kept running: {reason}")
+        time.sleep(policy.delay_s("redis"))
+        self._redis_started_at = time.monotonic()
+        try:
+            self.redis.start(timeout_s=REDIS_START_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as e:  # the next tick finds it dead and tries again
+            log.error("redis-server did not start again: %s", e)
+            return False
+        self.redis_restarts += 1
+        log.warning("redis-server restarted (pid %s, port %s)", self.redis.pid, self.redis.port)
+        self._redis_trouble = False
+        return True
 
     def serve_forever(self, stop_after_s: float | None = None) -> None:
-        import time
-
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
         block_ms = int(self.config.poll_interval_s * 1000)
         while deadline is None or time.monotonic() < deadline:

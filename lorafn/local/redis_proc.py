@@ -20,6 +20,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 from urllib.parse import quote
 
 
@@ -47,7 +48,7 @@ def _ping(host: str, port: int, timeout: float, password: str | None = None) -> 
         return False
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write `text` to a file only its owner can read (created 0600, never briefly wider)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -64,7 +65,7 @@ def stored_password(data_dir: Path) -> str:
             os.chmod(path, 0o600)
             return password
     password = secrets.token_urlsafe(32)
-    _write_private(path, password + "\n")
+    write_private(path, password + "\n")
     return password
 
 
@@ -103,7 +104,7 @@ class RedisProcess:
         if self.auth and self.password is None:
             self.password = stored_password(self.data_dir)
         config = self.data_dir / "redis.conf"
-        _write_private(config, f"requirepass {self.password}\n" if self.password else "")
+        write_private(config, f"requirepass {self.password}\n" if self.password else "")
         if self.port == 0:
             self.port = free_port(self.host)
         args = [
@@ -142,6 +143,17 @@ class RedisProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def answers(self, timeout_s: float = 1.0) -> bool:
+        """The server answers PING (with the password) within `timeout_s`."""
+        return _ping(self.host, self.port, timeout=timeout_s, password=self.password)
+
+    def exit_code(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
+    def log_tail(self, num_bytes: int = 2000) -> str:
+        path = self.data_dir / "redis.log"
+        return path.read_text(errors="replace")[-num_bytes:] if path.exists() else ""
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -167,3 +179,33 @@ class RedisProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+RedisVerdict = Literal["ok", "wait", "restart"]
+
+
+@dataclass
+class RedisWatch:
+    """When the supervisor restarts the platform's redis-server (pure bookkeeping; issue 15).
+
+    A server that exited is restarted at once (from its AOF, same port, password and directory). One that
+    runs but has not answered PING for `hang_s` (stopped, wedged) is killed and restarted; before that the
+    supervisor waits (a server loading a large AOF answers LOADING, not PONG, for a while).
+    """
+
+    hang_s: float = 15.0
+    unanswered_since: float | None = None
+
+    def verdict(self, alive: bool, answers: bool, now: float) -> RedisVerdict:
+        if answers:
+            self.unanswered_since = None
+            return "ok"
+        if not alive:
+            self.unanswered_since = None
+            return "restart"
+        if self.unanswered_since is None:
+            self.unanswered_since = now
+        if now - self.unanswered_since >= self.hang_s:
+            self.unanswered_since = None
+            return "restart"
+        return "wait"

@@ -58,6 +58,33 @@ class FunctionView:
     wait_reason: str
     start_failures: int
     last_failure: str
+    problem: str = ""  # the controller cannot start a worker until the function changes
+    adapter_warning: str = ""
+
+    @property
+    def adapter_failed(self) -> str:
+        """Why the adapter checked at apply no longer loads, when no worker serves: the controller's
+        problem with it (it no longer reads), else the last failed start (the loader refused it, or the
+        process died before serving). Empty when nothing says so."""
+        if self.workers:
+            return ""
+        if self.problem:
+            return self.problem
+        return self.last_failure if self.start_failures > 0 else ""
+
+    @property
+    def conditions(self) -> list[dict[str, str]]:
+        """`AdapterReady` and `Ready` in the operator's vocabulary (docs/operator.md)."""
+        if self.adapter_failed:
+            adapter = {"status": "False", "reason": "LoadFailed", "message": self.adapter_failed}
+        else:
+            adapter = {"status": "True", "reason": "Validated", "message": self.adapter_warning}
+        if self.phase == "Ready" or (not self.not_ready_because and self.phase == "Idle"):
+            ready = {"status": "True", "reason": "Invocable", "message": ""}
+        else:
+            ready = {"status": "False", "reason": "LoadFailed" if self.adapter_failed else "Waiting",
+                     "message": self.not_ready_because}  # fmt: skip
+        return [{"type": "AdapterReady", **adapter}, {"type": "Ready", **ready}]
 
     @property
     def not_ready_because(self) -> str:
@@ -175,6 +202,7 @@ def collect(store: Store, keys: Keys, gateway_url: str = "", redis_url: str = ""
                 wait_reason=st.get("wait_reason", ""),
                 start_failures=_int(st.get("start_failures")),
                 last_failure=st.get("last_failure", ""),
+                problem=st.get("problem", ""),
             )
         )
 
@@ -252,6 +280,7 @@ def function_rows(status: PlatformStatus) -> list[dict[str, Any]]:
             "workers": f.workers, "queued": f.queued, "lastColdStartMs": f.last_cold_start_ms,
             "lastColdPath": f.last_cold_path or None, "waitReason": f.not_ready_because or None,
             "startFailures": f.start_failures, "requests": f.requests, "coldStarts": f.cold_starts,
+            "conditions": f.conditions,
         }
         for f in status.functions
     ]  # fmt: skip
