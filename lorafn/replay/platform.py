@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ from lorafn.local.config import LocalConfig, PlatformState
 from lorafn.local.manifests import parse_manifest
 from lorafn.local.procs import child_env, lorafn_argv
 from lorafn.replay.configs import ReplayConfig
-from lorafn.store import Keys, Store
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store
 from lorafn.store import workers as wk
 
 BACKBONE = "replay-backbone"
@@ -126,11 +128,14 @@ def manifest(
 
 
 class ManagedPlatform:
-    """`lorafn up --config <workdir>/up.yaml --state-dir <workdir>/state` as a child of the replay."""
+    """`lorafn up --config <workdir>/up.yaml --state-dir <a short temporary directory>`, a child of the
+    replay; its output goes to <workdir>/up.log, its component logs to <workdir>/logs."""
 
     def __init__(self, workdir: Path, settings: dict[str, Any], env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
-        self.state_dir = workdir / "state"
+        # Unix socket paths hold at most 107 bytes, and the backbone server's lies under the state dir:
+        # a short directory of its own (logs are copied into the workdir when it stops)
+        self.state_dir = Path(tempfile.mkdtemp(prefix="lorafn-replay-"))
         self.settings = {**settings, "gateway_port": 0, "redis_port": 0}
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -170,6 +175,17 @@ class ManagedPlatform:
         self.store = Store(self.state.redis_url)
         return self.state
 
+    def check_alive(self, wait_s: float = 0.0) -> None:
+        """RuntimeError with the log's tail when `lorafn up` has exited (waiting up to `wait_s` for it)."""
+        if self.proc is None:
+            return
+        try:
+            code = self.proc.wait(timeout=wait_s) if wait_s else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return
+        if code is not None:
+            raise RuntimeError(f"lorafn up exited with {code}:\n{self.log_tail()}")
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -195,9 +211,12 @@ class ManagedPlatform:
         deadline = time.monotonic() + timeout_s
         found: dict[str, Any] = {}
         while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"lorafn up exited with {self.proc.returncode}:\n{self.log_tail()}")
-            ws = self.workers()
+            self.check_alive()
+            try:
+                ws = self.workers()
+            except UNAVAILABLE_ERRORS:
+                self.check_alive(wait_s=5.0)  # Redis gone: `lorafn up` is ending; say why
+                raise
             sockets = list((self.state_dir / "sockets").glob("*.sock"))
             standby = sum(h.get("state") == "standby" for h in ws.values())
             bound = {
@@ -223,16 +242,20 @@ class ManagedPlatform:
             time.sleep(0.5)
 
     def stop(self, timeout_s: float = 120.0) -> None:
+        """Stop `lorafn up` (SIGINT: workers drain first), keep its logs under the workdir, drop its state."""
         if self.store is not None:
             self.store.close()
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        logs = self.state_dir / "logs"
+        if logs.is_dir():
+            shutil.copytree(logs, self.workdir / "logs", dirs_exist_ok=True)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 def new_keys(functions: list[str]) -> dict[str, str]:

@@ -20,6 +20,11 @@ def _pyplot() -> Any:
     return plt
 
 
+def _legend(ax: Any, ncol: int = 1) -> None:
+    if ax.get_legend_handles_labels()[0]:  # a run with nothing to draw has no legend entries
+        ax.legend(fontsize=7, ncol=ncol)
+
+
 def _runs(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in report["configs"] if not r.get("unavailable")]
 
@@ -40,7 +45,7 @@ def ttft_cdf(report: dict[str, Any], path: Path) -> Path:
         f"TTFT CDF: {report['workload']['trace']} trace, {report['workload']['functions']} functions"
     )
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -62,10 +67,10 @@ def workers_over_time(report: dict[str, Any], path: Path) -> Path:
         ax_m.plot(t, np.asarray(series["held_mib"]) / 1024, color=line.get_color(), label=run["config"])
     ax_w.set_ylabel("workers")
     ax_w.set_title("workers (bound solid, standby dashed) and memory held on the devices")
-    ax_w.legend(fontsize=7, ncol=2)
+    _legend(ax_w, ncol=2)
     ax_m.set_ylabel("memory held (GiB)")
     ax_m.set_xlabel("seconds since the first arrival")
-    ax_m.legend(fontsize=7)
+    _legend(ax_m)
     for ax in (ax_w, ax_m):
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -90,7 +95,7 @@ def slo_violations(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("SLO violations (% of the function's requests)")
     ax.set_title("TTFT SLO violations per function (functions by popularity, most popular first)")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

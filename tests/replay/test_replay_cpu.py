@@ -1,0 +1,60 @@
+"""`lorafn bench replay` for real on CPU: `lorafn up` per configuration (real processes, real redis-server),
+the tiny random model, 3 functions, a few seconds of the code trace through the real gateway over HTTP.
+Every planned request ends as an answer or an explicit error; the JSON and the plots are written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorafn.replay.cli import default_data_dir
+from lorafn.replay.stats import PATHS
+
+pytestmark = pytest.mark.slow
+
+DATA = default_data_dir()
+
+
+@pytest.mark.skipif(not (DATA / "azure_llm_2023_code.csv").exists(), reason="no shared trace data")
+def test_replay_on_cpu_accounts_for_every_request(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "lorafn.cli", "bench", "replay", "--device", "cpu",
+            "--model", str(tiny_model_dir), "--functions", "3", "--rate", "2", "--duration", "4",
+            "--trace-start", "120", "--max-prompt-tokens", "16", "--max-output-tokens", "4",
+            "--configs", "full,no-warm-pool", "--adapters", "2", "--settle-timeout", "120",
+            "--drain-timeout", "120", "--sample-interval", "0.25", "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "replay.json").read_text())
+    for name in ("ttft_cdf.png", "workers_memory.png", "slo_violations.png"):
+        png = out / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert report["workload"]["requests"] == 8
+    assert [c["config"] for c in report["configs"]] == ["full", "no-warm-pool"]
+    for run in report["configs"]:
+        assert not run.get("unavailable"), run
+        requests = run["requests"]
+        assert sorted(r["index"] for r in requests) == list(range(8))
+        for r in requests:
+            assert r["e2e_ms"] is not None and r["sent_s"] is not None
+            if r["error"] is None:  # an answer: status 200, a first token, usage counted
+                assert r["status"] == 200 and r["ttft_ms"] is not None and r["completion_tokens"] >= 1
+            else:
+                assert r["error"].strip()
+            assert r["path"] in PATHS
+        overall = run["summary"]["overall"]
+        assert overall["answered"] + overall["errors"] == 8
+        assert overall["answered"] >= 1, overall  # the platform served
+        assert run["gpu_seconds"] > 0 and run["series"]["t_s"]
+    # the runs differ where they should: without a warm pool no cold start binds a standby
+    no_pool = report["configs"][1]["summary"]["overall"]["paths"]
+    assert "standby" not in no_pool, no_pool
+    assert "Latency per configuration" in done.stdout and "ServerlessLoRA Table 3" in done.stdout
