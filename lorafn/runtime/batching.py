@@ -8,7 +8,8 @@ The serving loop (`worker.py`) calls `Batching` at four points; the decisions ar
 - `arrived()` when entries were read: an idle worker may hold its first prefill for companions (`hold_left_ms`
   says how much longer; the loop waits for more entries that long, never past `SLO − T(N)`);
 - `allow_prefill()` before an engine step: with prefills pending it asks the GPU's prefill slot (one
-  round trip); refused, the step runs the decodes only, or, with none, the loop waits `poll_ms`. No
+  round trip); refused, the step runs the decodes only, or, with none, the loop blocks until the slot is
+  handed to it (`wait_for_slot`). No
   prefill pending (a decode step): nothing is asked. Switched off (`gpu_admission=False`), or without a
   device id, or with an engine that cannot hold its prefills back, it always answers True;
 - `observe()` after the step (its wall time into the profile) and `pipeline_ops()` on the round trip the
@@ -46,7 +47,7 @@ class BatchingConfig:
     gpu_model: str = "cpu"
     shape: str = ""
     lease_ms: float = 2000.0  # the slot of a worker that died frees itself after this
-    poll_ms: float = 5.0  # a refused worker with no decode to run asks again after this
+    poll_ms: float = 5.0  # a refused worker with no decode to run asks again after at most 20x this
     active_ttl_ms: float = 2000.0  # a worker that stopped marking itself active leaves M after this
     publish_every: int = 32  # store the fit every this many measured steps of a kind
     warmup_steps: int = 2  # first steps of each kind are not measured (kernels load, caches fill)
@@ -182,7 +183,7 @@ class Batching:
 
     def allow_prefill(self, engine: Any, oldest_deadline_ms: float | None) -> bool:
         """True: run a full step (the slot is ours, or no prefill is pending, or admission is off).
-        False: run the decodes only, or — with none — wait `poll_ms` and call again."""
+        False: run the decodes only, or — with none — `wait_for_slot` and call again."""
         if not self.gated(engine):
             return True
         pending = engine.num_pending_prefills
@@ -210,20 +211,29 @@ class Batching:
         self.refused += 1
         return False
 
+    def wait_for_slot(self) -> None:
+        """Refused with nothing to decode: block until the slot is handed to this worker (or `poll_ms`
+        x 20 passes: a lease that ran out hands nothing on)."""
+        self.store.run(
+            store_admission.wait_for_slot(
+                self.keys, self.config.gpu, self.worker_id, self.config.poll_ms / 50
+            )
+        )
+
     def pipeline_ops(self, busy: bool) -> list[Op[Any]]:
         """What rides on the loop's round trip: the slot's release, the active mark, the profile."""
         ops: list[Op[Any]] = []
         cfg = self.config
         if self.admission_on:
             if self._holds_slot:
-                ops.append(store_admission.release(self.keys, cfg.gpu, self.worker_id))
+                ops.append(store_admission.release(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms))
                 self._holds_slot = False
             now = self.clock()
             if busy and (self._active_at is None or now - self._active_at > cfg.active_ttl_ms / 3000):
                 ops.append(store_admission.mark_active(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms))
                 self._active_at, self._was_active = now, True
             elif not busy and self._was_active:
-                ops.append(store_admission.mark_idle(self.keys, cfg.gpu, self.worker_id))
+                ops.append(store_admission.mark_idle(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms))
                 self._active_at, self._was_active = None, False
         if self._publish and self._profile_key():
             for kind in sorted(self._publish):

@@ -378,12 +378,14 @@ class Worker:
             ttft = self.batching.config.ttft_ms or 1000.0
             allow_prefill = self.batching.allow_prefill(self.engine, min(waiting) + ttft if waiting else None)
             if not allow_prefill and len(waiting) == len(self.running):  # nothing to decode: wait
-                time.sleep(self.batching.config.poll_ms / 1000)
+                self.batching.wait_for_slot()
                 self._read(block_ms=None)
                 return
         started = time.perf_counter()
         try:
             deltas = self.engine.step() if allow_prefill else self.engine.step(allow_prefill=False)
+            if not allow_prefill and not deltas:  # its decodes were recomputes (preempted): wait too
+                time.sleep(self.batching.config.poll_ms / 1000)
         except Exception:
             log.exception(
                 "worker %s: engine step failed; ending %d requests", self.worker_id, len(self.running)

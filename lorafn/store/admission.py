@@ -4,9 +4,10 @@ The slot (`lua/gpu_admission.lua`, one atomic script): a worker that wants to ru
 its oldest waiting request's deadline and the expected step time `T(b)`; the script grants the slot
 to the waiter of smallest deadline margin (`lorafn.runtime.slo` holds the policy and its reference
 `pick`). The holder `release`s it after its step (in the pipeline the worker sends anyway); a lease
-ends the hold of a worker that died. Workers with a running batch mark themselves `active` (M in the
-margin) and leave with `idle`. Decode steps never ask. Every grant is appended to a capped stream
-(`admissions`), which tests and `lorafn status`-like tools read.
+ends the hold of a worker that died. A freed slot is handed straight to the best waiter, which a
+blocked waiter learns from its wake list (`wait_for_slot`) without polling. Workers with a running batch
+mark themselves `active` (M in the margin) and leave with `idle`. Decode steps never ask. Every grant is
+appended to a capped stream (`admissions`) with the runner-up's margin, which tests read.
 
 Profiles: a hash per (backbone, GPU model, adapter shape) with the fit of each step kind, written by
 the workers that measured it and read by a new worker as its prior.
@@ -48,7 +49,10 @@ class Grant:
 
 
 def _keys(keys: Keys, gpu: str) -> list[str]:
-    return [keys.gpu_slot(gpu), keys.gpu_waiting(gpu), keys.gpu_active(gpu), keys.gpu_admissions(gpu)]
+    return [
+        keys.gpu_slot(gpu), keys.gpu_waiting(gpu), keys.gpu_active(gpu), keys.gpu_admissions(gpu),
+        keys.gpu_wake(gpu),
+    ]  # fmt: skip
 
 
 def _ms(value: float, what: str) -> int:
@@ -86,10 +90,10 @@ def ask(
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), parse)
 
 
-def release(keys: Keys, gpu: str, worker: str) -> Op[bool]:
-    """Free the slot if this worker holds it; True when it did."""
+def release(keys: Keys, gpu: str, worker: str, active_ttl_ms: float) -> Op[bool]:
+    """Free the slot if this worker holds it, handing it to the best waiter; True when it held it."""
     names = _keys(keys, gpu)
-    args = ["release", worker]
+    args = ["release", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms"))]
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), lambda r: bool(r[0]))
 
 
@@ -100,10 +104,18 @@ def mark_active(keys: Keys, gpu: str, worker: str, ttl_ms: float) -> Op[int]:
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), lambda r: int(r[0]))
 
 
-def mark_idle(keys: Keys, gpu: str, worker: str) -> Op[None]:
-    """This worker's batch is empty: out of the active set and the waiters; its slot, if held, freed."""
+def mark_idle(keys: Keys, gpu: str, worker: str, active_ttl_ms: float) -> Op[None]:
+    """This worker's batch is empty: out of the active set and the waiters; its slot, if held, handed on."""
     names = _keys(keys, gpu)
-    return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, ["idle", worker]), lambda r: None)
+    args = ["idle", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms"))]
+    return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), lambda r: None)
+
+
+def wait_for_slot(keys: Keys, gpu: str, worker: str, timeout_s: float) -> Op[bool]:
+    """Block until the slot is handed to this worker (True) or `timeout_s` passes (False); then `ask`
+    takes it. The timeout covers what hands nothing on: a lease that ran out."""
+    key = keys.gpu_wake(gpu, worker)
+    return Op(lambda pipe: pipe.blpop([key], timeout=max(0.001, timeout_s)), lambda r: r[0] is not None)
 
 
 def grants(keys: Keys, gpu: str, count: int = 1000) -> Op[list[Grant]]:

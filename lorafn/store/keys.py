@@ -194,6 +194,12 @@ class Keys:
         """stream (capped): the slot's grants (worker, function, margin_ms, active, waiters)."""
         return f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:admissions"
 
+    def gpu_wake(self, gpu: str, worker_id: str | None = None) -> str:
+        """list: a token pushed when the GPU's slot is handed to `worker_id`, which blocks on it while it
+        waits (BLPOP); without `worker_id`, the prefix the Lua script appends a worker id to."""
+        base = f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:wake:"
+        return base if worker_id is None else base + check_id(worker_id, "worker id")
+
     def latency_profile(self, backbone: str, gpu_model: str, shape: str) -> str:
         """hash: `<kind>.t0_ms`, `<kind>.alpha_ms`, `<kind>.samples` (kind: prefill, decode) of step
         latency on one backbone, GPU model and adapter shape."""

@@ -91,12 +91,15 @@ def _wait(check: Any, timeout: float = 10.0) -> None:
 
 def _block(store: Store, keys: Keys) -> None:
     """Another function's long prefill holds the GPU's slot (the test plays that worker)."""
-    now = time.time() * 1000
-    held = store.run(
-        adm.ask(keys, GPU, "blocker", "t/other", deadline_ms=now + 60_000, t_ms=0, lease_ms=30_000,
-                waiter_ttl_ms=1000, active_ttl_ms=1000)
-    )  # fmt: skip
-    assert held.granted
+
+    def held() -> bool:
+        now = time.time() * 1000
+        return store.run(
+            adm.ask(keys, GPU, "blocker", "t/other", deadline_ms=now + 60_000, t_ms=0, lease_ms=30_000,
+                    waiter_ttl_ms=1000, active_ttl_ms=1000)
+        ).granted  # fmt: skip
+
+    _wait(held)  # once the worker that has it now released it
 
 
 def test_the_tight_slo_gets_the_slot_first_and_nothing_is_lost(redis_server: str) -> None:
@@ -116,12 +119,12 @@ def test_the_tight_slo_gets_the_slot_first_and_nothing_is_lost(redis_server: str
         _send(store, keys, "t/tight", "tight-1")
         _wait(lambda: store.client.hlen(keys.gpu_waiting(GPU)) == 2)  # both ask while it is held
         assert not loose_engine.steps and not tight_engine.steps
-        assert store.run(adm.release(keys, GPU, "blocker"))
+        assert store.run(adm.release(keys, GPU, "blocker", 1000))
         _wait(lambda: loose_engine.steps)  # loose-1 prefilled: it decodes from now on
         _block(store, keys)
         _send(store, keys, "t/loose", "loose-2")
         _wait(lambda: (0, 1) in loose_engine.steps)  # refused the slot, it keeps decoding loose-1
-        assert store.run(adm.release(keys, GPU, "blocker"))
+        assert store.run(adm.release(keys, GPU, "blocker", 1000))
 
         rids = ["loose-1", "loose-2", "tight-1"]
         finals = {rid: _final(store, keys, rid) for rid in rids}

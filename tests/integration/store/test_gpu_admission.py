@@ -39,9 +39,11 @@ def test_the_holder_keeps_the_slot_until_it_releases_and_grants_are_recorded(red
     assert not tight.granted and tight.other == "w-loose"  # held: a prefill is not pre-empted
     again = _ask(store, keys, "w-loose", now + 5000, 10)  # the holder asks again: competes afresh
     assert not again.granted and again.other == "w-tight"
-    assert _ask(store, keys, "w-tight", now + 100, 10).granted
-    assert not store.run(adm.release(keys, GPU, "w-loose"))  # not its slot any more
-    assert store.run(adm.release(keys, GPU, "w-tight"))
+    assert _ask(store, keys, "w-tight", now + 100, 10).granted  # handed to it by w-loose's ask
+    assert not store.run(adm.release(keys, GPU, "w-loose", 5000))  # not its slot any more
+    assert store.run(adm.release(keys, GPU, "w-tight", 5000))  # handed on to w-loose, which waits
+    assert store.client.lrange(keys.gpu_wake(GPU, "w-loose"), 0, -1) == ["1"]
+    assert store.run(adm.wait_for_slot(keys, GPU, "w-loose", 1.0))
     assert _ask(store, keys, "w-loose", now + 5000, 10).granted
     grants = store.run(adm.grants(keys, GPU))
     assert [(g.worker, g.function) for g in grants] == [
@@ -50,6 +52,13 @@ def test_the_holder_keeps_the_slot_until_it_releases_and_grants_are_recorded(red
     assert grants[1].waiters == 2 and grants[2].waiters == 1
     assert grants[0].runner_up_ms is None and grants[2].runner_up_ms is None  # alone
     assert grants[1].runner_up_ms is not None and grants[1].margin_ms < grants[1].runner_up_ms
+
+
+def test_nothing_to_wait_for_times_out(redis_server: str) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    started = time.monotonic()
+    assert not store.run(adm.wait_for_slot(keys, GPU, "w-1", 0.1))
+    assert time.monotonic() - started >= 0.09
 
 
 def test_a_dead_holder_loses_the_slot_when_its_lease_ends(redis_server: str) -> None:
@@ -67,8 +76,8 @@ def test_a_waiter_that_stopped_asking_is_forgotten(redis_server: str) -> None:
     now = _now_ms(store)
     assert _ask(store, keys, "w-holder", now + 9000, 10).granted
     assert not _ask(store, keys, "w-gone", now, 10, waiter_ttl_ms=100).granted  # tightest, then leaves
-    assert store.run(adm.release(keys, GPU, "w-holder"))
-    assert not _ask(store, keys, "w-next", now + 8000, 10).granted  # w-gone still counts
+    assert store.run(adm.release(keys, GPU, "w-holder", 5000))
+    assert not _ask(store, keys, "w-next", now + 8000, 10).granted  # handed to w-gone, still asking
     time.sleep(0.15)
     answer = _ask(store, keys, "w-next", now + 8000, 10)
     assert answer.granted and answer.waiters == 1
@@ -82,8 +91,8 @@ def test_active_batches_count_in_the_margin_and_idle_leaves(redis_server: str) -
     answer = _ask(store, keys, "w-3", now + 1000, 100)
     assert answer.granted and answer.active == 3  # two running batches + the asker's
     assert 1000 - 3 * 100 - 50 <= answer.margin_ms <= 1000 - 3 * 100
-    store.run(adm.mark_idle(keys, GPU, "w-3"))  # frees its slot too
-    store.run(adm.mark_idle(keys, GPU, "w-1"))
+    store.run(adm.mark_idle(keys, GPU, "w-3", 5000))  # frees its slot too
+    store.run(adm.mark_idle(keys, GPU, "w-1", 5000))
     answer = _ask(store, keys, "w-2", now + 1000, 100)
     assert answer.granted and answer.active == 1  # w-2 itself
 
@@ -105,7 +114,7 @@ def test_the_script_picks_as_the_policy_does(
     for w in ws:
         store.run(adm.mark_active(keys, GPU, w.worker, 60_000))  # all running: M is the same for each
         assert not _ask(store, keys, w.worker, w.deadline_ms, w.t_ms).granted
-    store.run(adm.mark_idle(keys, GPU, "holder"))
+    store.run(adm.mark_idle(keys, GPU, "holder", 60_000))  # hands the slot on
     m = active + len(ws)
     expected = slo.pick(ws, now, m)
     assert expected is not None

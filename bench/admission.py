@@ -1,0 +1,250 @@
+"""SLO-aware GPU admission, on and off, side by side in one run, through the real platform (`lorafn up`).
+
+N functions on one backbone and one device, each with its own TTFT SLO (cycled from --slos), all warm
+(minReplicas 1) before the traffic starts, so cold starts stay out of the comparison. The same bursty
+arrivals (the Azure LLM code trace, scaled to --rate over --duration-s, GSM8K prompts) are replayed
+open-loop over HTTP twice: once with cross-function admission (`gpu_admission: true`: the workers of the
+device take turns for prefills by deadline margin) and once without. Printed per function and overall:
+TTFT p50/p99, TPOT p50/p99, SLO violations (an error or a first token later than the function's SLO),
+throughput (completion tokens/s), and the slot's grants.
+
+    # CPU (tiny preset; minutes; ratios only on a shared 2-core machine)
+    python bench/admission.py --preset tiny --device cpu --workdir /tmp/adm
+    # H100: 6 functions on one llama-2-7b (random weights of the real shape), r16 adapters
+    python bench/admission.py --preset llama-2-7b --device cuda --dtype bfloat16 --functions 6 \
+        --slos 300,1000,3000 --rate 12 --duration-s 60 --max-prompt-tokens 1024 --max-tokens 128 \
+        --workdir /tmp/adm --json $OUT/admission.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lorafn.replay import trace  # noqa: E402
+from lorafn.replay.driver import DriveOptions, Target, drive  # noqa: E402
+from lorafn.replay.platform import (  # noqa: E402
+    ManagedPlatform,
+    new_keys,
+    prepare_adapters,
+    prepare_model,
+)
+from lorafn.replay.stats import RequestResult, percentiles, slo_violated  # noqa: E402
+from lorafn.store import admission as store_admission  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data"
+NAMESPACE = "adm"
+BACKBONE = "adm-backbone"
+
+
+def manifest(
+    model_dir: Path, dtype: str, functions: list[str], adapters: list[Path], slos: dict[str, int],
+    keys: dict[str, str],
+) -> str:  # fmt: skip
+    """A Backbone without a warm pool, a Secret of keys, and each function warm (minReplicas 1) with its
+    own TTFT SLO."""
+    import yaml
+
+    docs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "lorafn.io/v1alpha1", "kind": "Backbone", "metadata": {"name": BACKBONE},
+            "spec": {"model": {"uri": f"file://{model_dir}"}, "dtype": dtype,
+                     "warmPool": {"minStandby": 0, "maxStandby": 0}},
+        },
+        {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "adm-keys", "namespace": NAMESPACE},
+            "stringData": {fn.split("/", 1)[1]: keys[fn] for fn in functions},
+        },
+    ]  # fmt: skip
+    for i, fn in enumerate(functions):
+        name = fn.split("/", 1)[1]
+        docs.append(
+            {
+                "apiVersion": "lorafn.io/v1alpha1", "kind": "LoRAFunction",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {
+                    "backbone": BACKBONE,
+                    "adapter": {"uri": f"file://{adapters[i % len(adapters)]}"},
+                    "slo": {"ttftMs": slos[fn]},
+                    "scaling": {"minReplicas": 1, "maxReplicas": 1, "keepAliveSeconds": 3600},
+                    "auth": {"apiKeySecretRef": {"name": "adm-keys", "key": name}},
+                },
+            }
+        )  # fmt: skip
+    return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+def figures(
+    results: list[RequestResult], slo_ms: float | dict[str, float], duration_s: float
+) -> dict[str, Any]:
+    def slo_of(r: RequestResult) -> float:
+        return slo_ms if isinstance(slo_ms, int | float) else slo_ms[r.function]
+
+    ok = [r for r in results if r.ok]
+    ttft = percentiles(r.ttft_ms for r in ok)
+    tpot = percentiles(r.tpot_ms for r in ok)
+    tokens = sum(r.completion_tokens or 0 for r in ok)
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "ttft_p50": ttft["p50"], "ttft_p99": ttft["p99"], "tpot_p50": tpot["p50"], "tpot_p99": tpot["p99"],
+        "slo_violations": sum(slo_violated(r, slo_of(r)) for r in results) / max(1, len(results)),
+        "tokens_per_s": tokens / duration_s if duration_s > 0 else 0.0,
+    }  # fmt: skip
+
+
+def run_one(
+    args: argparse.Namespace,
+    admission: bool,
+    model_dir: Path,
+    adapters: list[Path],
+    plan: list[trace.PlannedRequest],
+    functions: list[str],
+    slos: dict[str, int],
+) -> dict[str, Any]:
+    workdir = Path(args.workdir) / ("on" if admission else "off")
+    settings = {"device": args.device, "devices": 1, "gpu_admission": admission, "warm_pool": False}
+    if args.device_memory_mib:
+        settings["device_memory_mib"] = args.device_memory_mib
+    platform = ManagedPlatform(workdir, settings)
+    keys = new_keys(functions)
+    try:
+        state = platform.start(timeout_s=args.start_timeout_s)
+        platform.apply(manifest(model_dir, args.dtype, functions, adapters, slos, keys))
+        settled = platform.settle(
+            functions, 1, want_standby=False, shared=True, timeout_s=args.start_timeout_s
+        )
+        if not settled.get("settled"):
+            print(f"  warning: not settled before traffic: {settled}", flush=True)
+        target = Target(state.gateway_url, keys, state.redis_url, state.key_prefix)
+        options = DriveOptions(
+            request_timeout_s=args.request_timeout_s, drain_timeout_s=args.request_timeout_s
+        )
+        # one request per function first: kernels load, the latency profiles get their first samples
+        warm = [trace.PlannedRequest(i, 0.05 * i, fn, "Hello there, warm up.", 8, 8)
+                for i, fn in enumerate(functions * args.warmup_rounds)]  # fmt: skip
+        asyncio.run(drive(warm, target, options))
+        print(f"  admission {'on' if admission else 'off'}: replaying {len(plan)} requests ...", flush=True)
+        done = asyncio.run(drive(plan, target, options))
+        assert platform.store is not None
+        grants = platform.store.run(store_admission.grants(platform.keys, "local/0", count=100_000))
+    finally:
+        platform.stop()
+    results = done.results
+    per_fn = {
+        fn: figures([r for r in results if r.function == fn], slos[fn], done.duration_s) for fn in functions
+    }
+    overall = figures(results, {fn: float(s) for fn, s in slos.items()}, done.duration_s)
+    contested = [g for g in grants if g.waiters > 1]
+    return {
+        "admission": admission, "overall": overall, "functions": per_fn, "duration_s": done.duration_s,
+        "grants": len(grants), "contested_grants": len(contested),
+        "results": [r.to_json() for r in results],
+    }  # fmt: skip
+
+
+def _f(value: float | None, fmt: str = "{:.0f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def render(runs: dict[str, dict[str, Any]], functions: list[str], slos: dict[str, int]) -> None:
+    cols = ["ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "slo_violations", "tokens_per_s", "errors"]
+    print()
+    print(f"{'function (SLO ms)':<26}{'admission':<10}" + "".join(f"{c:>15}" for c in cols))
+    rows = [(f"{fn} ({slos[fn]})", fn) for fn in functions] + [("all", None)]
+    for label, fn in rows:
+        for name in ("on", "off"):
+            fig = runs[name]["overall"] if fn is None else runs[name]["functions"][fn]
+            cells = []
+            for c in cols:
+                v = fig[c]
+                cells.append(
+                    _f(v * 100, "{:.1f}%")
+                    if c == "slo_violations"
+                    else _f(v, "{:.1f}")
+                    if c == "tokens_per_s"
+                    else _f(v)
+                )
+            print(f"{label:<26}{name:<10}" + "".join(f"{x:>15}" for x in cells))
+    on, off = runs["on"]["overall"], runs["off"]["overall"]
+    cost = 1 - on["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else None
+    print()
+    print(f"slot grants: {runs['on']['grants']} ({runs['on']['contested_grants']} with several waiters); "
+          f"off: {runs['off']['grants']}")  # fmt: skip
+    shown_cost = _f(cost * 100 if cost is not None else None, "{:.1f}%")
+    print(f"SLO violations: on {on['slo_violations'] * 100:.1f}% vs off {off['slo_violations'] * 100:.1f}%;"
+          f" throughput cost of admission: {shown_cost}")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", help="random model preset (tiny | llama-2-7b | llama-3-8b)")
+    ap.add_argument("--model", help="an existing model directory instead of --preset")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--functions", type=int, default=3)
+    ap.add_argument("--slos", default="150,1000,5000", help="TTFT SLOs (ms), cycled over the functions")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=6.0, help="mean requests/s over all functions")
+    ap.add_argument("--duration-s", type=float, default=30.0)
+    ap.add_argument("--trace", default=str(DATA / "azure_llm_2023_code.csv"))
+    ap.add_argument("--trace-start-s", type=float, default=0.0)
+    ap.add_argument("--questions", default=str(DATA / "gsm8k_test.jsonl"))
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-rounds", type=int, default=3)
+    ap.add_argument("--device-memory-mib", type=int, default=None)
+    ap.add_argument("--start-timeout-s", type=float, default=600.0)
+    ap.add_argument("--request-timeout-s", type=float, default=300.0)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None, help="write every figure and request here")
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="lorafn-adm-")
+    work = Path(args.workdir)
+
+    model_dir = (
+        Path(args.model)
+        if args.model
+        else prepare_model(args.preset, work / f"model-{args.preset}", args.dtype)
+    )
+    adapters = prepare_adapters(model_dir, work / "adapters", min(args.functions, 4), args.rank, "all-linear")
+    functions = [f"{NAMESPACE}/f{i:02d}" for i in range(args.functions)]
+    slo_list = [int(s) for s in args.slos.split(",") if s.strip()]
+    if not slo_list:
+        raise SystemExit("--slos: give at least one TTFT SLO in ms")
+    slos = {fn: slo_list[i % len(slo_list)] for i, fn in enumerate(functions)}
+    rows = trace.parse_trace(Path(args.trace))
+    questions = trace.load_questions(Path(args.questions))
+    plan_opts = trace.PlanOptions(
+        num_functions=args.functions, rate_rps=args.rate, duration_s=args.duration_s,
+        trace_start_s=args.trace_start_s, zipf_exponent=0.0, seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_tokens,
+    )  # fmt: skip
+    plan = trace.plan_requests(rows, questions, functions, plan_opts)
+    print(f"plan: {trace.describe_plan(plan, args.duration_s)}; SLOs {slos}", flush=True)
+
+    runs: dict[str, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    for name, admission in (("on", True), ("off", False)):
+        runs[name] = run_one(args, admission, model_dir, adapters, plan, functions, slos)
+    render(runs, functions, slos)
+    print(f"\n(both runs in {time.perf_counter() - t0:.0f} s; model {model_dir}, device {args.device})")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "slos": slos, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
