@@ -171,11 +171,12 @@ class ModelRunner:
             return cfg.num_kv_blocks
         self.kv_blocks_from = "kv_cache_memory_bytes"
         if cfg.kv_cache_memory_bytes is not None:
-            n = blocks_for_budget(cfg.kv_cache_memory_bytes, per_block)
+            # the cache holds one scratch block beyond those handed out (kv_cache.py): it counts too
+            n = blocks_for_budget(cfg.kv_cache_memory_bytes, per_block) - 1
             if n < 1:
                 raise ValueError(
-                    f"kv_cache_memory_bytes: {cfg.kv_cache_memory_bytes} is less than one KV block "
-                    f"({per_block} bytes)"
+                    f"kv_cache_memory_bytes: {cfg.kv_cache_memory_bytes} is less than two KV blocks "
+                    f"({per_block} bytes each: one usable, one scratch)"
                 )
             return min(n, useful)
         self.kv_blocks_from = "cpu_default"

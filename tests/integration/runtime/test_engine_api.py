@@ -118,3 +118,18 @@ def test_max_model_len_finishes_with_length(tiny_model_dir: Path) -> None:
     engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_model_len=12))
     out = engine.generate([[5] * 8], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_a_kv_budget_is_never_exceeded_scratch_block_included(tiny_model_dir: Path) -> None:
+    # the controller grants a worker a KV budget and counts exactly that: the cache, with the scratch block
+    # padded decode rows write into, must fit in it (found on the H100: 33 blocks of 8 MiB for 256 MiB)
+    from lorafn.runtime.kv_cache import block_bytes
+
+    probe = Engine(EngineConfig(model=tiny_model_dir, device="cpu", num_kv_blocks=1))
+    per_block = block_bytes(probe.model_config, probe.config.block_size, probe.dtype)
+    for budget in (2 * per_block, 10 * per_block, 10 * per_block + per_block // 2):
+        engine = Engine(EngineConfig(model=tiny_model_dir, device="cpu", kv_cache_memory_bytes=budget))
+        assert engine.runner.kv_cache.nbytes <= budget
+        assert engine.runner.kv_cache.nbytes > budget - 2 * per_block  # and nothing more is left out
+    with pytest.raises(ValueError, match="less than two KV blocks"):
+        Engine(EngineConfig(model=tiny_model_dir, device="cpu", kv_cache_memory_bytes=per_block + 1))
