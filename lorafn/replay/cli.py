@@ -283,3 +283,29 @@ def replay(
     runs = [r for r in report["configs"] if not r.get("unavailable")]
     if not runs:
         raise _fail("no configuration ran")
+
+
+@app.command("report")
+def report(
+    files: list[Path] = typer.Argument(
+        ..., help="replay.json files of one workload (same trace, rate, seed)."
+    ),
+    out: Path = typer.Option(
+        Path("replay-merged"), "--out", help="Directory for the merged replay.json and plots."
+    ),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots (needs matplotlib)."),
+) -> None:
+    """Merge replays of the same workload into one report (tables, comparison, plots), e.g. when the
+    configurations were run by several commands to fit a time limit; a configuration in several files
+    keeps its first run."""
+    import json
+
+    from rich.console import Console
+
+    from lorafn.replay.run import finish, merge_reports
+
+    try:
+        loaded = [json.loads(f.read_text()) for f in files]
+        finish(merge_reports(loaded), out, plots, Console())
+    except (OSError, ValueError, KeyError) as exc:
+        raise _fail(str(exc)) from None

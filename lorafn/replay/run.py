@@ -281,15 +281,45 @@ def run_replay(options: ReplayOptions, console: Console | None = None) -> dict[s
         "usd_per_gpu_hour": options.usd_per_gpu_hour,
         "workload": workload,
         "configs": runs,
-        "comparison": rep.compare(runs),
     }
-    if options.plots:
+    return finish(report, options.out_dir, options.plots, console)
+
+
+def finish(report: dict[str, Any], out_dir: Path, plots: bool, console: Console) -> dict[str, Any]:
+    """Compare the configurations, write the plots and replay.json, print the tables."""
+    report["comparison"] = rep.compare(report["configs"])
+    if plots:
         from lorafn.replay.plots import write_plots
 
-        report["plots"] = [str(p) for p in write_plots(report, options.out_dir)]
-    dump_json(options.out_dir / "replay.json", report)
+        report["plots"] = [str(p) for p in write_plots(report, out_dir)]
+    dump_json(out_dir / "replay.json", report)
     rep.render(report, console)
-    console.print(
-        f"report: {options.out_dir / 'replay.json'}; plots: {', '.join(report.get('plots', [])) or 'none'}"
-    )
+    console.print(f"report: {out_dir / 'replay.json'}; plots: {', '.join(report.get('plots', [])) or 'none'}")
     return report
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several runs of the same workload (e.g. the configurations split over several
+    commands to fit a time limit): configurations in the order given, a name seen twice keeps the first.
+    Refuses reports of different workloads or prices (their rows would not compare)."""
+    if not reports:
+        raise ValueError("reports: none given")
+    first = reports[0]
+    for other in reports[1:]:
+        for key in ("workload", "usd_per_gpu_hour"):
+            a, b = first.get(key), other.get(key)
+            if key == "workload":  # file paths may differ between machines; the plan may not
+                a = {k: v for k, v in (a or {}).items() if not k.endswith("_file")}
+                b = {k: v for k, v in (b or {}).items() if not k.endswith("_file")}
+            if a != b:
+                raise ValueError(f"reports: {key} differs between the files; they are not one replay")
+    configs: list[dict[str, Any]] = []
+    for r in reports:
+        configs += [c for c in r["configs"] if c["config"] not in {x["config"] for x in configs}]
+    merged = {k: v for k, v in first.items() if k not in ("comparison", "plots")}
+    merged["configs"] = configs
+    merged["merged_from"] = [
+        {"date": r.get("date"), "commit": r.get("commit"), "configs": [c["config"] for c in r["configs"]]}
+        for r in reports
+    ]
+    return merged
