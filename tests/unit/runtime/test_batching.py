@@ -1,0 +1,108 @@
+"""The worker's SLO-aware batching state (lorafn.runtime.batching) without Redis: which steps are measured,
+when the profile is published, the TPOT cap, fill-or-expire on a clock, and the switch from the worker's
+settings and `lorafn up`'s config down to the serving loop."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorafn.runtime import slo
+from lorafn.runtime.batching import Batching, BatchingConfig
+from lorafn.runtime.worker import WorkerSettings, serving_config
+from lorafn.store import Keys
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _batching(clock: Clock | None = None, **cfg: Any) -> Batching:
+    config = BatchingConfig(**{"ttft_ms": 1000.0, "backbone": "tiny", "gpu": "local/0", **cfg})
+    return Batching(None, Keys("t"), "w-1", "ns/fn", config, clock=clock or Clock())  # type: ignore[arg-type]
+
+
+def test_first_steps_are_not_measured_and_the_fit_is_published_every_n() -> None:
+    b = _batching(warmup_steps=2, publish_every=4)
+    for _ in range(2):
+        b.observe((1, 0), 900.0)  # kernels loading: not the GPU's speed
+    assert b.fit(slo.PREFILL) is None
+    for n in (1, 2, 3, 4):
+        b.observe((n, 3), 10.0 + 5.0 * (n - 1))  # a step with prefills is a prefill step
+    fit = b.fit(slo.PREFILL)
+    assert fit is not None and fit.latency_ms(3) == pytest.approx(20.0)
+    assert b.fit(slo.DECODE) is None
+    ops = b.pipeline_ops(busy=False)
+    assert len(ops) == 1  # the profile (admission marks need a running batch)
+    assert b.pipeline_ops(busy=False) == []
+    b.observe((0, 0), 5.0)  # an empty step measures nothing
+    assert b.profiles[slo.DECODE].samples == 0
+
+
+def test_tpot_caps_the_running_batch() -> None:
+    b = _batching(tpot_ms=30.0, warmup_steps=0)
+    assert b.max_running(64) == 64  # not measured yet
+    for n in (1, 4, 8):
+        b.observe((0, n), 10.0 + 2.0 * (n - 1))
+    assert b.max_running(64) == 11  # T(11) = 30 ms
+    assert _batching(warmup_steps=0).max_running(64) == 64  # no tpotMs: no cap
+
+
+def test_fill_or_expire_holds_only_when_companions_are_due() -> None:
+    clock = Clock()
+    b = _batching(clock, warmup_steps=0)
+    b.profiles[slo.PREFILL].prior = slo.Fit(100.0, 10.0)  # B for 1000 ms: 64 (limit), T(8) = 170
+    now_ms = time.time() * 1000
+    b.arrived([now_ms], idle_before=True, limit=8)
+    assert b.hold_left_ms(1) == 0  # the first arrival: no rate known, no hold
+    b.arrived([now_ms], idle_before=False, limit=8)  # a companion at once: arrivals are dense
+    b.arrived([now_ms], idle_before=True, limit=8)
+    left = b.hold_left_ms(1)
+    assert 0 < left <= 1000 - 170  # SLO - T(N) - waited
+    clock.t += 0.5 * left / 1000
+    assert 0 < b.hold_left_ms(2) < left
+    assert b.hold_left_ms(8) == 0  # the batch is full: go
+    assert b.hold_left_ms(1) == 0  # and the hold is over
+    off = _batching(clock, batch_hold=False)
+    off.profiles[slo.PREFILL].prior = slo.Fit(100.0, 10.0)
+    for _ in range(3):
+        off.arrived([now_ms], idle_before=True, limit=8)
+    assert off.hold_left_ms(1) == 0
+
+
+def test_admission_needs_a_device_id_and_the_switch() -> None:
+    class Engine:
+        num_pending_prefills = 2
+
+    assert _batching().gated(Engine())
+    assert not _batching(gpu="").gated(Engine())
+    assert not _batching(gpu_admission=False).gated(Engine())
+    assert not _batching().gated(object())  # an engine that cannot hold its prefills back
+    assert _batching(gpu_admission=False).allow_prefill(Engine(), None) is True  # asks nothing
+
+
+def test_the_switch_reaches_the_serving_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAFN_GPU_ADMISSION", "false")
+    settings = WorkerSettings(function="ns/fn", gpu="local/0", backbone="tiny")
+    cfg = serving_config(settings, "ns/fn", None, object()).batching
+    assert (cfg.gpu_admission, cfg.batch_hold, cfg.gpu, cfg.backbone, cfg.gpu_model) == (
+        False, True, "local/0", "tiny", "cpu",
+    )  # fmt: skip
+    monkeypatch.delenv("LORAFN_GPU_ADMISSION")
+    assert serving_config(WorkerSettings(function="ns/fn"), "ns/fn", None, object()).batching.gpu_admission
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_lorafn_up_passes_its_switch_to_workers(tmp_path: Path, on: bool) -> None:
+    from lorafn.local.config import LocalConfig
+    from lorafn.local.platform import LocalPlatform
+
+    platform = LocalPlatform(LocalConfig(state_dir=tmp_path, device="cpu", gpu_admission=on))
+    assert platform.executor.worker_extra_env["LORAFN_GPU_ADMISSION"] == ("true" if on else "false")
