@@ -197,8 +197,8 @@ def _lorafn(*args: str, state_dir: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def _with_up(tmp: Path, zygote: bool, body: Callable[[Path], None]) -> str:
-    """Run `lorafn up` (CPU, no warm pool) with `zygote` on or off around `body(state_dir)`; its log."""
+def _with_up(tmp: Path, zygote: bool, device: str, body: Callable[[Path], None]) -> str:
+    """Run `lorafn up` (no warm pool) with `zygote` on or off around `body(state_dir)`; its log."""
     state_dir = tmp / f"state-{zygote}"
     cfg = tmp / f"up-{zygote}.yaml"
     cfg.write_text(f"zygote: {str(zygote).lower()}\ngateway_port: 0\n")
@@ -206,7 +206,7 @@ def _with_up(tmp: Path, zygote: bool, body: Callable[[Path], None]) -> str:
     with log.open("w") as out:
         up = subprocess.Popen(
             [sys.executable, "-m", "lorafn.cli", "up", "--config", str(cfg), "--state-dir", str(state_dir),
-             "--device", "cpu"],
+             "--device", device],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
         try:
@@ -227,16 +227,21 @@ def _with_up(tmp: Path, zygote: bool, body: Callable[[Path], None]) -> str:
     return log.read_text()
 
 
-def test_up_forked_and_spawned_workers_answer_alike(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_up_forked_and_spawned_workers_answer_alike(
+    tiny_model_dir: Path, tmp_path: Path, device: str
+) -> None:
+    """On `cuda` the forked child is the first to initialize CUDA (the zygote never does)."""
     from tests.integration.runtime.engine_helpers import write_peft_adapter
 
     adapter = write_peft_adapter(
         tiny_model_dir, tmp_path / "adapter", r=4, lora_alpha=8, target_modules="all-linear"
     )
     manifest = tmp_path / "fn.yaml"
+    dtype = "bfloat16" if device == "cuda" else "float32"
     manifest.write_text(
         f"apiVersion: lorafn.io/v1alpha1\nkind: Backbone\nmetadata: {{name: tiny}}\n"
-        f"spec: {{model: {{uri: 'file://{tiny_model_dir}'}}, dtype: float32, "
+        f"spec: {{model: {{uri: 'file://{tiny_model_dir}'}}, dtype: {dtype}, "
         "warmPool: {minStandby: 0, maxStandby: 0}}\n---\n"
         "apiVersion: lorafn.io/v1alpha1\nkind: LoRAFunction\nmetadata: {name: echo, namespace: t}\n"
         f"spec: {{backbone: tiny, adapter: {{uri: 'file://{adapter}'}}, "
@@ -259,8 +264,8 @@ def test_up_forked_and_spawned_workers_answer_alike(tiny_model_dir: Path, tmp_pa
         logs = _lorafn("logs", FUNCTION, state_dir=state_dir)  # the worker's log is read as before
         assert logs.returncode == 0 and "serving t/echo" in logs.stdout, logs.stdout + logs.stderr
 
-    forked_log = _with_up(tmp_path, True, lambda s: body(s, True))
-    spawned_log = _with_up(tmp_path, False, lambda s: body(s, False))
+    forked_log = _with_up(tmp_path, True, device, lambda s: body(s, True))
+    spawned_log = _with_up(tmp_path, False, device, lambda s: body(s, False))
     assert "zygote ready: workers are forked from it" in forked_log
     assert "forked from the zygote" in forked_log and " spawned, pid" not in forked_log, forked_log
     assert " spawned, pid" in spawned_log and "forked from the zygote" not in spawned_log
