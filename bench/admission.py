@@ -115,7 +115,8 @@ def run_one(
     settings = {"device": args.device, "devices": 1, "gpu_admission": admission, "warm_pool": False}
     if args.device_memory_mib:
         settings["device_memory_mib"] = args.device_memory_mib
-    platform = ManagedPlatform(workdir, settings)
+    # workers of the device that may prefill at once (the workers read it from the environment)
+    platform = ManagedPlatform(workdir, settings, env={"LORAFN_GPU_PREFILL_SLOTS": str(args.prefill_slots)})
     keys = new_keys(functions)
     try:
         state = platform.start(timeout_s=args.start_timeout_s)
@@ -202,6 +203,7 @@ def main() -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-slots", type=int, default=1, help="prefills at once per device (admission on)")
     ap.add_argument("--warmup-rounds", type=int, default=3)
     ap.add_argument("--device-memory-mib", type=int, default=None)
     ap.add_argument("--start-timeout-s", type=float, default=600.0)

@@ -46,6 +46,7 @@ class BatchingConfig:
     backbone: str = ""
     gpu_model: str = "cpu"
     shape: str = ""
+    prefill_slots: int = 1  # workers of the device that may run a prefill step at once
     lease_ms: float = 2000.0  # the slot of a worker that died frees itself after this
     poll_ms: float = 5.0  # a refused worker with no decode to run asks again after at most 20x this
     active_ttl_ms: float = 2000.0  # a worker that stopped marking itself active leaves M after this
@@ -53,6 +54,8 @@ class BatchingConfig:
     warmup_steps: int = 2  # first steps of each kind are not measured (kernels load, caches fill)
 
     def __post_init__(self) -> None:
+        if self.prefill_slots < 1:
+            raise ValueError(f"prefill_slots must be >= 1, got {self.prefill_slots!r}")
         for name in ("lease_ms", "poll_ms", "active_ttl_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -202,6 +205,7 @@ class Batching:
                 self.keys, cfg.gpu, self.worker_id, self.function,
                 deadline_ms=oldest_deadline_ms, t_ms=t_ms, lease_ms=max(cfg.lease_ms, 4 * t_ms),
                 waiter_ttl_ms=max(250.0, 4 * step_ms, 8 * cfg.poll_ms), active_ttl_ms=cfg.active_ttl_ms,
+                slots=cfg.prefill_slots,
             )
         )  # fmt: skip
         if answer.granted:
@@ -226,14 +230,22 @@ class Batching:
         cfg = self.config
         if self.admission_on:
             if self._holds_slot:
-                ops.append(store_admission.release(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms))
+                ops.append(
+                    store_admission.release(
+                        self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms, cfg.prefill_slots
+                    )
+                )
                 self._holds_slot = False
             now = self.clock()
             if busy and (self._active_at is None or now - self._active_at > cfg.active_ttl_ms / 3000):
                 ops.append(store_admission.mark_active(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms))
                 self._active_at, self._was_active = now, True
             elif not busy and self._was_active:
-                ops.append(store_admission.mark_idle(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms))
+                ops.append(
+                    store_admission.mark_idle(
+                        self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms, cfg.prefill_slots
+                    )
+                )
                 self._active_at, self._was_active = None, False
         if self._publish and self._profile_key():
             for kind in sorted(self._publish):

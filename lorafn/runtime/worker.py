@@ -627,6 +627,9 @@ class WorkerSettings(SharedSettings):
     batch_hold: bool = Field(
         default=True, description="fill or expire: an idle worker holds its first prefill for companions"
     )
+    gpu_prefill_slots: int = Field(
+        default=1, ge=1, description="workers of a device that may run a prefill step at once (admission)"
+    )
     log_level: str = "INFO"
 
 
@@ -761,6 +764,7 @@ def serving_config(
             gpu=settings.gpu,
             gpu_admission=settings.gpu_admission,
             batch_hold=settings.batch_hold,
+            prefill_slots=settings.gpu_prefill_slots,
             backbone=settings.backbone or "",
             gpu_model=gpu_model_name(settings.device),
             shape=fields.get("shape", ""),

@@ -1,13 +1,14 @@
-"""The Redis side of SLO-aware batching: one GPU's prefill slot and the latency profiles.
+"""The Redis side of SLO-aware batching: one GPU's prefill slots and the latency profiles.
 
-The slot (`lua/gpu_admission.lua`, one atomic script): a worker that wants to run a prefill `ask`s with
-its oldest waiting request's deadline and the expected step time `T(b)`; the script grants the slot
-to the waiter of smallest deadline margin (`lorafn.runtime.slo` holds the policy and its reference
-`pick`). The holder `release`s it after its step (in the pipeline the worker sends anyway); a lease
-ends the hold of a worker that died. A freed slot is handed straight to the best waiter, which a
-blocked waiter learns from its wake list (`wait_for_slot`) without polling. Workers with a running batch
-mark themselves `active` (M in the margin) and leave with `idle`. Decode steps never ask. Every grant is
-appended to a capped stream (`admissions`) with the runner-up's margin, which tests read.
+The slots (`lua/gpu_admission.lua`, one atomic script; `slots` per GPU, 1 by default): a worker that
+wants to run a prefill `ask`s with its oldest waiting request's deadline and the expected step time
+`T(b)`; the script grants a free slot to the waiter of smallest deadline margin (`lorafn.runtime.slo`
+holds the policy and its reference `pick`). The holder `release`s it after its step (in the pipeline
+the worker sends anyway); a lease ends the hold of a worker that died. A freed slot is handed straight
+to the best waiter, which a blocked waiter learns from its wake list (`wait_for_slot`) without
+polling. Workers with a running batch mark themselves `active` (M in the margin) and leave with
+`idle`. Decode steps never ask. Every grant is appended to a capped stream (`admissions`) with the
+runner-up's margin, which tests read.
 
 Profiles: a hash per (backbone, GPU model, adapter shape) with the fit of each step kind, written by
 the workers that measured it and read by a new worker as its prior.
@@ -61,6 +62,12 @@ def _ms(value: float, what: str) -> int:
     return int(value)
 
 
+def _slots(slots: int) -> int:
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+    return slots
+
+
 def ask(
     keys: Keys,
     gpu: str,
@@ -72,12 +79,14 @@ def ask(
     lease_ms: float,
     waiter_ttl_ms: float,
     active_ttl_ms: float,
+    slots: int = 1,
 ) -> Op[SlotAnswer]:
-    """Ask the GPU's prefill slot for the step this worker wants to run (see the module doc)."""
+    """Ask one of the GPU's `slots` prefill slots for the step this worker wants to run (module doc)."""
     check_id(worker, "worker id")
     args = [
         "ask", worker, function, f"{deadline_ms:.1f}", f"{max(0.0, t_ms):.3f}", _ms(lease_ms, "lease_ms"),
         max(1, _ms(waiter_ttl_ms, "waiter_ttl_ms")), max(1, _ms(active_ttl_ms, "active_ttl_ms")),
+        _slots(slots),
     ]  # fmt: skip
     names = _keys(keys, gpu)
 
@@ -90,10 +99,10 @@ def ask(
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), parse)
 
 
-def release(keys: Keys, gpu: str, worker: str, active_ttl_ms: float) -> Op[bool]:
+def release(keys: Keys, gpu: str, worker: str, active_ttl_ms: float, slots: int = 1) -> Op[bool]:
     """Free the slot if this worker holds it, handing it to the best waiter; True when it held it."""
     names = _keys(keys, gpu)
-    args = ["release", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms"))]
+    args = ["release", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms")), _slots(slots)]
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), lambda r: bool(r[0]))
 
 
@@ -104,10 +113,10 @@ def mark_active(keys: Keys, gpu: str, worker: str, ttl_ms: float) -> Op[int]:
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), lambda r: int(r[0]))
 
 
-def mark_idle(keys: Keys, gpu: str, worker: str, active_ttl_ms: float) -> Op[None]:
+def mark_idle(keys: Keys, gpu: str, worker: str, active_ttl_ms: float, slots: int = 1) -> Op[None]:
     """This worker's batch is empty: out of the active set and the waiters; its slot, if held, handed on."""
     names = _keys(keys, gpu)
-    args = ["idle", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms"))]
+    args = ["idle", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms")), _slots(slots)]
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), lambda r: None)
 
 

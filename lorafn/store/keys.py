@@ -179,7 +179,7 @@ class Keys:
 
     # -- SLO-aware batching (lorafn.store.admission, lua/gpu_admission.lua) ------------------------
     def gpu_slot(self, gpu: str) -> str:
-        """hash: the GPU's prefill slot (holder worker id, until = lease end in server ms)."""
+        """hash: holders of the GPU's prefill slots: worker id -> `<lease end, server ms>|<handoff 0/1>`."""
         return f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:slot"
 
     def gpu_waiting(self, gpu: str) -> str:

@@ -1,19 +1,22 @@
--- The prefill slot of one GPU: cross-function admission by smallest deadline margin (DESIGN §7).
--- Margin of a waiter: deadline - now - M * t, M = active batches on the GPU (the asker counted as one
--- if it has none yet); ties go to the smaller worker id. lorafn.runtime.slo.pick is the reference.
--- A free slot is handed straight to the best waiter (holder set, `handoff` flagged, a token pushed on
--- its wake list): a waiter blocked on that list starts at once instead of polling.
--- KEYS: 1 slot hash (holder, until, handoff), 2 waiting hash (worker -> deadline|t|expires|lease|function),
+-- The prefill slots of one GPU: cross-function admission by smallest deadline margin (DESIGN §7).
+-- `slots` workers (1 by default) may run a prefill step at once. Margin of a waiter:
+-- deadline - now - M * t, M = active batches on the GPU (the asker counted as one if it has none yet);
+-- ties go to the smaller worker id. lorafn.runtime.slo.pick is the reference.
+-- A freed slot is handed straight to the best waiter (its holder entry flagged `handoff`, a token pushed
+-- on its wake list): a waiter blocked on that list starts at once instead of polling.
+-- KEYS: 1 holders hash (worker -> until|handoff), 2 waiting hash (worker -> deadline|t|expires|lease|fn),
 --       3 active zset (worker -> last active ms), 4 admissions stream (grants, capped: worker, function,
 --       margin_ms, active, waiters, runner_up_ms = the next smallest margin among the waiters),
 --       5 wake-list key prefix (+ worker id: the list a waiting worker blocks on)
 -- ARGV: 1 op, 2 worker id, then per op:
---   ask:     3 function, 4 deadline (unix ms), 5 t (ms), 6 lease (ms), 7 waiter ttl (ms), 8 active ttl (ms)
+--   ask:     3 function, 4 deadline (unix ms), 5 t (ms), 6 lease (ms), 7 waiter ttl (ms), 8 active ttl (ms),
+--            9 slots
 --            -> {1, margin, M, waiters}  granted (the slot is the asker's until released or the lease ends)
---            -> {0, margin, M, holder, retry_ms}
---   release: 3 active ttl (ms) -> 1 when the asker held the slot (now handed on or free), else 0
+--            -> {0, margin, M, a holder or the waiter it went to, retry_ms}
+--   release: 3 active ttl (ms), 4 slots -> 1 when the asker held a slot (now handed on or free), else 0
 --   active:  3 active ttl (ms) -> M (the asker marked active)
---   idle:    3 active ttl (ms) -> 1; the asker leaves the active set and the waiters, and hands on its slot
+--   idle:    3 active ttl (ms), 4 slots -> 1; the asker leaves the active set and the waiters, and hands
+--            on its slot
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local op = ARGV[1]
@@ -55,8 +58,8 @@ end
 local function grant(w, entry, margin, active, second, count, handoff)
   -- handed on: the slot is the waiter's while it is still asking (until its waiter entry would expire)
   local hold = handoff == '1' and math.max(1, entry.expires - now) or entry.lease
-  redis.call('HSET', KEYS[1], 'holder', w, 'until', tostring(now + hold), 'handoff', handoff)
-  redis.call('PEXPIRE', KEYS[1], hold)
+  redis.call('HSET', KEYS[1], w, tostring(now + hold) .. '|' .. handoff)
+  redis.call('PEXPIRE', KEYS[1], 60000)
   redis.call('HDEL', KEYS[2], w)
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', '1000', '*', 'worker', w, 'function', entry.fn,
     'margin_ms', tostring(margin), 'active', tostring(active), 'waiters', tostring(count),
@@ -65,36 +68,58 @@ local function grant(w, entry, margin, active, second, count, handoff)
     local wake = KEYS[5] .. w
     redis.call('LPUSH', wake, '1')
     redis.call('LTRIM', wake, 0, 0)
-    redis.call('PEXPIRE', wake, entry.lease)
+    redis.call('PEXPIRE', wake, hold)
   end
 end
 
--- the slot is free: hand it to the best waiter, if any; returns that waiter
-local function hand_on(ttl)
+-- live holders (those whose lease ended are dropped), and the asker's `handoff` flag if it holds one
+local function holders()
+  local all = redis.call('HGETALL', KEYS[1])
+  local n, mine, any = 0, nil, nil
+  for i = 1, #all, 2 do
+    local w = all[i]
+    local u, flag = string.match(all[i + 1], '^([^|]+)|(.*)$')
+    if tonumber(u) == nil or tonumber(u) <= now then
+      redis.call('HDEL', KEYS[1], w) -- its holder died or hung: the lease ended
+    else
+      n = n + 1
+      if w == worker then mine = flag else any = w end
+    end
+  end
+  return n, mine, any
+end
+
+-- free slots go to the best waiters; returns the last one served
+local function hand_on(ttl, slots, n)
   local active = count_active(ttl, nil)
-  local best, margin, entry, second, count = best_waiter(active)
-  if best ~= nil then
+  local last = nil
+  while n < slots do
+    local best, margin, entry, second, count = best_waiter(active)
+    if best == nil then break end
     grant(best, entry, margin, active, second, count, '1')
+    last = best
+    n = n + 1
   end
-  return best
+  return last
 end
 
-local function release(ttl)
-  if redis.call('HGET', KEYS[1], 'holder') == worker then
-    redis.call('DEL', KEYS[1])
-    hand_on(ttl)
+local function release(ttl, slots)
+  if redis.call('HEXISTS', KEYS[1], worker) == 1 then
+    redis.call('HDEL', KEYS[1], worker)
+    local n = holders()
+    hand_on(ttl, slots, n)
     return 1
   end
   return 0
 end
 
 if op == 'release' then
-  return release(tonumber(ARGV[3]))
+  return release(tonumber(ARGV[3]), tonumber(ARGV[4]))
 end
 if op == 'idle' then
   redis.call('ZREM', KEYS[3], worker)
   redis.call('HDEL', KEYS[2], worker)
-  release(tonumber(ARGV[3]))
+  release(tonumber(ARGV[3]), tonumber(ARGV[4]))
   return 1
 end
 if op == 'active' then
@@ -116,32 +141,34 @@ local active_ttl = tonumber(ARGV[8])
 local active = count_active(active_ttl, worker)
 local own = deadline - now - active * t_ms
 
-local slot = redis.call('HMGET', KEYS[1], 'holder', 'until', 'handoff')
-local holder, lease_end, handoff = slot[1], tonumber(slot[2]), slot[3]
-if holder and (lease_end == nil or lease_end <= now) then
-  redis.call('DEL', KEYS[1]) -- its holder died or hung: the lease ended
-  holder = false
-end
-if holder == worker and handoff == '1' then -- handed to this worker while it waited: take it
-  redis.call('HSET', KEYS[1], 'handoff', '0', 'until', tostring(now + lease))
-  redis.call('PEXPIRE', KEYS[1], lease)
+local slots = tonumber(ARGV[9])
+
+local n, mine, any = holders()
+if mine == '1' then -- handed to this worker while it waited: take it
+  redis.call('HSET', KEYS[1], worker, tostring(now + lease) .. '|0')
   redis.call('HDEL', KEYS[2], worker)
   return {1, tostring(own), active, 0}
 end
 redis.call('HSET', KEYS[2], worker, ARGV[4] .. '|' .. ARGV[5] .. '|' .. tostring(now + waiter_ttl) .. '|'
   .. tostring(lease) .. '|' .. fn)
 redis.call('PEXPIRE', KEYS[2], waiter_ttl * 10)
-if holder == worker then -- asking again after its own step: compete afresh (a long prefill does not keep it)
-  redis.call('DEL', KEYS[1])
-  holder = false
+if mine ~= nil then -- asking again after its own step: compete afresh (a long prefill does not keep it)
+  redis.call('HDEL', KEYS[1], worker)
+  n = n - 1
 end
-if holder then
-  return {0, tostring(own), active, holder, math.max(1, lease_end - now)}
+if n >= slots then
+  return {0, tostring(own), active, any, 1}
 end
-local best, margin, entry, second, count = best_waiter(active)
-if best == worker then
-  grant(worker, entry, margin, active, second, count, '0')
-  return {1, tostring(own), active, count}
+local last = nil
+while n < slots do
+  local best, margin, entry, second, count = best_waiter(active)
+  if best == nil then break end
+  if best == worker then
+    grant(worker, entry, margin, active, second, count, '0')
+    return {1, tostring(own), active, count}
+  end
+  grant(best, entry, margin, active, second, count, '1')
+  last = best
+  n = n + 1
 end
-grant(best, entry, margin, active, second, count, '1')
-return {0, tostring(own), active, best, 1}
+return {0, tostring(own), active, last or any or '', 1}

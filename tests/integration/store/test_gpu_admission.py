@@ -133,3 +133,19 @@ def test_profiles_round_trip(redis_server: str) -> None:
     got = store.run(adm.get_profile(keys, "tiny", "NVIDIA_H100_80GB_HBM3", "q_proj:16,v_proj:16"))
     assert slo.Fit.from_fields(got["prefill"]) == fit and "decode" not in got
     assert store.run(adm.get_profile(keys, "tiny", "cpu", "none")) == {}
+
+
+def test_two_slots_let_two_prefills_run_and_hand_on_to_the_best_waiter(redis_server: str) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    now = _now_ms(store)
+    assert _ask(store, keys, "w-a", now + 9000, 10, slots=2).granted
+    assert _ask(store, keys, "w-b", now + 9000, 10, slots=2).granted  # the second slot
+    third = _ask(store, keys, "w-c", now + 5000, 10, slots=2)
+    assert not third.granted and third.other in {"w-a", "w-b"}
+    assert not _ask(store, keys, "w-d", now + 100, 10, slots=2).granted
+    assert store.run(adm.release(keys, GPU, "w-a", 5000, slots=2))  # to w-d: the smallest margin
+    assert _ask(store, keys, "w-d", now + 100, 10, slots=2).granted
+    assert not _ask(store, keys, "w-c", now + 5000, 10, slots=2).granted
+    store.run(adm.mark_idle(keys, GPU, "w-b", 5000, slots=2))
+    assert _ask(store, keys, "w-c", now + 5000, 10, slots=2).granted
+    assert [g.worker for g in store.run(adm.grants(keys, GPU))] == ["w-a", "w-b", "w-d", "w-c"]
