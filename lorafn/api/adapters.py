@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -497,3 +499,32 @@ def parse_api_keys(text: str) -> list[str]:
         if line and not line.startswith("#"):
             keys.append(line)
     return keys
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def shared_adapter_dirs(
+    adapter_dirs: dict[str, str], resolve: Callable[[str], str] = os.path.realpath
+) -> dict[str, str]:
+    """Functions whose adapter directory is also another function's (the same directory, or one inside
+    the other), judged on real paths: a symlink or `..` does not hide it (issue 15). function -> warning.
+
+    `adapter_dirs`: function -> its adapter directory as registered. Locally this is a warning (one user
+    owns every function); on Kubernetes the URI allow-lists decide (`lorafn.api.uris.ClusterURIPolicy`).
+    Pure apart from `resolve`."""
+    real = {fn: resolve(d) for fn, d in adapter_dirs.items()}
+    out: dict[str, str] = {}
+    for fn, mine in sorted(real.items()):
+        for other, theirs in sorted(real.items()):
+            if other == fn or not (_inside(mine, theirs) or _inside(theirs, mine)):
+                continue
+            via = f" (really {mine})" if mine != adapter_dirs[fn] else ""
+            how = "is" if mine == theirs else "overlaps"
+            out[fn] = (
+                f"adapter directory {adapter_dirs[fn]}{via} {how} the adapter directory of function "
+                f"{other} ({theirs}): one function can read the other's adapter"
+            )
+            break
+    return out

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from lorafn.api import FunctionRef, SecretKeyRef, parse_uri
-from lorafn.api.adapters import AdapterProblem, parse_api_keys, validate_adapter
+from lorafn.api.adapters import AdapterProblem, parse_api_keys, shared_adapter_dirs, validate_adapter
 from lorafn.local.manifests import Manifest, ManifestError, parse_manifest
 from lorafn.store import Keys, Op, Store, combine, control
 from lorafn.store.backbones import BackboneRecord, delete_backbone, get_backbone, list_backbones, put_backbone
@@ -153,6 +153,13 @@ def apply_manifest(
         store.run(combine(*ops))
     except redis.ResponseError as exc:  # a key taken between the check and the write (another apply)
         raise ManifestError(f"not applied: {str(exc).removeprefix('API_KEY_TAKEN ')}") from None
+    # A function reading another's adapter directory, also through a symlink (issue 15): a warning here.
+    names = store.run(list_functions(keys))
+    records = store.run(combine(*(get_function(keys, n) for n in names))) if names else ()
+    shared = shared_adapter_dirs({r.function: r.adapter_dir for r in records if r and r.adapter_dir})
+    for record, _, _ in hashed:
+        if record.function in shared:
+            log.warning("function %s: %s", record.function, shared[record.function])
     return applied
 
 

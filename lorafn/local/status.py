@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from lorafn.api.adapters import shared_adapter_dirs
 from lorafn.local.config import PlatformState
 from lorafn.store import Keys, Store, control
 from lorafn.store.backbones import get_backbone, list_backbones
@@ -175,8 +176,11 @@ def collect(store: Store, keys: Keys, gateway_url: str = "", redis_url: str = ""
     names = store.run(list_functions(keys))
     status_of = store.run(control.statuses(keys, names))
     depths = store.run(control.queue_depths(keys, names))
+    records = {name: store.run(get_function(keys, name)) for name in names}
+    # a function whose adapter directory is another's, also through a symlink or `..` (issue 15)
+    shared = shared_adapter_dirs({n: r.adapter_dir for n, r in records.items() if r and r.adapter_dir})
     for name in names:
-        record = store.run(get_function(keys, name))
+        record = records[name]
         if record is None:
             continue
         stats = store.run(counters(keys, name))
@@ -203,6 +207,7 @@ def collect(store: Store, keys: Keys, gateway_url: str = "", redis_url: str = ""
                 start_failures=_int(st.get("start_failures")),
                 last_failure=st.get("last_failure", ""),
                 problem=st.get("problem", ""),
+                adapter_warning=shared.get(name, ""),
             )
         )
 
@@ -258,6 +263,9 @@ def render_status(status: PlatformStatus, console: Console | None = None) -> Non
             str(f.errors), _cold(f), f.not_ready_because,
         )  # fmt: skip
     console.print(functions)
+    for f in status.functions:
+        if f.adapter_warning:
+            console.print(f"[yellow]warning: {f.name}: {f.adapter_warning}[/]")
     pool = Table(
         "device", "backbone", "adapter shape", "target", "standby", title="Warm pool (standby workers)"
     )
@@ -280,7 +288,7 @@ def function_rows(status: PlatformStatus) -> list[dict[str, Any]]:
             "workers": f.workers, "queued": f.queued, "lastColdStartMs": f.last_cold_start_ms,
             "lastColdPath": f.last_cold_path or None, "waitReason": f.not_ready_because or None,
             "startFailures": f.start_failures, "requests": f.requests, "coldStarts": f.cold_starts,
-            "conditions": f.conditions,
+            "conditions": f.conditions, "warnings": [f.adapter_warning] if f.adapter_warning else [],
         }
         for f in status.functions
     ]  # fmt: skip

@@ -7,6 +7,7 @@ handlers in `handlers.py` validate and call it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,13 @@ def reconcile(
     """Make the pods/claims of a Backbone match its spec; return its new status."""
     name = body["metadata"]["name"]
     spec = BackboneSpec.model_validate(body.get("spec") or {})
+    refused = config.uri_policy().refusal(spec.model.uri, None, os.path.realpath)
+    if refused is not None:  # no pod may mount it: none runs, and no function can use the backbone
+        delete(name, config, k8s, reg)
+        return reducers.failed_function_status(
+            generation=body["metadata"].get("generation"), now=events.now(), previous=body.get("status"),
+            condition_type="Ready", reason=refused[0], message=refused[1],
+        )  # fmt: skip
     slots, problems = builders.select_gpu_slots(spec, k8s.list(kube.NODES), config)
     asked = reg.desired_standby(name)
     reg.register_backbone(name, builders.pod_path(spec.model.uri), spec.dtype, spec.to_k8s())

@@ -14,6 +14,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from lorafn.api.settings import SharedSettings
+from lorafn.api.uris import ClusterURIPolicy
 
 GPUSharing = Literal["dra", "visibleDevices"]
 
@@ -53,6 +54,16 @@ class OperatorConfig(SharedSettings):
         description="create an ExternalName Service lfn-<name> per function (alias of the gateway)",
     )
     pvc_root: str = Field(default="/mnt/pvc", description="where the operator pod mounts pvc:// claims")
+    file_root: str = Field(
+        default="",
+        description="file:// model/adapter URIs (hostPath volumes of the node) are allowed only at or under "
+        "this absolute directory; empty: refused (lorafn.api.uris.ClusterURIPolicy)",
+    )
+    pvc_access: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="claim -> namespaces whose LoRAFunctions may name pvc://<claim>/... ('*': all); "
+        "functions in the release namespace may name any of its claims",
+    )
     reconcile_interval_s: float = Field(default=10.0, gt=0, description="level-based re-check period")
     default_kv_mib: int = Field(
         default=256,
@@ -74,3 +85,7 @@ class OperatorConfig(SharedSettings):
     kube_server: str = ""
     kube_token: str = ""
     kube_insecure: bool = False
+
+    def uri_policy(self) -> ClusterURIPolicy:
+        """Which model/adapter URIs resources may name on this cluster (issue 15)."""
+        return ClusterURIPolicy.of(self.file_root, self.namespace, self.pvc_access)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,9 @@ def reconcile(
     backbone_spec = None
     kv_budget_mib: int | None = None
     try:
+        refused = config.uri_policy().refusal(spec.adapter.uri, ref.namespace, os.path.realpath)
+        if refused is not None:
+            raise AdapterProblem(*refused)
         adapter_dir = resolve_local_path(spec.adapter.uri, config.pvc_root)
         if backbone_body is None:
             raise AdapterProblem(

@@ -199,6 +199,7 @@ async def start_operator(
             LORAFN_OPERATOR_NAMESPACE=NAMESPACE,
             LORAFN_OPERATOR_RECONCILE_INTERVAL_S="0.5",
             LORAFN_OPERATOR_PVC_ROOT=str(tmp_path / "pvc"),
+            LORAFN_OPERATOR_FILE_ROOT=str(tmp_path),  # file:// models/adapters of the tests (issue 15)
             LORAFN_OPERATOR_GATEWAY_URL="http://lorafn-gateway.lorafn-system.svc.cluster.local",
             **extra_env,
         )

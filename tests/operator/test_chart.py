@@ -197,3 +197,32 @@ def test_every_value_is_documented() -> None:
     assert undocumented == []
     readme = (CHART / "README.md").read_text()
     assert all(f"`{key}`" in readme for key in documented)
+
+
+def test_uri_allow_lists_reach_the_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """operator.fileRoot / operator.pvcAccess (issue 15): off by default, and what is set is what the
+    operator's ClusterURIPolicy enforces; a bad value is refused by the schema."""
+    from lorafn.operator.config import OperatorConfig
+
+    def operator_config(extra: list[str]) -> OperatorConfig:
+        op = next(
+            o
+            for o in render(extra)
+            if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-operator"
+        )
+        for e in op["spec"]["template"]["spec"]["containers"][0]["env"]:
+            if e["name"].startswith("LORAFN_OPERATOR_"):
+                monkeypatch.setenv(e["name"], e["value"])
+        return OperatorConfig()
+
+    default = operator_config([]).uri_policy()
+    assert default.refusal("file:///srv/lorafn/fr", "team-a") is not None
+    assert default.refusal("pvc://models/x", "team-a") is not None
+    policy = operator_config(
+        ["--set", "operator.fileRoot=/srv/lorafn", "--set-json", 'operator.pvcAccess={"models":["*"]}']
+    ).uri_policy()
+    assert policy.refusal("file:///srv/lorafn/fr", "team-a") is None
+    assert policy.refusal("file:///etc/fr", "team-a") is not None
+    assert policy.refusal("pvc://models/x", "team-a") is None
+    bad = helm("template", "lorafn", str(CHART), "--set", "operator.fileRoot=relative", check=False)
+    assert bad.returncode != 0 and "fileRoot" in bad.stderr, bad.stderr

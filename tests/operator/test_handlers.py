@@ -67,7 +67,13 @@ def world(tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> An
     events: list[tuple[str, str, str]] = []
     monkeypatch.setattr(operator_events, "post", lambda body, t, reason, msg: events.append((t, reason, msg)))
     memo = kopf.Memo()
-    memo.config = OperatorConfig(namespace="lorafn-system", pvc_root=str(tmp_path / "pvc"))
+    memo.config = OperatorConfig(
+        namespace="lorafn-system",
+        pvc_root=str(tmp_path / "pvc"),
+        # the administrator's allow-lists (issue 15): file:// under the test's directory, these claims
+        file_root=str(tmp_path),
+        pvc_access={"adapters": ["team-a", "team-b"], "missing-claim": ["*"]},
+    )
     memo.kube = MemoryKube()
     memo.registry = registry.Registry(redis_url)
     memo.redis = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -370,3 +376,52 @@ def test_a_key_opens_only_one_function(world: Any) -> None:
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "APIKeyInUse")
     assert world.redis.smembers("lorafn:functions") == {"team-a/fr"}
+
+
+# -- which URIs tenants may name on the cluster (issue 15) ---------------------------------------------
+def _adapter_condition(world: Any, **spec: Any) -> dict[str, Any]:
+    status = run(handlers.function_changed, function_body(**spec), world)["status"]
+    return next(c for c in status["conditions"] if c["type"] == "AdapterReady")
+
+
+def test_file_uris_are_refused_by_default_with_a_clear_condition(world: Any) -> None:
+    world.config = world.config.model_copy(update={"file_root": ""})
+    adapter = write_adapter(world.tmp / "node" / "fr", rank=8)
+    cond = _adapter_condition(world, adapter={"uri": f"file://{adapter}"})
+    assert (cond["status"], cond["reason"]) == ("False", "FileURINotAllowed"), cond
+    assert "operator.fileRoot" in cond["message"]
+    assert not world.redis.sismember("lorafn:functions", "team-a/fr")
+    assert not world.kube.list("/api/v1/namespaces/lorafn-system/pods", {"lorafn.io/function-name": "fr"})
+
+
+def test_a_backbone_with_a_file_uri_outside_the_root_runs_no_pod(world: Any) -> None:
+    world.config = world.config.model_copy(update={"file_root": str(world.tmp / "elsewhere")})
+    status = run(handlers.backbone_changed, backbone_body(world.tmp), world)["status"]
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "FileURINotAllowed"), ready
+    assert status["phase"] == "Failed"
+    assert world.kube.list("/api/v1/namespaces/lorafn-system/pods") == []
+    assert not world.redis.sismember("lorafn:backbones", "tiny")
+
+
+def test_file_uris_under_the_root_but_linked_out_of_it_are_refused(world: Any) -> None:
+    _ready_backbone(world)
+    outside = write_adapter(world.tmp.parent / f"{world.tmp.name}-outside" / "fr", rank=8)
+    link = world.tmp / "adapters-link"
+    link.symlink_to(outside)
+    cond = _adapter_condition(world, adapter={"uri": f"file://{link}"})
+    assert (cond["status"], cond["reason"]) == ("False", "FileURINotAllowed"), cond
+    assert f"really {outside}" in cond["message"]
+    inside = write_adapter(world.tmp / "adapters-real" / "fr", rank=8)
+    assert _adapter_condition(world, adapter={"uri": f"file://{inside}"})["status"] == "True"
+
+
+def test_pvc_claims_only_for_the_namespaces_they_are_listed_for(world: Any) -> None:
+    _ready_backbone(world)
+    world.config = world.config.model_copy(update={"pvc_access": {"adapters": ["team-b"]}})
+    cond = _adapter_condition(world)  # team-a names pvc://adapters/fr
+    assert (cond["status"], cond["reason"]) == ("False", "ClaimNotAllowed"), cond
+    assert "team-a" in cond["message"] and "operator.pvcAccess" in cond["message"]
+    assert not world.redis.sismember("lorafn:functions", "team-a/fr")
+    world.config = world.config.model_copy(update={"pvc_access": {"adapters": ["*"]}})
+    assert _adapter_condition(world)["status"] == "True"

@@ -140,3 +140,44 @@ def test_an_api_key_opens_one_function_and_a_refused_file_writes_nothing(
     with pytest.raises(ManifestError, match="also given to team/fn in this apply"):
         apply_manifest(store, keys, parse_manifest(two), api_keys=["new-key"])
     assert store.run(get_function(keys, "team/other")) is None
+
+
+def test_a_function_reaching_anothers_adapter_through_a_symlink_is_warned_about(
+    redis_server: str,
+    tiny_model_dir: Path,
+    adapter_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 15: real paths decide (a symlink or `..` does not hide it); locally a warning at apply and in
+    `lorafn status`/`get` (AdapterReady's message, `warnings`), not a refusal: one user owns them all."""
+    from lorafn.local.status import collect, function_rows
+
+    store, keys = Store(redis_server), Keys("sym")
+    apply_manifest(store, keys, parse_manifest(_yaml(tiny_model_dir, adapter_dir)))
+    link = tmp_path / "innocent"
+    link.symlink_to(adapter_dir)
+    other = (
+        _yaml(tiny_model_dir, link, backbone=False)
+        .replace("name: fn,", "name: other,")
+        .replace("k-one\\nk-two", "k-three")
+    )
+    with caplog.at_level("WARNING", logger="lorafn.apply"):
+        apply_manifest(store, keys, parse_manifest(other))
+    warned = [r.getMessage() for r in caplog.records if "team/other" in r.getMessage()]
+    assert warned and f"really {adapter_dir}" in warned[0] and "team/fn" in warned[0], caplog.text
+    rows = {row["name"]: row for row in function_rows(collect(store, keys))}
+    assert rows["team/other"]["warnings"] and "team/fn" in rows["team/other"]["warnings"][0]
+    assert rows["team/fn"]["warnings"] and "team/other" in rows["team/fn"]["warnings"][0]
+    adapter_ready = next(c for c in rows["team/other"]["conditions"] if c["type"] == "AdapterReady")
+    assert "team/fn" in adapter_ready["message"]
+
+
+def test_functions_with_their_own_adapters_get_no_warning(
+    redis_server: str, tiny_model_dir: Path, adapter_dir: Path, tmp_path: Path
+) -> None:
+    from lorafn.local.status import collect, function_rows
+
+    store, keys = Store(redis_server), Keys("own")
+    apply_manifest(store, keys, parse_manifest(_yaml(tiny_model_dir, adapter_dir)))
+    assert all(not row["warnings"] for row in function_rows(collect(store, keys)))
