@@ -124,7 +124,8 @@ def replay(
         "--slo-ms",
         min=1,
         help="Every function's spec.slo.ttftMs (paper: 5× the first warm TTFT, 2500 ms for 7B); violations "
-        "are judged against it (an error is a violation).",
+        "are judged against it (an error is a violation). With --gateway-url and --redis-url each "
+        "function's own SLO from the registry is used instead.",
     ),
     keep_alive: int = typer.Option(
         60, "--keep-alive", min=0, help="spec.scaling.keepAliveSeconds of every function (not always-on)."
@@ -230,7 +231,7 @@ def replay(
                 raise ValueError("--gateway-url needs --keys (namespace/name -> API key)")
             external = External(
                 gateway_url.rstrip("/"), read_keys_file(keys), redis_url, key_prefix, float(slo_ms),
-                device_memory_gib, model=model,
+                device_memory_gib,
             )  # fmt: skip
         else:
             import yaml

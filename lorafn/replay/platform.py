@@ -217,7 +217,7 @@ class ManagedPlatform:
             except UNAVAILABLE_ERRORS:
                 self.check_alive(wait_s=5.0)  # Redis gone: `lorafn up` is ending; say why
                 raise
-            sockets = list((self.state_dir / "sockets").glob("*.sock"))
+            sockets = list((self.state_dir / "sockets").glob(f"{BACKBONE}.*.sock"))  # not the zygote's
             standby = sum(h.get("state") == "standby" for h in ws.values())
             bound = {
                 fn: sum(h.get("function") == fn and h.get("state") != "standby" for h in ws.values())
@@ -256,6 +256,34 @@ class ManagedPlatform:
         if logs.is_dir():
             shutil.copytree(logs, self.workdir / "logs", dirs_exist_ok=True)
         shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+def registry_facts(
+    redis_url: str, key_prefix: str, functions: list[str]
+) -> tuple[dict[str, float], dict[str, int]]:
+    """From a running platform's registry: each function's spec.slo.ttftMs (functions not registered are
+    left out) and the weight bytes of their backbones (by name)."""
+    from lorafn.api import LoRAFunctionSpec
+    from lorafn.store.backbones import get_backbone
+    from lorafn.store.registry import get_function
+
+    store = Store(redis_url)
+    keys = Keys(key_prefix)
+    slo: dict[str, float] = {}
+    weights: dict[str, int] = {}
+    try:
+        for fn in functions:
+            record = store.run(get_function(keys, fn))
+            if record is None:
+                continue
+            spec = LoRAFunctionSpec.model_validate(record.spec)
+            slo[fn] = float(spec.slo.ttft_ms)
+            if spec.backbone not in weights:
+                bb = store.run(get_backbone(keys, spec.backbone))
+                weights[spec.backbone] = backbone_bytes(Path(bb.model_dir)) if bb is not None else 0
+    finally:
+        store.close()
+    return slo, weights
 
 
 def new_keys(functions: list[str]) -> dict[str, str]:

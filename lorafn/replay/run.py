@@ -30,6 +30,7 @@ from lorafn.replay.platform import (
     new_keys,
     prepare_adapters,
     prepare_model,
+    registry_facts,
 )
 from lorafn.replay.stats import assign_paths
 from lorafn.replay.trace import (
@@ -67,10 +68,9 @@ class External:
     api_keys: dict[str, str]
     redis_url: str | None = None
     key_prefix: str = "lorafn"
-    slo_ttft_ms: float = 2500.0
+    slo_ttft_ms: float = 2500.0  # for functions the registry does not name (or without --redis-url)
     device_memory_gib: float = 80.0
-    shared: bool = True
-    model: Path | None = None  # the backbone's directory, for the weight bytes of GPU-seconds
+    shared: bool = True  # whether its workers map one shared backbone per GPU (lorafn's default)
 
 
 @dataclass
@@ -199,10 +199,14 @@ def _run_external(
     assign_paths(result.results, result.events)
     gpus = sorted({w.gpu for s in result.samples for w in s.workers if w.gpu}) or ["local/0"]
     device_bytes = dict.fromkeys(gpus, int(e.device_memory_gib * 1024 * MiB))
-    bb = {BACKBONE: backbone_bytes(e.model)} if e.model else {}
+    slo = dict.fromkeys(functions, e.slo_ttft_ms)
+    weights: dict[str, int] = {}
+    if e.redis_url:  # each function's own SLO and its backbone's size, from the platform's registry
+        registered, weights = registry_facts(e.redis_url, e.key_prefix, functions)
+        slo.update(registered)
     figures = rep.config_figures(
-        result.results, result.samples, result.duration_s, dict.fromkeys(functions, e.slo_ttft_ms),
-        device_bytes, bb, e.shared, _overhead_bytes(options, "cuda"), options.usd_per_gpu_hour,
+        result.results, result.samples, result.duration_s, slo,
+        device_bytes, weights, e.shared, _overhead_bytes(options, "cuda"), options.usd_per_gpu_hour,
     )  # fmt: skip
     return {
         "config": "external",
@@ -261,7 +265,9 @@ def run_replay(options: ReplayOptions, console: Console | None = None) -> dict[s
         for config in options.configs:
             try:
                 runs.append(_run_managed(options, m, config, plan, functions, model_dir, adapters, console))
-            except (RuntimeError, TimeoutError, ValueError) as exc:  # one broken row must not lose the others
+            except (
+                Exception
+            ) as exc:  # one broken row (a platform that died, Redis gone) must not lose the others
                 console.print(f"[red]{config.name}: failed: {exc}[/]")
                 runs.append(
                     {
