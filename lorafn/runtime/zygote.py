@@ -73,6 +73,7 @@ PREIMPORTS = (
 OPTIONAL_PREIMPORTS = ("triton", "triton.language")
 
 MAX_REQUEST_BYTES = 1 << 20
+_CHILD_BLOCKED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
 
 # torch's thread count with no OMP_NUM_THREADS in the environment (the zygote is started without it)
 _default_threads = 0
@@ -182,6 +183,7 @@ class Zygote:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._stopping = False
+        self.no_cuda = ""  # why a forked child cannot use CUDA here (probe_cuda), "" when it can
 
     def install_signal_handlers(self) -> None:
         # SIGCHLD wakes the select (set_wakeup_fd) so an exit is reported at once; SIGTERM/SIGINT end
@@ -195,9 +197,13 @@ class Zygote:
         self._stopping = True
 
     def serve_forever(self) -> None:
+        parent = os.getppid()
         try:
             while not self._stopping:
                 self.step(timeout_s=1.0)
+                if os.getppid() != parent:  # `lorafn up` is gone: nobody will ask for workers again
+                    log.warning("the parent process (pid %d) is gone; the zygote ends", parent)
+                    break
         finally:
             self.close()
 
@@ -284,7 +290,7 @@ class Zygote:
 
     def _fork(self, conn: _Conn, request: ForkRequest) -> None:
         args = cli_args(request.argv)
-        blockers = fork_blockers()
+        blockers = fork_blockers() + ([self.no_cuda] if self.no_cuda else [])
         if args is None:
             blockers.append(f"argv: {request.argv[:4]} is not `{sys.executable} [-P] -m {CLI_MODULE} ...`")
         if blockers:
@@ -295,7 +301,12 @@ class Zygote:
         assert args is not None
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        # A SIGTERM that reaches the child before it has reset the zygote's handlers would run the
+        # zygote's handler there and be lost: signals stay blocked until `run_child` has reset them.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _CHILD_BLOCKED)
         pid = os.fork()
+        if pid != 0:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if pid == 0:  # the child: never returns into the zygote's loop
             code = 1
             try:
@@ -359,6 +370,48 @@ def _listen(path: Path) -> socket.socket:
     sock.listen(64)
     sock.setblocking(False)
     return sock
+
+
+def probe_cuda(timeout_s: float = 120.0) -> str:
+    """On a host with an NVIDIA driver: fork a child that initializes CUDA and runs one kernel. "" when it
+    could; else why not (something in the zygote touched the driver: every fork is then refused, and
+    workers are spawned). `torch.cuda.is_available()` is not asked here: it initializes the driver."""
+    if not os.path.exists("/dev/nvidiactl"):
+        return ""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import torch
+
+            torch.zeros(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+            code = 0
+        except BaseException:
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f"a forked child did not initialize CUDA within {timeout_s:.0f} s"
+        time.sleep(0.05)
+    code = exit_code(status)
+    if code != 0:
+        return f"a forked child could not initialize CUDA (exit code {code}; traceback above in this log)"
+    log.info("a forked child initialized CUDA in %.2f s", time.perf_counter() - t0)
+    return ""
 
 
 # -- the child -----------------------------------------------------------------------------------------
@@ -455,6 +508,9 @@ def serve(
         log.error("cannot fork workers: %s", "; ".join(blockers))
         raise typer.Exit(code=3)
     zygote = Zygote(socket_path)
+    zygote.no_cuda = probe_cuda()
+    if zygote.no_cuda:
+        log.error("every fork is refused (workers are spawned instead): %s", zygote.no_cuda)
     zygote.install_signal_handlers()
     log.info("zygote ready in %.2f s (imports), listening on %s", seconds, socket_path)
     zygote.serve_forever()

@@ -168,9 +168,10 @@ def test_a_dead_zygote_means_spawns_until_it_is_back(rig: Rig, redis_server: str
     assert rig.executor.wait_zygote(120)
     rig.start("w3")
     assert rig.child("w3").forked
-    rig.executor.stop("w3")
+    rig.executor.stop("w3")  # at once: maybe before its drain handler, never lost
     rig.executor.stop("w2")
-    assert rig.wait_exit("w3").code == 0 and rig.wait_exit("w2").code == 0
+    assert rig.wait_exit("w3").code in (0, -signal.SIGTERM)
+    assert rig.wait_exit("w2").code == 0
 
 
 def test_zygote_off_spawns(tmp_path: Path, redis_server: str) -> None:
