@@ -57,7 +57,12 @@ def run_mode(
             platform.apply(function_doc(name, "fresh", adapter), f"k-{name}", workdir, name)
             time.sleep(0.5)  # the registration lands before the first request
             t = ttft_ms(url, f"k-{name}", f"bench/{name}", prompt, args.max_tokens, 600)
+            # the controller records the start in its next round: with a fast start, after the answer
+            deadline = time.monotonic() + 10
             status = platform.status(f"bench/{name}")
+            while not status.get("last_cold_start_ms") and time.monotonic() < deadline:
+                time.sleep(0.1)
+                status = platform.status(f"bench/{name}")
             row = {
                 "mode": "zygote" if zygote else "spawn",
                 "function": name,
