@@ -148,17 +148,21 @@ def hold_ms(
     """How much longer (ms) an idle worker holds its first prefill for companions (fill or expire).
 
     `fill_to` = N, the batch it fills toward; the hold ends at `SLO − T(N)` after the oldest request
-    arrived (`waited_ms` ago), so that request's prefill in a full batch still meets the SLO. 0 without
-    a profile, when that time has passed, or when no companion is expected before it (the recent
-    inter-arrival time `interval_ms` is unknown or longer than what is left)."""
+    arrived (`waited_ms` ago), so that request's prefill in a full batch still meets the SLO, and never
+    lasts longer than one lone prefill, `T(1)`: the first request then pays at most its own prefill time
+    again (waiting up to what going alone costs, the rent-or-buy rule), not the whole SLO slack. Without
+    that cap a warm function's TTFT rose from 30 ms to ~1 s on the H100 (every request held to SLO −
+    T(N) for companions that a closed-loop client never sends). 0 without a profile, when that time has
+    passed, or when no companion is expected within the hold (the recent inter-arrival time
+    `interval_ms` is unknown or longer)."""
     _check_ms(slo_ms, "slo_ms")
     _check_ms(waited_ms, "waited_ms")
     if fit is None or _check_batch(fill_to) < 2:
         return 0.0
-    left = slo_ms - fit.latency_ms(fill_to) - waited_ms
-    if left <= 0 or interval_ms is None or interval_ms > left:
+    hold = min(slo_ms - fit.latency_ms(fill_to) - waited_ms, fit.latency_ms(1))
+    if hold <= 0 or interval_ms is None or interval_ms > hold:
         return 0.0
-    return left
+    return hold
 
 
 def margin_ms(deadline_ms: float, now_ms: float, active: int, t_ms: float) -> float:

@@ -101,12 +101,16 @@ def test_hold_never_pushes_a_full_batch_past_the_slo(
     if hold > 0:
         assert waited + hold + fit.latency_ms(fill_to) <= slo_ms + 1e-6
         assert interval is not None and interval <= hold  # a companion is expected within it
+        assert hold <= fit.latency_ms(1) + 1e-9  # never longer than a lone prefill
         assert fill_to >= 2
 
 
 def test_hold_cases() -> None:
     fit = slo.Fit(50.0, 10.0)
-    assert slo.hold_ms(fit, 500.0, 11, waited_ms=100.0, interval_ms=20.0) == pytest.approx(250.0)
+    # SLO - T(N) - waited = 250 ms is left, but a hold never outlasts one lone prefill, T(1) = 50 ms
+    assert slo.hold_ms(fit, 500.0, 11, waited_ms=100.0, interval_ms=20.0) == pytest.approx(50.0)
+    assert slo.hold_ms(fit, 500.0, 11, waited_ms=100.0, interval_ms=60.0) == 0  # none due within T(1)
+    assert slo.hold_ms(fit, 200.0, 11, waited_ms=30.0, interval_ms=5.0) == pytest.approx(20.0)  # SLO first
     assert slo.hold_ms(fit, 500.0, 11, waited_ms=100.0, interval_ms=None) == 0  # quiet function
     assert slo.hold_ms(fit, 500.0, 11, waited_ms=100.0, interval_ms=300.0) == 0  # none expected in time
     assert slo.hold_ms(fit, 500.0, 11, waited_ms=400.0, interval_ms=1.0) == 0  # would miss the SLO
