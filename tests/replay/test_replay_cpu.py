@@ -58,3 +58,44 @@ def test_replay_on_cpu_accounts_for_every_request(tiny_model_dir: Path, tmp_path
     no_pool = report["configs"][1]["summary"]["overall"]["paths"]
     assert "standby" not in no_pool, no_pool
     assert "Latency per configuration" in done.stdout and "ServerlessLoRA Table 3" in done.stdout
+
+
+@pytest.mark.skipif(not (DATA / "azure_llm_2023_code.csv").exists(), reason="no shared trace data")
+def test_replay_drives_a_running_platform_by_url(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--gateway-url + --keys + --redis-url: one row, SLOs read from the registry, workers sampled."""
+    from lorafn.replay.configs import CONFIGS
+    from lorafn.replay.platform import FunctionSetup, ManagedPlatform, manifest, new_keys, prepare_adapters
+
+    functions = ["replay/f000", "replay/f001"]
+    adapters = prepare_adapters(tiny_model_dir, tmp_path / "adapters", 1, 4, ["q_proj", "v_proj"])
+    keys = new_keys(functions)
+    platform = ManagedPlatform(tmp_path / "platform", {"device": "cpu"})
+    try:
+        state = platform.start()
+        platform.apply(
+            manifest(tiny_model_dir, "float32", functions, adapters, keys, FunctionSetup(777, 60, 2),
+                     CONFIGS["full"], False)
+        )  # fmt: skip
+        (tmp_path / "keys.json").write_text(json.dumps(keys))
+        out = tmp_path / "out"
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "lorafn.cli", "bench", "replay", "--gateway-url", state.gateway_url,
+                "--keys", str(tmp_path / "keys.json"), "--redis-url", state.redis_url,
+                "--functions", "2", "--rate", "1", "--duration", "3", "--max-prompt-tokens", "16",
+                "--max-output-tokens", "4", "--drain-timeout", "120", "--no-plots", "--out", str(out),
+            ],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        platform.stop()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "replay.json").read_text())
+    (run,) = report["configs"]
+    assert run["config"] == "external"
+    assert len(run["requests"]) == 3
+    assert all(r["error"] is None or r["error"].strip() for r in run["requests"])
+    assert run["summary"]["overall"]["answered"] >= 1
+    # each function's own spec.slo.ttftMs (777), not --slo-ms's default
+    assert {f["slo_ttft_ms"] for f in run["summary"]["functions"].values()} == {777.0}
+    assert run["series"]["t_s"] and not list(out.glob("*.png"))
