@@ -39,7 +39,7 @@ class BatchingConfig:
     `ttft_ms`/`tpot_ms`: the function's SLO (None: read from its registration at `load`)."""
 
     gpu: str = ""
-    gpu_admission: bool = True
+    gpu_admission: bool = False  # opt-in (WorkerSettings.gpu_admission)
     batch_hold: bool = True
     ttft_ms: float | None = None
     tpot_ms: float | None = None

@@ -620,9 +620,9 @@ class WorkerSettings(SharedSettings):
         default=None, description="unix ms when the process was asked for (a fresh cold start's clock)"
     )
     gpu_admission: bool = Field(
-        default=True,
-        description="ask the device's prefill slot (cross-function admission by deadline margin); off for "
-        "ablations",
+        default=False,
+        description="ask the device's prefill slot (cross-function admission by deadline margin); opt-in "
+        "until it beats no admission on a GPU (docs/benchmarks.md)",
     )
     batch_hold: bool = Field(
         default=True, description="fill or expire: an idle worker holds its first prefill for companions"

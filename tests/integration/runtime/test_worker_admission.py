@@ -109,7 +109,7 @@ def test_the_tight_slo_gets_the_slot_first_and_nothing_is_lost(redis_server: str
     register(store, keys, "t/loose", [], spec=_spec(20_000), public=True)
     loose_engine = PrefillEngine(prefill_s=0.05, decode_s=0.01)
     tight_engine = PrefillEngine(prefill_s=0.05, decode_s=0.01)
-    cfg = {"batching": BatchingConfig(gpu=GPU, batch_hold=False)}
+    cfg = {"batching": BatchingConfig(gpu=GPU, gpu_admission=True, batch_hold=False)}
     with (
         worker_thread(redis_server, prefix, "t/loose", loose_engine, **cfg) as loose,
         worker_thread(redis_server, prefix, "t/tight", tight_engine, **cfg) as tight,
@@ -147,7 +147,7 @@ def test_a_worker_alone_asks_once_per_prefill_and_never_per_decode(redis_server:
     store, keys = Store(redis_server), Keys(prefix)
     register(store, keys, "t/alone", [], spec=_spec(1000), public=True)
     engine = PrefillEngine()
-    cfg = {"batching": BatchingConfig(gpu=GPU, batch_hold=False)}
+    cfg = {"batching": BatchingConfig(gpu=GPU, gpu_admission=True, batch_hold=False)}
     with worker_thread(redis_server, prefix, "t/alone", engine, **cfg) as worker:
         _send(store, keys, "t/alone", "a-1", max_tokens=12)
         assert isinstance(_final(store, keys, "a-1"), Done)
