@@ -132,7 +132,13 @@ async def _sample_workers(store: AsyncStore, keys: Keys) -> list[WorkerSample]:
             mem = 0
         out.append(
             WorkerSample(
-                wid, h.get("state", ""), h.get("function", ""), h.get("gpu", ""), h.get("backbone", ""), mem
+                wid,
+                h.get("state", ""),
+                h.get("function", ""),
+                h.get("gpu", ""),
+                h.get("backbone", ""),
+                mem,
+                whole_process=h.get("mem_source") == "driver",
             )
         )
     return out

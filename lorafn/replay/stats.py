@@ -64,6 +64,8 @@ class WorkerSample:
     gpu: str
     backbone: str
     mem_bytes: int
+    # the driver's count of the whole process (context included: `worker_overhead_bytes` is not added)
+    whole_process: bool = False
 
 
 @dataclass
@@ -180,7 +182,8 @@ def held_bytes(
     worker_overhead_bytes: int,
 ) -> dict[str, int]:
     """Memory held on each device at one instant: every worker's reservation (its heartbeat `mem_bytes`:
-    KV cache + LoRA, on GPU all torch reserved) plus `worker_overhead_bytes` (its context), plus the
+    KV cache + LoRA, on GPU all torch reserved) plus `worker_overhead_bytes` (its context) unless the
+    heartbeat carries the driver's count of the whole process (`mem_source: driver`), plus the
     backbone weights: with sharing one copy of each backbone per device (the backbone server holds it
     whether or not a worker runs), without sharing one copy inside every worker."""
     held = dict.fromkeys(devices, 0)
@@ -189,7 +192,8 @@ def held_bytes(
             held[d] += sum(backbone_bytes.values())
     for w in sample.workers:
         extra = 0 if shared else backbone_bytes.get(w.backbone, 0)
-        held[w.gpu] = held.get(w.gpu, 0) + w.mem_bytes + worker_overhead_bytes + extra
+        overhead = 0 if w.whole_process else worker_overhead_bytes
+        held[w.gpu] = held.get(w.gpu, 0) + w.mem_bytes + overhead + extra
     return held
 
 

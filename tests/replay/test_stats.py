@@ -100,6 +100,9 @@ def test_held_bytes_and_gpu_seconds() -> None:
     assert held_bytes(s, list(dev), bb, True, 10 * MiB) == {"g0": 470 * MiB, "g1": 300 * MiB}
     # private weights: a copy inside every worker, none on an empty device
     assert held_bytes(s, list(dev), bb, False, 0) == {"g0": 750 * MiB, "g1": 0}
+    # a worker reporting its whole process (the driver's count) already includes its context
+    whole = Sample(0.0, [WorkerSample("w", "serving", "f", "g0", "bb", 100 * MiB, whole_process=True)])
+    assert held_bytes(whole, list(dev), bb, True, 10 * MiB) == {"g0": 400 * MiB, "g1": 300 * MiB}
     samples = [s, _sample(2.0), _sample(3.0, ("serving", "g1", 2000 * MiB))]
     # 0-2 s: g0 0.75 of a GPU; 2-3 s: nothing; 3-5 s: g1 full (capped at 1)
     assert gpu_seconds(samples, 5.0, dev, bb, False) == pytest.approx(2 * 0.75 + 0 + 2 * 1.0)
