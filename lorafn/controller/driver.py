@@ -91,7 +91,10 @@ class Controller:
         self._served: set[str] = set()
         # worker id -> when its stop was sent: one stop command per worker, not one per round
         self._stops_sent: dict[str, float] = {}
-        self._demand_cursor: str | None = None  # demand entries after this one wake the loop
+        self._demand_cursor: str | None = None
+        self._exits: list[
+            Exit
+        ] = []  # ended workers not yet learned from  # demand entries after this one wake the loop
         self.last_plan: Plan | None = None
         self.metrics = ControllerMetrics()
 
@@ -146,18 +149,31 @@ class Controller:
 
     # -- what happened ---------------------------------------------------------------------------
     def _learn(self) -> None:
-        for ended in self.executor.exits():
-            self._binds.pop(ended.worker_id, None)
-            self._stops_sent.pop(ended.worker_id, None)
-            served = ended.served or ended.worker_id in self._served
-            self._served.discard(ended.worker_id)
-            if ended.function and not served and ended.code not in (0, None):
-                self._failed(
-                    ended.function, f"worker {ended.worker_id} exited with code {ended.code}: {ended.reason}"
-                )
+        # exits are taken from the executor once: keep them until learned, so that a Redis error half way
+        # (writing a failed start's status) leaves the rest for the next round instead of losing them
+        self._exits.extend(self.executor.exits())
+        while self._exits:
+            ended = self._exits[0]
+            self._learn_exit(ended)
+            self._exits.pop(0)
         if self._events_cursor is None:  # events from before this controller started are history
             self._events_cursor = self.store.run(control.last_event_id(self.keys))
             return
+        self._learn_events()
+
+    def _learn_exit(self, ended: Exit) -> None:
+        """One ended worker; safe to repeat after a Redis error (state is dropped only at the end)."""
+        served = ended.served or ended.worker_id in self._served
+        if ended.function and not served and ended.code not in (0, None):
+            self._failed(
+                ended.function, f"worker {ended.worker_id} exited with code {ended.code}: {ended.reason}"
+            )
+        self._binds.pop(ended.worker_id, None)
+        self._stops_sent.pop(ended.worker_id, None)
+        self._served.discard(ended.worker_id)
+
+    def _learn_events(self) -> None:
+        assert self._events_cursor is not None
         for entry_id, event in self.store.run(control.read_events(self.keys, self._events_cursor)):
             self._events_cursor = entry_id
             kind, function, wid = event.get("kind"), event.get("function", ""), event.get("worker", "")

@@ -98,3 +98,26 @@ def test_demand_wakes_the_wait_at_once(controller: Controller) -> None:
     assert controller.wait_for_demand(30.0) is True
     assert time.monotonic() - t0 < 20  # woken by the demand, not by the 30 s timeout
     timer.join()
+
+
+def test_an_exit_is_not_lost_when_redis_fails_while_learning_it(
+    controller: Controller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    from lorafn.controller.driver import Exit
+
+    store, keys = controller.store, controller.keys
+    controller.round()
+    controller.executor.ended = [Exit("w1", "a/b", 1, "import error"), Exit("w2", "a/b", 1, "oom")]
+    real = control.add_status_count
+
+    def down(*args, **kwargs):  # Redis goes away while the first failed start is being counted
+        raise redis.exceptions.ConnectionError("connection refused")
+
+    monkeypatch.setattr(control, "add_status_count", down)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        controller.round()
+    monkeypatch.setattr(control, "add_status_count", real)
+    controller.round()  # both exits were taken from the executor before the error: learned now
+    assert store.run(control.statuses(keys, ["a/b"]))["a/b"]["start_failures"] == "2"
