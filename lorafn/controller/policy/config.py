@@ -18,6 +18,9 @@ class PolicyConfig:
     - ``refill_s``: time to bring a new standby up (None: ``Costs.fresh_start_s``).
     - ``warm_pool``: keep standby workers (pre-loading); off, every cold start is a fresh process (the
       trace replay's "no warm pool" ablation).
+    - ``pool_min_age_s``: a surplus standby younger than this (its age known) is kept while memory allows,
+      not stopped: it was started for a reason moments ago, and stopping it wastes that start (seen as
+      standbys started and stopped within a second when cold demand flickered between rounds).
     - ``offloading``: stop standby or idle bound workers to make room for a cold start; off, a function
       that does not fit waits for memory to free up by itself (the "no offloading" ablation).
     """
@@ -30,6 +33,7 @@ class PolicyConfig:
     refill_s: float | None = None
     warm_pool: bool = True
     offloading: bool = True
+    pool_min_age_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_utilization <= 1.0:
@@ -45,5 +49,7 @@ class PolicyConfig:
             raise ValueError(
                 f"min_standby_probability must be in (0, 1], got {self.min_standby_probability!r}"
             )
+        if not self.pool_min_age_s >= 0:
+            raise ValueError(f"pool_min_age_s must be >= 0, got {self.pool_min_age_s!r}")
         if self.refill_s is not None and not self.refill_s > 0:
             raise ValueError(f"refill_s must be > 0 or None, got {self.refill_s!r}")

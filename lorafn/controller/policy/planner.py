@@ -18,7 +18,8 @@ stable pool. Then each backbone's ``min_standby_per_gpu`` floor is met where mem
 existing standbys first, else shape-agnostic ones.
 
 Out: a `PoolTarget` for every (gpu, backbone, shape) planned or present, Start for each missing
-standby, Stop("pool_shrink") for each surplus one (still-starting ones before ready ones).
+standby, Stop("pool_shrink") for each surplus one (still-starting ones before ready ones), except a
+surplus standby younger than ``PolicyConfig.pool_min_age_s``, kept while memory allows (hysteresis).
 Adapter caching in host memory is not planned here (the worker's adapter cache handles it).
 """
 
@@ -281,6 +282,16 @@ def plan_pool(
                 room[gpu] -= size
                 missing -= 1
             missing = keep_existing(others, missing)
+
+    # Hysteresis: a surplus standby of known age younger than pool_min_age_s stays while memory allows
+    # (counted in its target, so no replacement starts); an unknown age (0) may be a stuck pod: not kept.
+    for w in sorted(pool, key=_keep_order):
+        if w.id in keep or not 0 < w.age_s < config.pool_min_age_s or room[w.gpu] < w.mem_bytes:
+            continue
+        keep.add(w.id)
+        target[(w.gpu, w.backbone, w.shape)] += 1
+        size_of.setdefault((w.gpu, w.backbone, w.shape), w.mem_bytes)
+        room[w.gpu] -= w.mem_bytes
 
     actions: list[Start | Stop] = []
     for w in sorted(pool, key=lambda w: w.id):

@@ -167,3 +167,26 @@ def test_floor_standbys_are_prepared_for_the_most_popular_shape():
     # without functions the floor stays shape-agnostic
     plan = decide(snap([gpu("g0")], (), backbones=floor))
     assert [a.shape for a in plan.of_type(Start)] == [None]
+
+
+def test_a_young_surplus_standby_is_kept_while_memory_allows():
+    # cold demand flickers between rounds: a standby started moments ago is not stopped and started again
+    gpus = [gpu("g0")]
+    functions = [fn("ns/a", shape="r8", arrival_rate=0.005)]  # one standby's worth of cold demand
+    workers = [
+        standby("ready", "g0", shape="r8", age_s=600.0),
+        standby("young", "g0", shape="r64", age_s=5.0),
+        standby("old", "g0", shape="r64", age_s=600.0),
+    ]
+    targets, actions, _ = _plan(snap(gpus, functions, workers))
+    assert [(a.worker_id, a.reason) for a in actions if isinstance(a, Stop)] == [("old", "pool_shrink")]
+    assert not [a for a in actions if isinstance(a, Start)]
+    assert PoolTarget("g0", "llama", "r64", 1) in targets  # counted: no replacement is started for it
+    # when the pool's plan wants the room, a young surplus standby goes like any other: a busy r8 function
+    # wants a second r8 standby in the room the young r64 one holds
+    hot = [fn("ns/a", shape="r8", arrival_rate=1.0)]
+    tight = [gpu("g0", total_gib=17.5)]  # 16.1 GiB granted - 13 backbone - 4 of standbys: nothing free
+    _, actions, _ = _plan(snap(tight, hot, workers[:2]))
+    assert [a.worker_id for a in actions if isinstance(a, Stop)] == ["young"]
+    with pytest.raises(ValueError, match="pool_min_age_s"):
+        PolicyConfig(pool_min_age_s=-1)
