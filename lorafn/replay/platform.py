@@ -217,7 +217,9 @@ class ManagedPlatform:
             except UNAVAILABLE_ERRORS:
                 self.check_alive(wait_s=5.0)  # Redis gone: `lorafn up` is ending; say why
                 raise
-            sockets = list((self.state_dir / "sockets").glob(f"{BACKBONE}.*.sock"))  # not the zygote's
+            # a backbone server's socket (`<backbone>.<device>.sock`, whatever the backbone's name), not the
+            # zygote's
+            sockets = [p for p in (self.state_dir / "sockets").glob("*.sock") if p.name != "zygote.sock"]
             standby = sum(h.get("state") == "standby" for h in ws.values())
             bound = {
                 fn: sum(h.get("function") == fn and h.get("state") != "standby" for h in ws.values())

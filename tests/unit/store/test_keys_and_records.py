@@ -15,6 +15,9 @@ KEY_ARGS = {
     "bucket": 7,
     "name": "bb",
     "backbone": "bb",
+    "gpu": "local/0",
+    "gpu_model": "NVIDIA-H100-80GB-HBM3",
+    "shape": "q_proj:16,v_proj:16",
 }
 
 
