@@ -232,4 +232,5 @@ def serve_standby(settings: Any) -> int:
             path=control.PATH_STANDBY,
         )
     )
+    log.info("worker %s serving %s", worker_id, function)  # the same line a fresh worker logs
     return worker.run()
