@@ -1,0 +1,224 @@
+"""Where a decode step's time goes (issue 12): per batch size, for the base model and unmerged LoRA,
+side by side in one run:
+
+- step: one `Engine.step()` of decodes only (what a user sees as TPOT: host work + GPU work);
+- replay: the decode CUDA graph's replay alone, back to back, timed with CUDA events (GPU time);
+- host: step − replay, the host work not hidden behind the GPU;
+- the HBM floor (weight bytes ÷ measured copy bandwidth) and each figure over it;
+- a kernel table of one graph replay (torch.profiler / CUPTI): time per kernel family, base vs LoRA;
+- the projections' GEMMs alone (cuBLAS through F.linear) and their achieved bandwidth.
+
+    python bench/decode_profile.py --model /tmp/llama-2-7b [--batches 1,8] [--json out.json]
+
+GPU only (the figures are about the H100's memory bandwidth); nothing here is timed on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine import ResidentSource, copy_bandwidth, random_prompts
+
+from lorafn.runtime import Engine, EngineConfig, SamplingParams
+from lorafn.runtime.config import ModelConfig
+from lorafn.runtime.lora import write_random_adapter
+
+
+def _family(name: str) -> str:
+    """A kernel's family for the table: GEMMs by library, Triton kernels by their Python name."""
+    if "nvjet" in name or "gemm" in name.lower() or "cublas" in name.lower() or "sm90_xmma" in name:
+        return "gemm: " + re.sub(r"_\d+x\d+.*$", "", name)[:48]
+    if "splitK" in name or "reduce" in name.lower():
+        return "reduce: " + name[:40]
+    return name[:60]
+
+
+def kernel_table(replay, steps: int = 5) -> dict[str, tuple[int, float]]:
+    """{family: (kernels per step, µs per step)} over `steps` replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    table: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        fam = _family(ev.name)
+        table[fam][0] += 1
+        table[fam][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return {k: (int(v[0] / steps), v[1] / steps) for k, v in table.items()}
+
+
+def time_events(fn, iters: int = 50) -> float:
+    """Median ms of `fn` over `iters` runs, each between CUDA events (after a warm-up)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def measure(engine: Engine, prompt_len: int, batch: int, vocab: int, decode_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, batch)]
+    while any(not engine.get_output(i).token_ids for i in ids):
+        engine.step()
+    torch.cuda.synchronize()
+    step_times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t0)
+    graphs = engine.runner.graphs
+    bucket = next(b for b in graphs.buckets if b >= batch)
+    replay = graphs.graphs[bucket].replay
+    out = {
+        "bucket": bucket,
+        "step_ms": statistics.median(step_times[2:]) * 1e3,
+        "replay_ms": time_events(replay),
+        "kernels": kernel_table(replay),
+    }
+    out["host_ms"] = out["step_ms"] - out["replay_ms"]
+    return out
+
+
+def gemm_table(model, batches: list[int], bandwidth: float) -> list[dict]:
+    """cuBLAS (F.linear) alone for each distinct projection shape of layer 0 and the LM head."""
+    layer = model.layers[0]
+    weights = {p: layer[p] for p in ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj")}
+    weights["lm_head"] = model.lm_head
+    rows = []
+    for name, w in weights.items():
+        for m in batches:
+            x = torch.randn(m, w.shape[1], device=w.device, dtype=w.dtype)
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                for _ in range(20):
+                    F.linear(x, w)
+            ms = time_events(graph.replay, 20) / 20
+            nbytes = w.numel() * w.element_size()
+            bps = nbytes / (ms * 1e-3)
+            rows.append(
+                {
+                    "proj": name,
+                    "shape": list(w.shape),
+                    "m": m,
+                    "us": ms * 1e3,
+                    "TBps": bps / 1e12,
+                    "of_copy_bw": bps / bandwidth,
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("a CUDA device is needed: this profiles GPU decode steps")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    batches = [int(b) for b in args.batches.split(",")]
+    mc = ModelConfig.from_dir(args.model)
+    work = Path(tempfile.mkdtemp(prefix="lorafn-prof-"))
+    adapter = write_random_adapter(
+        mc, work / "adapter", rank=args.rank, lora_alpha=2 * args.rank, dtype=dtype
+    )
+    source = ResidentSource(args.model, device, dtype)
+    bandwidth = copy_bandwidth(device)
+    max_len = args.prompt_len + args.decode_tokens + 8
+    figures: dict = {"copy_bandwidth_Bps": bandwidth, "batches": batches}
+    for name, adapter_dir in (("base", None), ("lora", adapter)):
+        engine = Engine(
+            EngineConfig(
+                model=args.model,
+                adapter=adapter_dir,
+                device="cuda",
+                dtype="bfloat16",
+                weight_source=source,
+                max_num_seqs=max(batches),
+                max_num_batched_tokens=max(2048, args.prompt_len),
+                max_model_len=max_len,
+                num_kv_blocks=max(batches) * -(-max_len // 16) + 16,
+                block_size=16,
+                cuda_graph_batch_sizes=batches,
+            )
+        )
+        figures["weight_bytes"] = engine.runner.model.weight_bytes()
+        figures[name] = {
+            b: measure(engine, args.prompt_len, b, mc.vocab_size, args.decode_tokens) for b in batches
+        }
+        if name == "base":
+            figures["gemms"] = gemm_table(engine.runner.model, batches, bandwidth)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    floor_ms = figures["weight_bytes"] / bandwidth * 1e3
+    figures["floor_ms"] = floor_ms
+    print(
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {figures['weight_bytes'] / 1e9:.2f} GB; "
+        f"HBM floor {floor_ms:.2f} ms"
+    )
+    head = f"{'batch':>5} {'':5} {'step ms':>8} {'replay ms':>9} {'host ms':>8}"
+    print(head + f" {'step/floor':>10} {'replay/floor':>12}")
+    for b in batches:
+        for name in ("base", "lora"):
+            r = figures[name][b]
+            print(
+                f"{b:>5} {name:5} {r['step_ms']:8.2f} {r['replay_ms']:9.2f} {r['host_ms']:8.2f} "
+                f"{r['step_ms'] / floor_ms:10.2f} {r['replay_ms'] / floor_ms:12.2f}"
+            )
+        base, lora = figures["base"][b], figures["lora"][b]
+        step_ratio = lora["step_ms"] / base["step_ms"]
+        replay_ratio = lora["replay_ms"] / base["replay_ms"]
+        print(f"      lora/base: step {step_ratio:.3f}, replay {replay_ratio:.3f}")
+    for b in batches:
+        print(f"\nkernels per replay, batch {b} (count, µs): base | lora")
+        base, lora = figures["base"][b]["kernels"], figures["lora"][b]["kernels"]
+        for fam in sorted(set(base) | set(lora), key=lambda f: -lora.get(f, base.get(f, (0, 0)))[1]):
+            bc, bu = base.get(fam, (0, 0.0))
+            lc, lu = lora.get(fam, (0, 0.0))
+            print(f"  {fam[:64]:64} {bc:5d} {bu:9.1f} | {lc:5d} {lu:9.1f}")
+    print("\ncuBLAS GEMMs alone (F.linear in a graph):")
+    for r in figures["gemms"]:
+        print(
+            f"  {r['proj']:10} {r['shape']!s:16} m={r['m']:<3} {r['us']:8.1f} µs {r['TBps']:5.2f} TB/s "
+            f"({r['of_copy_bw']:.0%} of copy)"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
