@@ -26,6 +26,9 @@ class SamplingParams:
     - ``stop_token_ids``: tokens that end the output (the token id is kept in ``token_ids``, its
       text is not part of the text). EOS ends the output unless ``ignore_eos``.
     - ``max_tokens``: at most this many generated tokens (finish reason "length").
+    - ``priority``: the request class the scheduler admits by (0 online, 1 offline batch: batch requests
+      only fill what online ones leave; `lorafn.runtime.scheduler.rank`). Not a sampling setting, but it
+      travels with them on the wire (`SamplingWire.priority`), so the serving loop passes it unchanged.
     """
 
     max_tokens: int = 16
@@ -37,6 +40,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -72,6 +76,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_int(self.priority) or self.priority not in (0, 1):
+            raise ValueError(f"priority must be 0 (online) or 1 (batch), got {self.priority!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
 

@@ -8,11 +8,15 @@ stall-free order of Sarathi-Serve (Algorithm 3):
 3. **new requests** from the waiting queue, strictly first come first served, while the budget,
    ``max_num_seqs`` and the KV blocks allow.
 
-Priority is the arrival order (``Sequence.arrival``, lower = older). When KV blocks run out, a
-sequence may preempt (by recompute) only running sequences that arrived *after* it, youngest
-first; preempted sequences go back to the waiting queue in arrival order, so they are re-admitted
-before anything newer. The oldest unfinished sequence is therefore never preempted, always fits
-(``max_model_len`` is capped to the cache size) and advances every step: no deadlock, no starvation.
+Priority is the *rank* ``(params.priority, arrival)``: the request class first (0 = online, 1 = an
+offline batch request, docs/batch.md), then the arrival order (``Sequence.arrival``, lower = older).
+So waiting online requests are admitted before any batch request, and batch requests only fill the
+slots, token budget and blocks online ones leave. When KV blocks run out, a sequence may preempt
+(by recompute) only running sequences of a larger rank, largest first (an online request preempts
+batch requests, never the reverse); preempted sequences go back to the waiting queue in rank order,
+so they are re-admitted before anything of larger rank. The unfinished sequence of smallest rank is
+therefore never preempted, always fits (``max_model_len`` is capped to the cache size) and advances
+every step: no deadlock, no starvation among online requests (batch requests wait for online ones).
 See docs/scheduler.md for the policy, the reasons and a worked example.
 
 The engine drives it::
@@ -36,6 +40,11 @@ from lorafn.runtime.sequence import Sequence, SequenceStatus
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def rank(seq: Sequence) -> tuple[int, int]:
+    """Admission order: request class (0 online before 1 batch), then arrival (older first)."""
+    return (getattr(seq.params, "priority", 0), seq.arrival)
 
 
 @dataclass
@@ -140,8 +149,8 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         capacity = self.block_manager.capacity_tokens
         self.max_model_len = min(config.max_model_len or capacity, capacity)
-        self._waiting: list[Sequence] = []  # sorted by arrival; head = next to admit
-        self._running: list[Sequence] = []  # sorted by arrival
+        self._waiting: list[Sequence] = []  # sorted by rank; head = next to admit
+        self._running: list[Sequence] = []  # sorted by rank
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self._next_arrival = 0
 
@@ -164,7 +173,8 @@ class Scheduler:
         seq.finish_reason = None
         seq.arrival = self._next_arrival
         self._next_arrival += 1
-        self._waiting.append(seq)  # arrivals increase, so the queue stays sorted
+        # arrivals increase, so a new sequence goes after every waiting one of its class
+        self._waiting.insert(bisect.bisect([rank(s) for s in self._waiting], rank(seq)), seq)
         self._seqs[seq.seq_id] = seq
 
     def finish(self, seq_id: str, reason: str) -> Sequence | None:
@@ -261,16 +271,17 @@ class Scheduler:
             victim.num_computed_tokens = 0
             victim.status = SequenceStatus.WAITING
             victim.num_preemptions += 1
-            keys = [s.arrival for s in self._waiting]
-            self._waiting.insert(bisect.bisect(keys, victim.arrival), victim)
+            keys = [rank(s) for s in self._waiting]
+            self._waiting.insert(bisect.bisect(keys, rank(victim)), victim)
             preempted_now.add(victim.seq_id)
             out.preempted.append(victim.seq_id)
 
         def reserve(seq: Sequence, num_tokens: int) -> bool:
-            """Blocks for positions 0 .. num_tokens - 1, preempting younger running sequences if needed."""
+            """Blocks for positions 0 .. num_tokens - 1, preempting running sequences of larger rank
+            (younger, or batch ones) if needed."""
             while not self.block_manager.can_allocate(seq, num_tokens):
                 victim = next(
-                    (s for s in reversed(self._running) if s.arrival > seq.arrival and s is not seq), None
+                    (s for s in reversed(self._running) if rank(s) > rank(seq) and s is not seq), None
                 )
                 if victim is None:
                     return False
@@ -337,15 +348,15 @@ class Scheduler:
                 # else is running.
                 break
             needed = self.block_manager.num_blocks_needed(seq, seq.num_tokens)
-            has_younger_running = bool(self._running) and self._running[-1].arrival > seq.arrival
+            has_younger_running = bool(self._running) and rank(self._running[-1]) > rank(seq)
             if needed + lookahead_total > self.block_manager.num_free_blocks and not has_younger_running:
                 break  # would starve a running decode next step: wait (running ones finish first)
             if not reserve(seq, seq.num_tokens):  # an older, preempted request may preempt younger ones
                 break
             self._waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
-            keys = [s.arrival for s in self._running]
-            self._running.insert(bisect.bisect(keys, seq.arrival), seq)
+            keys = [rank(s) for s in self._running]
+            self._running.insert(bisect.bisect(keys, rank(seq)), seq)
             add_chunk(admitted, seq, num_tokens)
 
         out.chunks = decodes + prefills + admitted

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 # Event types of a reply stream.
 ACCEPTED, DELTA, RESTART, DONE, ERROR = "accepted", "delta", "restart", "done", "error"
 
+# Request classes (`SamplingWire.priority`): online requests are admitted before batch ones.
+PRIORITY_ONLINE, PRIORITY_BATCH = 0, 1
+
 
 class ProtocolError(ValueError):
     """A stream entry that does not follow the protocol; the message names the offending field."""
@@ -37,6 +40,10 @@ class SamplingWire(_Strict):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    # the request class: 0 online, 1 offline batch (admitted only into what online requests leave;
+    # lorafn.runtime.scheduler.rank). Here rather than beside `params` so that the serving loop, which
+    # hands `params` to the engine as they are, needs no change to carry it.
+    priority: int = Field(default=PRIORITY_ONLINE, ge=PRIORITY_ONLINE, le=PRIORITY_BATCH)
 
 
 class RequestBody(_Strict):
