@@ -1,5 +1,6 @@
-"""Where a decode step's time goes (issue 12): per batch size, for the base model and unmerged LoRA,
-side by side in one run:
+"""Where a decode step's time goes (issue 12): per batch size, for the base model and unmerged LoRA, each
+on the cuBLAS + addmm path and on the fused decode kernels (models/fused_decode.py), side by side in one
+run:
 
 - step: one `Engine.step()` of decodes only (what a user sees as TPOT: host work + GPU work);
 - replay: the decode CUDA graph's replay alone, back to back, timed with CUDA events (GPU time);
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import re
 import statistics
@@ -158,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(device)
     max_len = args.prompt_len + args.decode_tokens + 8
     figures: dict = {"copy_bandwidth_Bps": bandwidth, "batches": batches}
-    for name, adapter_dir in (("base", None), ("lora", adapter)):
+    variants = (
+        ("base", None, False),
+        ("lora", adapter, False),
+        ("base+f", None, True),
+        ("lora+f", adapter, True),
+    )
+    for name, adapter_dir, fused in variants:
         engine = Engine(
             EngineConfig(
                 model=args.model,
@@ -172,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_kv_blocks=max(batches) * -(-max_len // 16) + 16,
                 block_size=16,
                 cuda_graph_batch_sizes=batches,
+                fused_decode=fused,
             )
         )
         figures["weight_bytes"] = engine.runner.model.weight_bytes()
@@ -192,19 +201,20 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'batch':>5} {'':5} {'step ms':>8} {'replay ms':>9} {'host ms':>8}"
     print(head + f" {'step/floor':>10} {'replay/floor':>12}")
     for b in batches:
-        for name in ("base", "lora"):
+        for name, _a, _f in variants:
             r = figures[name][b]
             print(
                 f"{b:>5} {name:5} {r['step_ms']:8.2f} {r['replay_ms']:9.2f} {r['host_ms']:8.2f} "
                 f"{r['step_ms'] / floor_ms:10.2f} {r['replay_ms'] / floor_ms:12.2f}"
             )
         base, lora = figures["base"][b], figures["lora"][b]
-        step_ratio = lora["step_ms"] / base["step_ms"]
-        replay_ratio = lora["replay_ms"] / base["replay_ms"]
-        print(f"      lora/base: step {step_ratio:.3f}, replay {replay_ratio:.3f}")
-    for b in batches:
-        print(f"\nkernels per replay, batch {b} (count, µs): base | lora")
-        base, lora = figures["base"][b]["kernels"], figures["lora"][b]["kernels"]
+        for lo, ba in (("lora", "base"), ("lora+f", "base+f"), ("lora+f", "lora"), ("base+f", "base")):
+            step_ratio = figures[lo][b]["step_ms"] / figures[ba][b]["step_ms"]
+            replay_ratio = figures[lo][b]["replay_ms"] / figures[ba][b]["replay_ms"]
+            print(f"      {lo}/{ba}: step {step_ratio:.3f}, replay {replay_ratio:.3f}")
+    for b, (ba_name, lo_name) in itertools.product(batches, (("base", "lora"), ("base+f", "lora+f"))):
+        print(f"\nkernels per replay, batch {b} (count, µs): {ba_name} | {lo_name}")
+        base, lora = figures[ba_name][b]["kernels"], figures[lo_name][b]["kernels"]
         for fam in sorted(set(base) | set(lora), key=lambda f: -lora.get(f, base.get(f, (0, 0)))[1]):
             bc, bu = base.get(fam, (0, 0.0))
             lc, lu = lora.get(fam, (0, 0.0))

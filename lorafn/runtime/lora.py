@@ -4,7 +4,8 @@ The backbone W is never touched. At load time the scale s (lora_alpha / r, or lo
 with rslora) is folded into this worker's private copy of B, so the forward pays two small GEMMs per
 target and nothing else: a shrink x·Aᵀ (shared by the projections that read the same input: q/k/v
 and gate/up, whose A matrices are concatenated — a private copy, so that is free) and an expand
-`addmm(y, t, Bᵀ)` that adds into the base output in the GEMM's epilogue.
+`addmm(y, t, Bᵀ)` that adds into the base output in the GEMM's epilogue. B is kept transposed, [r, out]
+contiguous: the fused decode kernels (models/fused_decode.py) read rows of it, addmm takes it as is.
 
 Anything this math cannot express exactly is refused at load time with a ValueError naming the field:
 the config-level checks are `lorafn.api.adapters.check_adapter_config`, the ones the operator and
@@ -38,7 +39,7 @@ class LoRAGroup:
     """One shrink GEMM and its expands, for one layer: t = x·A_catᵀ; y_p += t[:, off_p:off_p+r_p]·B_pᵀ."""
 
     a_cat: torch.Tensor  # [sum of ranks, in_features]
-    targets: list[tuple[str, int, int, torch.Tensor]]  # (projection, offset, rank, B scaled [out, r])
+    targets: list[tuple[str, int, int, torch.Tensor]]  # (projection, offset, rank, Bᵀ scaled [r, out])
 
 
 @dataclass
@@ -154,7 +155,7 @@ def load_lora(
             targets, off = [], 0
             for p in present:
                 r = mods[p][0].shape[0]
-                targets.append((p, off, r, mods[p][1].contiguous()))
+                targets.append((p, off, r, mods[p][1].t().contiguous()))
                 off += r
             out.layers[layer][group[0]] = LoRAGroup(a_cat=a_cat, targets=targets)
     out.target_modules = tuple(t for t in TARGETS if t in out.ranks)
@@ -180,7 +181,7 @@ def zero_lora(
             targets, off = [], 0
             for p in present:
                 targets.append(
-                    (p, off, ranks[p], torch.zeros(shapes[p][0], ranks[p], device=device, dtype=dtype))
+                    (p, off, ranks[p], torch.zeros(ranks[p], shapes[p][0], device=device, dtype=dtype))
                 )
                 off += ranks[p]
             out.layers[layer][group[0]] = LoRAGroup(a_cat=a_cat, targets=targets)
@@ -212,7 +213,7 @@ def copy_lora(buffers: LoRAWeights, adapter: LoRAWeights) -> None:
                     continue
                 s_off, s_r, b_src = src_targets[p]
                 dst.a_cat[off : off + s_r].copy_(src.a_cat[s_off : s_off + s_r])  # type: ignore[union-attr]
-                b_dst[:, :s_r].copy_(b_src)
+                b_dst[:s_r].copy_(b_src)
 
 
 def write_random_adapter(

@@ -101,6 +101,7 @@ class ModelRunner:
             self.lora,
             max_position=max_model_len,
             use_triton_attention=use_triton,
+            fused_decode=use_triton and config.fused_decode,
         )
         self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
         self.num_blocks = self._num_kv_blocks()

@@ -94,8 +94,8 @@ def lora_project(x: torch.Tensor, outputs: dict[str, torch.Tensor], group: LoRAG
     if group is None:
         return
     t = F.linear(x, group.a_cat)  # [T, sum of ranks]
-    for proj, off, rank, b in group.targets:
-        outputs[proj].addmm_(t[:, off : off + rank], b.t())
+    for proj, off, rank, b_t in group.targets:
+        outputs[proj].addmm_(t[:, off : off + rank], b_t)
 
 
 class LlamaModel:
@@ -110,6 +110,7 @@ class LlamaModel:
         lora: LoRAWeights | None = None,
         max_position: int | None = None,
         use_triton_attention: bool = False,
+        fused_decode: bool = False,
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
         self.use_triton_attention = use_triton_attention
@@ -153,6 +154,15 @@ class LlamaModel:
         self.cos = emb.cos().to(device=device, dtype=dtype)  # [max_position, D]
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.scale = cfg.head_dim**-0.5
+        # small steps through models/fused_decode.py: CUDA + Triton, no biases, widths it can tile
+        self.fused = None
+        if fused_decode and self.ops is not None:
+            from lorafn.runtime.models import fused_decode as fd
+
+            widths = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+            no_bias = all(v is None for layer in self.layers for k, v in layer.items() if k.endswith(".bias"))
+            if no_bias and all(fd.block_k(w) is not None for w in widths) and dtype in fd.DOT_PRECISION:
+                self.fused = fd
 
     def weight_bytes(self) -> int:
         """Bytes of backbone weights one decode step reads: every layer, the final norm and the LM head
@@ -178,12 +188,43 @@ class LlamaModel:
     def _linear(self, x: torch.Tensor, layer: dict, proj: str) -> torch.Tensor:
         return F.linear(x, layer[proj], layer[proj + ".bias"])
 
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, k_cache, v_cache
+    ) -> torch.Tensor:
+        """Attention of the step's rows: q [T, H, D], k, v [T, Hkv, D] (already in the cache) -> [T, H·D]."""
+        nd, nkv, hd = batch.num_decodes, self.cfg.num_kv_heads, self.cfg.head_dim
+        pieces = []
+        if nd:
+            pieces.append(
+                paged_decode_attention(
+                    q[:nd],
+                    k_cache,
+                    v_cache,
+                    batch.block_tables,
+                    batch.context_lens,
+                    self.scale,
+                    self.use_triton_attention,
+                )
+            )
+        for span in batch.prefills:
+            rows = slice(span.token_offset, span.token_offset + span.num_tokens)
+            if span.start == 0:
+                kk, vv = k[rows], v[rows]
+            else:
+                kk = k_cache.view(-1, nkv, hd)[span.kv_slots]
+                vv = v_cache.view(-1, nkv, hd)[span.kv_slots]
+            pieces.append(prefill_attention(q[rows], kk, vv, span.start, self.scale))
+        attn = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        return attn.reshape(q.shape[0], -1)
+
     def forward(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Returns logits [S, vocab] (float32) for the rows in batch.logits_indices."""
         cfg = self.cfg
         num_tokens = batch.input_ids.shape[0]
+        if self.fused is not None and num_tokens <= self.fused.MAX_TOKENS:
+            return self._forward_fused(batch, kv_caches)
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lora_layers = self.lora.layers if self.lora is not None else None
         ops, eps = self.ops, cfg.rms_norm_eps
@@ -191,7 +232,6 @@ class LlamaModel:
         if ops is None:
             cos = self.cos[batch.positions].unsqueeze(1)
             sin = self.sin[batch.positions].unsqueeze(1)
-        nd = batch.num_decodes
         delta = None  # the last sub-layer's output, added to h together with the next norm
         for i, layer in enumerate(self.layers):
             groups = lora_layers[i] if lora_layers is not None else {}
@@ -207,29 +247,7 @@ class LlamaModel:
             v = qkv["v_proj"].view(num_tokens, nkv, hd)
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-            pieces = []
-            if nd:
-                pieces.append(
-                    paged_decode_attention(
-                        q[:nd],
-                        k_cache,
-                        v_cache,
-                        batch.block_tables,
-                        batch.context_lens,
-                        self.scale,
-                        self.use_triton_attention,
-                    )
-                )
-            for span in batch.prefills:
-                rows = slice(span.token_offset, span.token_offset + span.num_tokens)
-                if span.start == 0:
-                    kk, vv = k[rows], v[rows]
-                else:
-                    kk = k_cache.view(-1, nkv, hd)[span.kv_slots]
-                    vv = v_cache.view(-1, nkv, hd)[span.kv_slots]
-                pieces.append(prefill_attention(q[rows], kk, vv, span.start, self.scale))
-            attn = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-            attn = attn.reshape(num_tokens, nh * hd)
+            attn = self._attend(q, k, v, batch, k_cache, v_cache)
             o = {"o_proj": self._linear(attn, layer, "o_proj")}
             lora_project(attn, o, groups.get("o_proj"))
             x, h = self._norm(h, o["o_proj"], layer["post_attention_layernorm"])
@@ -247,3 +265,62 @@ class LlamaModel:
             h = h[batch.logits_indices]
         h = rms_norm(h, self.norm, eps) if ops is None else ops.rms_norm(h, self.norm, eps)
         return F.linear(h, self.lm_head).float()
+
+    def _forward_fused(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """`forward` for a step of at most fused_decode.MAX_TOKENS rows, in the fused kernels (same math,
+        same roundings; see models/fused_decode.py). Per layer: norm, [A_qkv|Wq|Wk|Wv] GEMM, RoPE + q/k/v
+        expands + cache writes, attention, [A_o|Wo] GEMM, add + o expand + norm, [A_gu|Wg|Wu] GEMM,
+        SiLU·up + expands, [A_d|Wd] GEMM (its expand joins the next layer's add + norm)."""
+        cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
+        lora_layers = self.lora.layers if self.lora is not None else None
+        h = F.embedding(batch.input_ids, self.embed)
+        delta: torch.Tensor | None = None
+        delta_lora = None
+        for i, layer in enumerate(self.layers):
+            groups = lora_layers[i] if lora_layers is not None else {}
+            if delta is None:
+                x = ops.rms_norm(h, layer["input_layernorm"], eps)
+            else:
+                h, x = ops.add_rms_norm(h, delta, layer["input_layernorm"], eps, lora=delta_lora)
+            (q, k, v), qkv_lora = _group_gemm(fd, x, layer, ("q_proj", "k_proj", "v_proj"), groups)
+            k_cache, v_cache = kv_caches[i]
+            q, k, v = fd.rope_lora_kv(
+                q,
+                k,
+                v,
+                qkv_lora,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                self.cos,
+                self.sin,
+                batch.positions,
+                k_cache,
+                v_cache,
+                batch.slot_mapping,
+            )
+            attn = self._attend(q, k, v, batch, k_cache, v_cache)
+            (o,), o_lora = _group_gemm(fd, attn, layer, ("o_proj",), groups)
+            h, x = ops.add_rms_norm(h, o, layer["post_attention_layernorm"], eps, lora=o_lora and o_lora[0])
+            (gate, up), gu_lora = _group_gemm(fd, x, layer, ("gate_proj", "up_proj"), groups)
+            act = fd.silu_mul_lora(gate, up, gu_lora)
+            (delta,), d_lora = _group_gemm(fd, act, layer, ("down_proj",), groups)
+            delta_lora = d_lora and d_lora[0]
+        assert delta is not None  # a model has layers
+        _h, x = ops.add_rms_norm(h, delta, self.norm, eps, lora=delta_lora)
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]
+        return fd.seg_linear(x, [self.lm_head])[0].float()
+
+
+def _group_gemm(fd, x: torch.Tensor, layer: dict, projs: tuple[str, ...], groups: dict[str, LoRAGroup]):
+    """One fused GEMM launch: the projections `projs` of x and, when the adapter targets them, the group's
+    shrink t = x·A_catᵀ. Returns (outputs in `projs` order, one Expand or None per projection / None)."""
+    group = groups.get(projs[0])
+    weights = [layer[p] for p in projs]
+    if group is None:
+        return fd.seg_linear(x, weights), None
+    t, *outs = fd.seg_linear(x, [group.a_cat, *weights])
+    by_proj = {p: fd.Expand(t, off, rank, b_t) for p, off, rank, b_t in group.targets}
+    return outs, tuple(by_proj.get(p) for p in projs)

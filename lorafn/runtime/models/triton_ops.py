@@ -13,19 +13,39 @@ import torch
 import triton
 import triton.language as tl
 
+from lorafn.runtime.models.fused_decode import Expand, lora_add_tile
+
 
 @triton.jit
 def _add_rms_norm_kernel(
-    X, R, W, OUT, RES_OUT, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr
+    X,
+    R,
+    W,
+    OUT,
+    RES_OUT,
+    T,
+    BT,
+    stride_t,
+    lora_off,
+    lora_rank,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_LORA: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(X + row * N + offs, mask=mask, other=0.0)
     if HAS_RES:  # h = h + delta, rounded to the activation dtype as torch does
-        x = (x.to(tl.float32) + tl.load(R + row * N + offs, mask=mask, other=0.0).to(tl.float32)).to(
-            RES_OUT.dtype.element_ty
-        )
+        delta = tl.load(R + row * N + offs, mask=mask, other=0.0)
+        if HAS_LORA:  # delta + t·Bᵀ, rounded once (the unfused path's addmm_ epilogue)
+            delta = lora_add_tile(
+                delta.to(tl.float32), T, row, stride_t, lora_off, lora_rank, BT, N, offs, mask
+            )
+            delta = delta.to(RES_OUT.dtype.element_ty)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(RES_OUT.dtype.element_ty)
         tl.store(RES_OUT + row * N + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
@@ -39,20 +59,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.shape[-1]
     _add_rms_norm_kernel[(x.shape[0],)](
-        x, x, weight, out, out, eps, N=n, BLOCK=triton.next_power_of_2(n), HAS_RES=False, num_warps=4
+        x,
+        x,
+        weight,
+        out,
+        out,
+        x,
+        x,
+        0,
+        0,
+        0,
+        eps,
+        N=n,
+        BLOCK=triton.next_power_of_2(n),
+        HAS_RES=False,
+        HAS_LORA=False,
+        num_warps=4,
     )
     return out
 
 
 def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, lora: Expand | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, rms_norm(h + delta)) in one kernel; h, delta [T, N]."""
+    """(h + delta, rms_norm(h + delta)) in one kernel; h, delta [T, N] contiguous. With `lora`, delta is
+    a projection's output and its LoRA expand is added to it first (fused_decode.py)."""
     res = torch.empty_like(h)
     out = torch.empty_like(h)
     n = h.shape[-1]
+    t, b_t, stride_t, off, rank = (
+        (lora.t, lora.b_t, lora.t.stride(0), lora.offset, lora.rank) if lora else (h, h, 0, 0, 0)
+    )
     _add_rms_norm_kernel[(h.shape[0],)](
-        h, delta, weight, out, res, eps, N=n, BLOCK=triton.next_power_of_2(n), HAS_RES=True, num_warps=4
+        h,
+        delta,
+        weight,
+        out,
+        res,
+        t,
+        b_t,
+        stride_t,
+        off,
+        rank,
+        eps,
+        N=n,
+        BLOCK=triton.next_power_of_2(n),
+        HAS_RES=True,
+        HAS_LORA=lora is not None,
+        num_warps=4,
     )
     return res, out
 

@@ -142,5 +142,5 @@ def test_scale_folded_into_private_b(tmp_path: Path) -> None:
     out = _adapter(tmp_path, config={"lora_alpha": 12, "use_rslora": True})
     raw = load_file(str(out / "adapter_model.safetensors"))
     lora = _load(out)
-    _, _, rank, b = lora.layers[0]["q_proj"].targets[0]
-    torch.testing.assert_close(b, raw[PREFIX + ".lora_B.weight"] * (12 / rank**0.5))
+    _, _, rank, b_t = lora.layers[0]["q_proj"].targets[0]  # kept transposed, [r, out]
+    torch.testing.assert_close(b_t, raw[PREFIX + ".lora_B.weight"].t() * (12 / rank**0.5))

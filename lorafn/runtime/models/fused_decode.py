@@ -1,0 +1,408 @@
+"""Kernels of a small-batch step (decode) on CUDA (Triton): few launches, LoRA at almost no extra cost.
+
+Measured on the H100 (bench/decode_profile.py, llama-2-7b, batch 1): a decode step of the base model
+ran 677 kernels, the same step with an r16 all-linear adapter 1157; the 352 LoRA GEMMs (a shrink per
+projection group, an expand per projection) and their 128 split-K reduces cost 1.25 ms on top of the
+base's 6.66 ms replay, ~3 µs each whatever their size. Here a step of at most `MAX_TOKENS` rows runs:
+
+- `seg_linear`: one skinny GEMM launch over several weight matrices that read the same input, e.g.
+  [A_qkv, W_q, W_k, W_v]: the LoRA shrink t = x·A_catᵀ is just more output rows of the same launch
+  (its programs first, they read the most per program). Tiles are read once at full width; no split-K.
+- `rope_lora_kv`: the q/k/v expands (y += t·Bᵀ), RoPE on q and k, and the K/V cache writes, in one
+  launch (replaces 3 expands, 2 RoPE kernels and 2 index_copy kernels).
+- `silu_mul_lora`: the gate/up expands fused into SiLU·up.
+- the o_proj and down_proj expands fused into the next residual add + RMSNorm
+  (`triton_ops.add_rms_norm(..., lora=...)`).
+
+Rounding follows the unfused path: each expand is added to its projection's output in float32 and
+rounded once to the activation dtype (as `addmm_`'s epilogue does), and everything after it rounds as
+triton_ops does. B is kept transposed ([r, out], contiguous) so that an expand reads rows of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 16  # the skinny GEMM's tile height: rows of one step it handles
+BLOCK_N = 32  # output rows (features) per program
+MAX_SEGMENTS = 4
+
+
+@dataclass(frozen=True)
+class Expand:
+    """One projection's LoRA expand: t[:, offset:offset+rank] · b_t ([rank, out] contiguous)."""
+
+    t: torch.Tensor  # [T, sum of the group's ranks]
+    offset: int
+    rank: int
+    b_t: torch.Tensor
+
+
+def block_k(k: int) -> int | None:
+    """The reduction tile for an input width: the largest of 256..32 that divides it (None: none does)."""
+    return next((b for b in (256, 128, 64, 32) if k % b == 0), None)
+
+
+# tl.dot's precision per activation dtype: float32 models (the exactness tests) get IEEE float32, not tf32
+DOT_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32", torch.float32: "ieee"}
+
+
+@triton.jit
+def _seg_gemm_kernel(
+    X,
+    W0,
+    W1,
+    W2,
+    W3,
+    Y0,
+    Y1,
+    Y2,
+    Y3,
+    N0,
+    N1,
+    N2,
+    N3,
+    M,
+    K,
+    stride_xm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    end0 = tl.cdiv(N0, BLOCK_N)
+    end1 = end0 + tl.cdiv(N1, BLOCK_N)
+    end2 = end1 + tl.cdiv(N2, BLOCK_N)
+    w = W0
+    y = Y0
+    n = N0
+    first = 0
+    if pid >= end0:  # an unused segment has N = 0: its end is the grid's, no pid reaches it
+        w = W1
+        y = Y1
+        n = N1
+        first = end0
+    if pid >= end1:
+        w = W2
+        y = Y2
+        n = N2
+        first = end1
+    if pid >= end2:
+        w = W3
+        y = Y3
+        n = N3
+        first = end2
+    rn = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < n
+    m_ok = rm < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+        wt = tl.load(w + rn[None, :].to(tl.int64) * K + (k0 + rk)[:, None], mask=n_ok[None, :], other=0.0)
+        acc += tl.dot(x, wt, input_precision=PRECISION)
+    tl.store(
+        y + rm[:, None] * n + rn[None, :], acc.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :]
+    )
+
+
+def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[x·W_iᵀ for each W_i] in one launch; x [M, K] (rows may be strided, M <= MAX_TOKENS), each W_i
+    [N_i, K] contiguous. Returns contiguous [M, N_i] tensors."""
+    m, k = x.shape
+    if not 1 <= len(weights) <= MAX_SEGMENTS:
+        raise ValueError(f"seg_linear: 1..{MAX_SEGMENTS} weights, got {len(weights)}")
+    bk = block_k(k)
+    if m > MAX_TOKENS or bk is None or x.stride(1) != 1:
+        raise ValueError(f"seg_linear: x {tuple(x.shape)} stride {x.stride()} is not a supported shape")
+    outs = [torch.empty(m, w.shape[0], device=x.device, dtype=x.dtype) for w in weights]
+    ws = list(weights) + [weights[0]] * (MAX_SEGMENTS - len(weights))
+    ys = outs + [outs[0]] * (MAX_SEGMENTS - len(outs))
+    ns = [w.shape[0] for w in weights] + [0] * (MAX_SEGMENTS - len(weights))
+    grid = (sum(triton.cdiv(n, BLOCK_N) for n in ns),)
+    _seg_gemm_kernel[grid](
+        x,
+        *ws,
+        *ys,
+        *ns,
+        m,
+        k,
+        x.stride(0),
+        BLOCK_M=MAX_TOKENS,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=bk,
+        PRECISION=DOT_PRECISION[x.dtype],
+        num_warps=4,
+        num_stages=4,
+    )
+    return outs
+
+
+@triton.jit
+def lora_add_tile(acc, T, row, stride_t, off, rank, BT, out_features, cols, mask):
+    """acc + t[row, off:off+rank] · B_t[:, cols] in float32 (B_t: [rank, out_features])."""
+    for j in range(0, rank):
+        tj = tl.load(T + row * stride_t + off + j).to(tl.float32)
+        acc += tj * tl.load(BT + j * out_features + cols, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _rope_half_pair(x1, x2, c1, c2, s1, s2, dt: tl.constexpr):
+    """RoPE of one head's two halves, each product and the sum rounded like the torch ops."""
+    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def _rope_lora_kv_kernel(
+    Q,
+    K,
+    V,
+    QO,
+    KO,
+    VO,
+    KC,
+    VC,
+    SLOTS,
+    COS,
+    SIN,
+    POS,
+    TQ,
+    TK,
+    TV,
+    BQ,
+    BK,
+    BV,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_tq,
+    stride_tk,
+    stride_tv,
+    off_q,
+    off_k,
+    off_v,
+    rank_q,
+    rank_k,
+    rank_v,
+    num_heads,
+    num_kv_heads,
+    HAS_LORA: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    dt = QO.dtype.element_ty
+    head_dim = 2 * HALF
+    pos = tl.load(POS + t).to(tl.int64)
+    c1 = tl.load(COS + pos * head_dim + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + pos * head_dim + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + pos * head_dim + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + pos * head_dim + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if h < num_heads:
+        cols = h * head_dim + offs
+        x1 = tl.load(Q + t * stride_q + cols, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(Q + t * stride_q + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_LORA:
+            out_f = num_heads * head_dim
+            x1 = (
+                lora_add_tile(x1, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols, mask)
+                .to(dt)
+                .to(tl.float32)
+            )
+            x2 = lora_add_tile(x2, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols + HALF, mask)
+            x2 = x2.to(dt).to(tl.float32)
+        o1, o2 = _rope_half_pair(x1, x2, c1, c2, s1, s2, dt)
+        base = QO + t * (num_heads * head_dim) + h * head_dim
+        tl.store(base + offs, o1, mask=mask)
+        tl.store(base + HALF + offs, o2, mask=mask)
+    else:
+        j = h - num_heads
+        out_f = num_kv_heads * head_dim
+        cols = j * head_dim + offs
+        k1 = tl.load(K + t * stride_k + cols, mask=mask, other=0.0).to(tl.float32)
+        k2 = tl.load(K + t * stride_k + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+        v1 = tl.load(V + t * stride_v + cols, mask=mask, other=0.0)
+        v2 = tl.load(V + t * stride_v + HALF + cols, mask=mask, other=0.0)
+        if HAS_LORA:
+            k1 = (
+                lora_add_tile(k1, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols, mask)
+                .to(dt)
+                .to(tl.float32)
+            )
+            k2 = lora_add_tile(k2, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols + HALF, mask)
+            k2 = k2.to(dt).to(tl.float32)
+            v1 = lora_add_tile(v1.to(tl.float32), TV, t, stride_tv, off_v, rank_v, BV, out_f, cols, mask).to(
+                dt
+            )
+            v2 = lora_add_tile(
+                v2.to(tl.float32), TV, t, stride_tv, off_v, rank_v, BV, out_f, cols + HALF, mask
+            )
+            v2 = v2.to(dt)
+        o1, o2 = _rope_half_pair(k1, k2, c1, c2, s1, s2, dt)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        k_out = KO + t * out_f + j * head_dim
+        k_cached = KC + slot * out_f + j * head_dim
+        tl.store(k_out + offs, o1, mask=mask)
+        tl.store(k_out + HALF + offs, o2, mask=mask)
+        tl.store(k_cached + offs, o1, mask=mask)
+        tl.store(k_cached + HALF + offs, o2, mask=mask)
+        v_out = VO + t * out_f + j * head_dim
+        v_cached = VC + slot * out_f + j * head_dim
+        tl.store(v_out + offs, v1.to(dt), mask=mask)
+        tl.store(v_out + HALF + offs, v2.to(dt), mask=mask)
+        tl.store(v_cached + offs, v1.to(dt), mask=mask)
+        tl.store(v_cached + HALF + offs, v2.to(dt), mask=mask)
+
+
+def _lora_args(expand: Expand | None, like: torch.Tensor) -> tuple:
+    if expand is None:
+        return like, like, 0, 0, 0
+    return expand.t, expand.b_t, expand.t.stride(0), expand.offset, expand.rank
+
+
+def rope_lora_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lora: tuple[Expand | None, Expand | None, Expand | None] | None,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H·D], k, v [T, Hkv·D] (projection outputs, rows may be strided) -> (q, k, v) as [T, heads,
+    D]: the LoRA expands added (lora: one Expand or None per projection), q and k rotated, and k, v also
+    stored at `slot_mapping` [T] of the caches ([blocks, block_size, Hkv, D] each)."""
+    tokens = q.shape[0]
+    head_dim = cos.shape[-1]
+    qo = torch.empty(tokens, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    ko = torch.empty(tokens, num_kv_heads, head_dim, device=q.device, dtype=q.dtype)
+    vo = torch.empty_like(ko)
+    eq, ek, ev = lora if lora is not None else (None, None, None)
+    tq, bq, stq, oq, rq = _lora_args(eq, q)
+    tk, bk, stk, ok, rk = _lora_args(ek, q)
+    tv, bv, stv, ov, rv = _lora_args(ev, q)
+    half = head_dim // 2
+    _rope_lora_kv_kernel[(tokens, num_heads + num_kv_heads)](
+        q,
+        k,
+        v,
+        qo,
+        ko,
+        vo,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        cos,
+        sin,
+        positions,
+        tq,
+        tk,
+        tv,
+        bq,
+        bk,
+        bv,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        stq,
+        stk,
+        stv,
+        oq,
+        ok,
+        ov,
+        rq,
+        rk,
+        rv,
+        num_heads,
+        num_kv_heads,
+        HAS_LORA=lora is not None,
+        HALF=half,
+        BLOCK=triton.next_power_of_2(half),
+        num_warps=1,
+    )
+    return qo, ko, vo
+
+
+@triton.jit
+def _silu_mul_lora_kernel(
+    G,
+    U,
+    OUT,
+    TG,
+    TU,
+    BG,
+    BU,
+    stride_g,
+    stride_u,
+    stride_tg,
+    stride_tu,
+    off_g,
+    off_u,
+    rank_g,
+    rank_u,
+    N,
+    HAS_LORA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    dt = OUT.dtype.element_ty
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        g = lora_add_tile(g, TG, row, stride_tg, off_g, rank_g, BG, N, cols, mask).to(dt).to(tl.float32)
+        u = lora_add_tile(u, TU, row, stride_tu, off_u, rank_u, BU, N, cols, mask).to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(OUT + row * N + cols, (act * u).to(dt), mask=mask)
+
+
+def silu_mul_lora(
+    gate: torch.Tensor, up: torch.Tensor, lora: tuple[Expand | None, Expand | None] | None
+) -> torch.Tensor:
+    """silu(gate + t·B_gateᵀ) * (up + t·B_upᵀ) for gate, up [T, N] (rows may be strided); [T, N]."""
+    tokens, n = gate.shape
+    out = torch.empty(tokens, n, device=gate.device, dtype=gate.dtype)
+    eg, eu = lora if lora is not None else (None, None)
+    tg, bg, stg, og, rg = _lora_args(eg, gate)
+    tu, bu, stu, ou, ru = _lora_args(eu, gate)
+    block = 1024
+    _silu_mul_lora_kernel[(tokens, triton.cdiv(n, block))](
+        gate,
+        up,
+        out,
+        tg,
+        tu,
+        bg,
+        bu,
+        gate.stride(0),
+        up.stride(0),
+        stg,
+        stu,
+        og,
+        ou,
+        rg,
+        ru,
+        n,
+        HAS_LORA=lora is not None,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return out
