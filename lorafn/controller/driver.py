@@ -9,8 +9,14 @@ A round, in order:
    as a failed start of its function (exponential backoff in the policy, the reason in its status).
 3. Snapshot (Redis + the executor's starting workers + binds sent but not yet confirmed), `decide`.
 4. Apply: Stop (a `stop` control command: the worker drains and exits), Start (the executor),
-   Bind (a `bind` control command to the standby), Wait (the reason into the function's status, where
+   Bind (a `bind` control command to the standby), Preload (a `preload` control command: the standby
+   loads that function's adapter and stays a standby), Wait (the reason into the function's status, where
    the gateway and `lorafn status` read it); write the pool targets.
+
+Between rounds the driver waits on the demand stream (`wait_for_demand`, the one wait both `lorafn up`'s
+supervisor and the Kubernetes loop use). Demand for a function with no live worker is answered at once
+from the last round's snapshot (`policy.fast_binds`: bind a standby, pre-loaded with it first), before
+the full round that follows: the request waits for one Redis write, not for a snapshot and a plan.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lorafn.controller.metrics import ControllerMetrics
-from lorafn.controller.policy.actions import Bind, Plan, Start, Stop, Wait
+from lorafn.controller.policy.actions import Bind, Plan, Preload, Start, Stop, Wait
 from lorafn.controller.policy.config import PolicyConfig
-from lorafn.controller.policy.decide import decide
-from lorafn.controller.policy.model import GPU, Worker
+from lorafn.controller.policy.decide import decide, fast_binds
+from lorafn.controller.policy.model import GPU, Snapshot, Worker
 from lorafn.controller.snapshot import SizingConfig, SnapshotReader
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, combine, control, streams, workers
 
@@ -68,12 +74,25 @@ class ControllerConfig:
     heartbeat_ttl_s: float = 5.0
     holder: str = field(default_factory=lambda: f"{socket.gethostname()[:40]}-{os.getpid()}")
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # answer demand from the last snapshot before the full round (off: the round alone, as before; the
+    # bench's "before" row)
+    fast_bind: bool = True
+    preload_timeout_s: float = 30.0  # a preload not seen in the standby's heartbeat by then is sent again
 
 
 @dataclass
 class _PendingBind:
     function: str
     sent_at: float
+
+
+@dataclass(frozen=True)
+class Demand:
+    """One demand record the gateway wrote: a request for ``function`` found no live worker at server time
+    ``at_ms``."""
+
+    function: str
+    at_ms: int
 
 
 class Controller:
@@ -91,11 +110,15 @@ class Controller:
         self._served: set[str] = set()
         # worker id -> when its stop was sent: one stop command per worker, not one per round
         self._stops_sent: dict[str, float] = {}
-        self._demand_cursor: str | None = None
-        self._exits: list[
-            Exit
-        ] = []  # ended workers not yet learned from  # demand entries after this one wake the loop
+        # demand entries after this one wake the loop (None: from the first wait on)
+        self.demand_cursor: str | None = None
+        self._exits: list[Exit] = []  # ended workers not yet learned from
+        # function -> when its oldest unanswered demand was recorded (server ms): request -> bind latency
+        self._demand_at: dict[str, int] = {}
+        # standby id -> (function, sent at): preloads not yet seen in the standby's heartbeat
+        self._preloads: dict[str, _PendingBind] = {}
         self.last_plan: Plan | None = None
+        self.last_snapshot: Snapshot | None = None
         self.metrics = ControllerMetrics()
 
     # -- one round -------------------------------------------------------------------------------
@@ -108,9 +131,12 @@ class Controller:
         self._learn()
         snapshot = self.reader.read(self.executor.gpus(), self.executor.starting())
         snapshot = self._with_pending_binds(snapshot)
+        for w in snapshot.workers:  # demand of a function that has a worker is answered (or never needed one)
+            if w.function:
+                self._demand_at.pop(w.function, None)
         plan = decide(snapshot, self.config.policy)
         self._apply(plan)
-        self.last_plan = plan
+        self.last_plan, self.last_snapshot = plan, snapshot
         m = self.metrics
         m.pool_target.set(sum(t.count for t in plan.pool))
         m.pool_standby.set(sum(1 for w in snapshot.workers if w.state == "standby"))
@@ -127,25 +153,56 @@ class Controller:
                 log.warning("controller: Redis unreachable (%s); retrying", e)
             except Exception:  # one bad round (a bad record, a bug) must not stop every later decision
                 log.exception("controller: round failed; trying again next interval")
-            self.wait_for_demand(self.config.interval_s)
+            try:
+                self.answer_demand(self.wait_for_demand(self.config.interval_s))
+            except UNAVAILABLE_ERRORS as e:
+                log.warning("controller: Redis unreachable (%s); retrying", e)
+                time.sleep(self.config.interval_s)
 
-    def wait_for_demand(self, timeout_s: float) -> bool:
-        """Sleep up to `timeout_s`, waking as soon as the gateway records cold-start demand (a request
-        that found no live worker): the round that answers it starts at once, not an interval later.
-        True when demand woke it."""
-        try:
-            if self._demand_cursor is None:  # from now on (a stream id from Redis's clock, not "$",
-                # so that demand recorded while a round runs still wakes the next wait)
-                self._demand_cursor = f"{self.store.run(workers.server_time_ms())}-0"
-            entries = self.store.run(
-                streams.read_demand(self.keys, self._demand_cursor, max(1, int(timeout_s * 1000)))
+    def wait_for_demand(self, timeout_s: float) -> list[Demand]:
+        """Wait up to `timeout_s` for the gateway to record cold-start demand (a request that found no live
+        worker); what was recorded (empty on timeout). Redis errors are raised: the caller decides (the
+        Kubernetes loop logs and sleeps; `lorafn up`'s supervisor checks its Redis server)."""
+        if self.demand_cursor is None:  # from now on (a stream id from Redis's clock, not "$",
+            # so that demand recorded while a round runs still wakes the next wait)
+            self.demand_cursor = f"{self.store.run(workers.server_time_ms())}-0"
+        entries = self.store.run(
+            streams.read_demand(self.keys, self.demand_cursor, max(1, int(timeout_s * 1000)))
+        )
+        out = []
+        for entry_id, fields in entries:
+            self.demand_cursor = entry_id
+            function = fields.get("function", "")
+            if function:
+                at_ms = int(entry_id.split("-", 1)[0])
+                with contextlib.suppress(ValueError):
+                    at_ms = int(fields.get("at") or at_ms)
+                out.append(Demand(function, at_ms))
+        return out
+
+    def answer_demand(self, demand: list[Demand]) -> list[Bind]:
+        """Bind standbys to the functions of `demand` that have no live worker, from the last round's
+        snapshot (no new snapshot, no plan): milliseconds after the request instead of a round. The full
+        round that follows sees these binds as pending. Nothing before the first round, or when the lease
+        is another controller's (that one answers)."""
+        for d in demand:
+            self._demand_at.setdefault(d.function, d.at_ms)
+        if not demand or not self.config.fast_bind or self.last_snapshot is None:
+            return []
+        ttl_ms = int(self.config.lease_ttl_s * 1000)
+        if not self.store.run(control.acquire_lease(self.keys, self.config.holder, ttl_ms)):
+            self.last_snapshot = None  # another controller leads now: its view, not our old one
+            return []
+        snapshot = self._with_pending_binds(self.last_snapshot)
+        stopped = set(self._stops_sent)
+        if stopped:  # a standby the last round stopped is not there to bind
+            snapshot = dataclasses.replace(
+                snapshot, workers=tuple(w for w in snapshot.workers if w.id not in stopped)
             )
-        except UNAVAILABLE_ERRORS:
-            time.sleep(timeout_s)
-            return False
-        for entry_id, _fields in entries:
-            self._demand_cursor = entry_id
-        return bool(entries)
+        binds = fast_binds(snapshot, {d.function for d in demand}, self.config.policy)
+        for bind in binds:
+            self._send_bind(bind, fast=True)
+        return binds
 
     # -- what happened ---------------------------------------------------------------------------
     def _learn(self) -> None:
@@ -179,6 +236,7 @@ class Controller:
             kind, function, wid = event.get("kind"), event.get("function", ""), event.get("worker", "")
             if kind == control.BOUND and function:
                 self._binds.pop(wid, None)
+                self._demand_at.pop(function, None)
                 self._served.add(wid)  # it reached serving: a later crash is not a failed start
                 self.store.run(
                     control.set_status(
@@ -212,15 +270,26 @@ class Controller:
             if now - pending.sent_at > self.config.bind_timeout_s:
                 log.warning("controller: bind of %s to %s was never confirmed", wid, pending.function)
                 del self._binds[wid]
-        if not self._binds:
+        for wid, pending in list(self._preloads.items()):
+            if now - pending.sent_at > self.config.preload_timeout_s:
+                del self._preloads[wid]  # not seen in its heartbeat: the next plan may send it again
+        if not self._binds and not self._preloads:
             return snapshot
         patched = []
         for w in snapshot.workers:
             pending = self._binds.get(w.id)
             if pending is not None and w.state == "standby":
-                w = dataclasses.replace(w, state="bound", function=pending.function, running=1)
+                w = dataclasses.replace(
+                    w, state="bound", function=pending.function, running=1, preloaded=None
+                )
             elif pending is not None and w.state == "bound":
                 del self._binds[w.id]  # its heartbeat says bound: confirmed
+            preload = self._preloads.get(w.id)
+            if preload is not None and w.state == "standby":
+                if w.preloaded == preload.function:
+                    del self._preloads[w.id]  # its heartbeat says so: confirmed
+                else:  # sent, not yet loaded: plan as if it were (no second command)
+                    w = dataclasses.replace(w, preloaded=preload.function)
             patched.append(w)
         return dataclasses.replace(snapshot, workers=tuple(patched))
 
@@ -231,6 +300,8 @@ class Controller:
             if isinstance(action, Stop):
                 log.info("controller: stop %s (%s) %s", action.worker_id, action.reason, action.detail)
                 self.metrics.stops.labels(action.reason).inc()
+                if action.reason == "offload":
+                    self.metrics.offloads.labels(action.cause or "unknown", action.victim or "unknown").inc()
                 self.store.run(
                     workers.send_control(self.keys, action.worker_id, "stop", reason=action.reason)
                 )
@@ -243,14 +314,21 @@ class Controller:
                     else f"standby ({action.shape or 'any shape'})"
                 )
                 log.info("controller: start %s on %s %s: %s", wid, action.gpu, what, action.reason)
+                if action.function:
+                    self._demand_at.pop(action.function, None)  # answered by a fresh start
                 self.metrics.starts.labels("bound" if action.function else "standby").inc()
                 self.executor.start(action, wid)
             elif isinstance(action, Bind):
-                log.info("controller: bind %s -> %s", action.worker_id, action.function)
-                self.metrics.binds.inc()
-                self._binds[action.worker_id] = _PendingBind(action.function, time.monotonic())
+                self._send_bind(action, fast=False)
+            elif isinstance(action, Preload):
+                log.info(
+                    "controller: preload %s into standby %s (value %.3g s/s)",
+                    action.function, action.worker_id, action.value,
+                )  # fmt: skip
+                self.metrics.preloads.inc()
+                self._preloads[action.worker_id] = _PendingBind(action.function, time.monotonic())
                 self.store.run(
-                    workers.send_control(self.keys, action.worker_id, "bind", function=action.function)
+                    workers.send_control(self.keys, action.worker_id, "preload", function=action.function)
                 )
             elif isinstance(action, Wait):
                 waiting.add(action.function)
@@ -274,6 +352,26 @@ class Controller:
                 self.keys, {control.pool_key(t.gpu, t.backbone, t.shape): t.count for t in plan.pool}
             )
         )
+
+    def _send_bind(self, action: Bind, fast: bool) -> None:
+        entry_id = self.store.run(
+            workers.send_control(self.keys, action.worker_id, "bind", function=action.function)
+        )
+        self._binds[action.worker_id] = _PendingBind(action.function, time.monotonic())
+        self._preloads.pop(action.worker_id, None)
+        self.metrics.binds.labels("fast" if fast else "round", "yes" if action.preloaded else "no").inc()
+        # request -> bind command, both on Redis's clock (the control entry's id is its server time)
+        at_ms = self._demand_at.pop(action.function, None)
+        waited = ""
+        if at_ms is not None:
+            ms = max(0, int(str(entry_id).split("-", 1)[0]) - at_ms)
+            self.metrics.demand_to_bind.labels("fast" if fast else "round").observe(ms / 1000)
+            waited = f", {ms} ms after its demand"
+        log.info(
+            "controller: bind %s -> %s (%s%s%s)",
+            action.worker_id, action.function, "fast path" if fast else "round",
+            ", adapter pre-loaded" if action.preloaded else "", waited,
+        )  # fmt: skip
 
     def _new_worker_id(self, action: Start) -> str:
         self._counter += 1

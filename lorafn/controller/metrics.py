@@ -1,5 +1,6 @@
-"""Prometheus metrics of the controller: cold starts by path, binds, starts, stops by reason, start failures,
-rounds and their duration, and the warm pool (standby workers wanted and present).
+"""Prometheus metrics of the controller: cold starts by path, binds (fast path or round; adapter pre-loaded or
+not) and the request -> bind command latency, pre-loads, starts, stops by reason, offloads by cause and
+victim, start failures, rounds and their duration, and the warm pool (standby workers wanted and present).
 
 One registry per `Controller` (so two in one process, as in tests, do not collide). `lorafn controller
 run --metrics-port N` serves it over HTTP; `lorafn up` serves it when `controller_metrics_port` is set.
@@ -27,7 +28,26 @@ class ControllerMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80),
             registry=r,
         )
-        self.binds = Counter("lorafn_controller_binds", "Bind commands sent to standby workers", registry=r)
+        self.binds = Counter(
+            "lorafn_controller_binds",
+            "Bind commands sent to standby workers, by path (fast: from the last snapshot on demand; round) "
+            "and whether the standby had pre-loaded the function's adapter (yes|no)",
+            ["path", "preloaded"], registry=r,
+        )  # fmt: skip
+        self.demand_to_bind = Histogram(
+            "lorafn_controller_demand_to_bind_seconds",
+            "From the gateway's demand record to the bind command (both on Redis's clock), by path",
+            ["path"], buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r,
+        )  # fmt: skip
+        self.preloads = Counter(
+            "lorafn_controller_preloads", "Pre-load commands sent to standby workers", registry=r
+        )
+        self.offloads = Counter(
+            "lorafn_controller_offloads",
+            "Workers stopped to make room, by cause (cold_start|min_replicas|scale_up) and victim "
+            "(standby|idle_bound)",
+            ["cause", "victim"], registry=r,
+        )  # fmt: skip
         self.starts = Counter(
             "lorafn_controller_starts", "Workers started, by kind (standby|bound)", ["kind"], registry=r
         )

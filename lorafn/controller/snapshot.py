@@ -42,6 +42,7 @@ class SizingConfig:
     fresh_start_s: float = 10.0  # measured spawn -> serving (updated from lifecycle events)
     bind_s: float = 0.1  # measured bind -> serving of a standby prepared for the shape
     capture_s: float = 0.0  # graph capture when a standby is not prepared for the shape
+    adapter_load_s: float | None = None  # the adapter-load part of bind_s (None: all of it)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,6 @@ class SnapshotReader:
     sizes: dict[str, FunctionSize] = field(default_factory=dict)
     # this round's per-worker overhead: learned from the workers' reports, else the configured one
     overhead_bytes: int = 0
-    _overhead_reports: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.overhead_bytes = self.sizing.worker_overhead_bytes
@@ -154,8 +154,8 @@ class SnapshotReader:
                 combine(*(stats.arrivals(keys, f, now_s, ARRIVAL_WINDOW_S) for f in fn_names)),
             )
         )
-        live_workers = self.live_workers({g.id for g in gpus})
-        self.overhead_bytes = learned_overhead(self._overhead_reports, self.sizing.worker_overhead_bytes)
+        live_workers, overhead_reports = self.live_workers({g.id for g in gpus})
+        self.overhead_bytes = learned_overhead(overhead_reports, self.sizing.worker_overhead_bytes)
         self.problems = {}
         self.sizes = {}
         functions: list[Function] = []
@@ -189,6 +189,7 @@ class SnapshotReader:
                     start_failures=int(st.get("start_failures") or 0),
                     last_failure_s=max(0.0, now_s - failed_at / 1000) if failed_at else None,
                     last_failure=st.get("last_failure", ""),
+                    lora_bytes=size.lora_bytes,
                 )
             )
         backbones = []
@@ -220,6 +221,7 @@ class SnapshotReader:
                 fresh_start_s=self.sizing.fresh_start_s,
                 bind_s=self.sizing.bind_s,
                 capture_s=self.sizing.capture_s,
+                adapter_load_s=self.sizing.adapter_load_s,
                 default_standby_bytes=standby[None],
                 standby_bytes=standby,
             )
@@ -237,15 +239,17 @@ class SnapshotReader:
             functions=tuple(functions), costs=costs,
         )  # fmt: skip
 
-    def live_workers(self, gpu_ids: set[str]) -> list[Worker]:
-        """Workers whose heartbeat is fresh, as the policy sees them (those on unknown GPUs are left out)."""
+    def live_workers(self, gpu_ids: set[str]) -> tuple[list[Worker], list[int]]:
+        """Workers whose heartbeat is fresh, as the policy sees them (those on unknown GPUs are left out),
+        and the overheads the GPU workers among them report (whole process by the driver's count, minus
+        their KV cache and LoRA tensors: `learned_overhead`'s input)."""
         store, keys = self.store, self.keys
         ids = store.run(workers.worker_ids(keys))
         info = store.run(workers.worker_info(keys, ids)) if ids else {}
         now_ms = store.run(workers.server_time_ms())
         ttl_ms = self.heartbeat_ttl_s * 1000
         out = []
-        self._overhead_reports = []
+        overhead_reports: list[int] = []
         for wid, h in sorted(info.items()):
             if now_ms - int(h.get("heartbeat") or now_ms) > ttl_ms:
                 continue
@@ -259,7 +263,7 @@ class SnapshotReader:
             )
             if h.get("mem_source") == "driver" and state in ("standby", "serving"):
                 with contextlib.suppress(ValueError):
-                    self._overhead_reports.append(
+                    overhead_reports.append(
                         int(h.get("mem_bytes") or 0)
                         - int(h.get("kv_bytes") or 0)
                         - int(h.get("lora_bytes") or 0)
@@ -282,9 +286,11 @@ class SnapshotReader:
                     age_s=max(0.0, (now_ms - int(h.get("started") or 0) * 1000) / 1000)
                     if h.get("started")
                     else 0.0,
+                    # a standby's pre-loaded adapter (runtime.standby); a bound one's is its own
+                    preloaded=(h.get("preloaded") or None) if policy_state == "standby" else None,
                 )
             )
-        return out
+        return out, overhead_reports
 
 
 def default_sizing(device: str) -> SizingConfig:

@@ -30,8 +30,6 @@ from lorafn.local.redis_proc import RedisProcess, RedisWatch, free_port
 from lorafn.local.zygote import ZYGOTE_NAME, ZygoteKeeper
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store
 from lorafn.store.backbones import get_backbone, list_backbones
-from lorafn.store.streams import read_demand
-from lorafn.store.workers import server_time_ms
 
 log = logging.getLogger("lorafn.up")
 
@@ -79,7 +77,6 @@ class LocalPlatform:
             worker_extra_env={"LORAFN_GPU_ADMISSION": "true" if config.gpu_admission else "false"},
         )
         self.controller: Controller | None = None
-        self._demand_cursor = "$"
         self.redis_watch = RedisWatch()
         self._redis_trouble = False  # a Redis call failed: check the server before the next round
         self.redis_restarts = 0
@@ -115,8 +112,6 @@ class LocalPlatform:
         self._redis_started_at = time.monotonic()
         self.store = Store(self.redis.url)
         self.executor.start_zygote()  # its imports overlap the gateway's start
-        # Demand recorded before this start (a previous run's) is stale: read entries after now only.
-        self._demand_cursor = f"{self.store.run(server_time_ms())}-0"
         self._start_gateway()
         self.executor.wait_zygote(self.config.worker_start_timeout_s)
         state = PlatformState(
@@ -128,7 +123,7 @@ class LocalPlatform:
         )
         state.write(self.state_dir)
         self.sync_backbones()
-        self.controller = self._new_controller()
+        self.controller = self._new_controller()  # it reads demand from its first wait on, not older
         if self.config.controller_metrics_port:
             self.controller.metrics.serve(self.config.controller_metrics_port, self.config.host)
         return state
@@ -155,6 +150,7 @@ class LocalPlatform:
         )
         if self.controller is not None:
             controller.metrics = self.controller.metrics  # the served registry keeps counting
+            controller.demand_cursor = self.controller.demand_cursor  # demand since then still wakes it
         return controller
 
     def restart_controller(self, reason: str) -> None:
@@ -286,7 +282,9 @@ class LocalPlatform:
                 }
 
     def tick(self, block_ms: int) -> None:
-        """One supervisor iteration: reap, start backbones, wait briefly for demand, one controller round.
+        """One supervisor iteration: reap, start backbones, wait briefly for demand (the controller's own
+        wait, `Controller.wait_for_demand`), answer it from the last snapshot (`answer_demand`: a standby is
+        bound within milliseconds of the request), then one full controller round.
 
         Redis trouble never ends `lorafn up`: while the server does not answer, the tick only supervises
         it (restart when it exited or hung, `_supervise_redis`); the gateway answers 503 meanwhile and the
@@ -298,10 +296,8 @@ class LocalPlatform:
             return
         try:  # a backbone server that cannot start still ends `lorafn up` (procs.RestartPolicy)
             self.sync_backbones()
-            # The gateway records cold-start demand: waking on it makes the round that answers it start
-            # at once.
-            for entry_id, _fields in self.store.run(read_demand(self.keys, self._demand_cursor, block_ms)):
-                self._demand_cursor = entry_id
+            # The gateway records cold-start demand: waking on it answers it at once.
+            demand = self.controller.wait_for_demand(block_ms / 1000)
         except UNAVAILABLE_ERRORS as e:
             log.warning("redis is unreachable (%s); checking the server", e)
             self._redis_trouble = True
@@ -310,6 +306,7 @@ class LocalPlatform:
             if self._controller_restart is not None:
                 reason, self._controller_restart = self._controller_restart, None
                 self.restart_controller(reason)
+            self.controller.answer_demand(demand)
             self.controller.round()
             self._failed_rounds = 0
         except UNAVAILABLE_ERRORS as e:

@@ -216,6 +216,16 @@ def copy_lora(buffers: LoRAWeights, adapter: LoRAWeights) -> None:
                 b_dst[:s_r].copy_(b_src)
 
 
+def clear_lora(buffers: LoRAWeights) -> None:
+    """Zero every buffer in place: a standby that pre-loaded one function's adapter and is bound to another
+    whose adapter does not fit them drops them with nothing of the first left in its memory."""
+    for groups in buffers.layers:
+        for g in groups.values():
+            g.a_cat.zero_()
+            for _p, _o, _r, b in g.targets:
+                b.zero_()
+
+
 def write_random_adapter(
     model_cfg: ModelConfig,
     out: str | Path,

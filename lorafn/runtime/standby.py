@@ -10,9 +10,17 @@ is on this worker's backbone, load the adapter into the prepared buffers (a copy
 an adapter of another shape is loaded fresh and the graphs are captured again), tell the controller
 (`bound`, with the milliseconds it took) and become that function's worker: the ordinary serving loop
 (`lorafn.runtime.worker.Worker`) from then on. A bound worker never returns to the pool (one tenant per
-process); the controller starts a fresh standby in its place. A bind that fails (the adapter is unreadable
-or does not fit the backbone) is reported (`bind_failed`, with the reason) and the process exits 3: it
-may hold part of a tenant's adapter, so it is not reused either.
+process); the controller starts a fresh standby in its place.
+
+`preload(function)` (a control command; DESIGN idea 4): load that function's adapter into the prepared
+buffers now and stay a standby, heartbeating `preloaded=<function>`. The standby does not consume the
+function's requests. A later bind to that function finds its adapter in place (the files unchanged since)
+and is registration only; a bind to another function overwrites every buffer first (`copy_lora` zeroes and
+copies each one; an adapter that does not fit them is loaded fresh and the buffers are zeroed before they
+are dropped), so nothing of a pre-loaded adapter reaches another tenant's requests.
+
+A bind that fails (the adapter is unreadable or does not fit the backbone) is reported (`bind_failed`, with
+the reason) and the process exits 3: it may hold part of a tenant's adapter, so it is not reused either.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class Standby:
         self._cursor = store.run(workers.last_control_id(keys, worker_id))
         self._stopping = False
         self._started = time.time()
+        # (function, adapter dir, file stamps) whose adapter the prepared buffers hold, or None
+        self._preloaded: tuple[str, str, tuple[tuple[int, int], ...]] | None = None
 
     def stop(self, *_: Any) -> None:
         self._stopping = True
@@ -66,6 +76,7 @@ class Standby:
             "state": state,
             "running": 0,
             "started": int(self._started),
+            "preloaded": self._preloaded[0] if self._preloaded and state == "standby" else "",
             **placement_fields(self.settings, self.engine),
         }
 
@@ -101,8 +112,42 @@ class Standby:
                     return None
                 if cmd == "bind" and body.get("function"):
                     return body["function"]
+                if cmd == "preload" and body.get("function"):
+                    self._preload_logged(body["function"])
+                    continue
                 log.warning("standby %s: ignoring control command %r", self.worker_id, body)
         return None
+
+    def _preload_logged(self, function: str) -> None:
+        try:
+            ms = self.preload(function)
+        except (ValueError, OSError) as e:  # the standby stays usable: only this pre-load is lost
+            log.warning("standby %s: pre-load of %s failed: %s", self.worker_id, function, e)
+            return
+        log.info("standby %s pre-loaded the adapter of %s in %.1f ms", self.worker_id, function, ms)
+
+    def preload(self, function: str) -> float:
+        """Load `function`'s adapter into the prepared buffers, staying a standby; the milliseconds it took.
+        ValueError when the function is unknown, on another backbone, or its adapter does not fit the
+        buffers (only a bind may replace them)."""
+        t0 = time.perf_counter()
+        record = self._record(function)
+        runner = getattr(self.engine, "runner", None)
+        if runner is None or not getattr(runner, "prepared", False) or runner.lora is None:
+            raise ValueError("this standby has no prepared LoRA buffers to pre-load into")
+        from lorafn.runtime.lora import copy_lora, fits_shape, load_lora
+
+        loaded = load_lora(record.adapter_dir, runner.model_config, runner.device, runner.dtype)
+        if not fits_shape(loaded, runner.lora):
+            raise ValueError(
+                f"adapter shape {loaded.shape_key!r} of {function} does not fit the buffers' "
+                f"{runner.lora.shape_key!r}"
+            )
+        self._preloaded = None  # while the copy runs the buffers hold neither adapter
+        copy_lora(runner.lora, loaded)  # zeroes and overwrites every buffer
+        self._preloaded = (function, record.adapter_dir, _stamp(record.adapter_dir))
+        self._beat()  # the controller sees it at once (it plans binds by it)
+        return (time.perf_counter() - t0) * 1000
 
     def bind(self, function: str) -> tuple[Any, float]:
         """Load the function's adapter: (its registration record, bind ms); ValueError on failure."""
@@ -130,7 +175,8 @@ class Standby:
         finally:
             store.close()
 
-    def _bind(self, function: str, t0: float) -> tuple[Any, float]:
+    def _record(self, function: str) -> Any:
+        """The function's registration, checked to run on this standby's backbone (ValueError if not)."""
         from lorafn.api import LoRAFunctionSpec
         from lorafn.store.registry import get_function
 
@@ -145,8 +191,22 @@ class Standby:
             )
         if not record.adapter_dir:
             raise ValueError(f"function {function} has no adapter directory")
+        return record
+
+    def _bind(self, function: str, t0: float) -> tuple[Any, float]:
+        record = self._record(function)
         t_record = time.perf_counter()
-        how = self.engine.bind_adapter(record.adapter_dir)
+        held, self._preloaded = self._preloaded, None
+        runner = getattr(self.engine, "runner", None)
+        if held is not None and held == (function, record.adapter_dir, _stamp(record.adapter_dir)):
+            runner.prepared = False  # the buffers hold this function's adapter: they are its own now
+            how = "pre-loaded"
+        else:
+            if held is not None and runner is not None and runner.lora is not None:
+                from lorafn.runtime.lora import clear_lora
+
+                clear_lora(runner.lora)  # another function's adapter: nothing of it may stay
+            how = self.engine.bind_adapter(record.adapter_dir)
         t_done = time.perf_counter()
         ms = (t_done - t0) * 1000
         log.info(
@@ -154,6 +214,20 @@ class Standby:
             self.worker_id, function, ms, (t_record - t0) * 1000, (t_done - t_record) * 1000, how,
         )  # fmt: skip
         return record, ms
+
+
+def _stamp(adapter_dir: str) -> tuple[tuple[int, int], ...]:
+    """(mtime ns, size) of an adapter's two files: a pre-loaded adapter is used only while they match."""
+    from pathlib import Path
+
+    out = []
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        try:
+            st = (Path(adapter_dir) / name).stat()
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append((0, -1))
+    return tuple(out)
 
 
 def warm_up(engine: Any, max_prompt_tokens: int = 512) -> float:

@@ -13,16 +13,32 @@ if TYPE_CHECKING:
     from lorafn.controller.policy.account import MemoryAccount
 
 StopReason = Literal["offload", "scale_down", "pool_shrink", "keep_alive"]
+# why an offload needed room: a function's first worker (a cold start), its min_replicas floor, or one
+# more worker for a function whose queue grows (a burst)
+OffloadCause = Literal["cold_start", "min_replicas", "scale_up"]
 
 
 @dataclass(frozen=True)
 class Bind:
-    """Send bind(function) to standby worker ``worker_id``. ``prepared``: it has the shape's graphs."""
+    """Send bind(function) to standby worker ``worker_id``. ``prepared``: it has the shape's graphs;
+    ``preloaded``: it holds the function's adapter already (the bind is registration only)."""
 
     worker_id: str
     function: str
     gpu: str
     prepared: bool = True
+    preloaded: bool = False
+
+
+@dataclass(frozen=True)
+class Preload:
+    """Tell standby ``worker_id`` to load ``function``'s adapter into its LoRA buffers and stay a standby
+    (it does not consume the function's requests; a later bind to another function overwrites them)."""
+
+    worker_id: str
+    function: str
+    gpu: str
+    value: float = 0.0  # seconds saved per second (load latency saved x cold arrival rate), for logs
 
 
 @dataclass(frozen=True)
@@ -43,12 +59,15 @@ class Start:
 
 @dataclass(frozen=True)
 class Stop:
-    """Stop worker ``worker_id`` (it exits; a bound worker never returns to the pool)."""
+    """Stop worker ``worker_id`` (it exits; a bound worker never returns to the pool). For an offload,
+    ``cause``: why the room was needed, ``victim``: "standby" or "idle_bound" (metrics by both)."""
 
     worker_id: str
     reason: StopReason
     gpu: str = ""
     detail: str = ""
+    cause: OffloadCause | None = None
+    victim: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,7 +88,7 @@ class PoolTarget:
     count: int
 
 
-Action = Bind | Start | Stop | Wait
+Action = Bind | Preload | Start | Stop | Wait
 
 
 @dataclass

@@ -11,26 +11,37 @@ Order of work (each step sees the memory the previous ones granted or freed):
    ``min_replicas``; then scale-up when queued per live worker exceeds
    ``scale_up_queue_per_worker``, one worker per round, never above ``max_replicas``). A function in
    backoff after failed starts gets Wait. Otherwise, per worker needed:
-   a. Bind a standby on a GPU holding its backbone with ``mem_bytes`` >= the function's: one prepared
-      for its shape, else a shape-agnostic one, else any (a graph capture on bind; only while that
-      still beats a fresh start); the smallest that fits, then the GPU with most free memory;
+   a. Bind a standby on a GPU holding its backbone with ``mem_bytes`` >= the function's: one that
+      pre-loaded its adapter, else one prepared for its shape (one holding no other function's adapter
+      first), else a shape-agnostic one, else any (a graph capture on bind; only while that still
+      beats a fresh start); the smallest that fits, then the GPU with most free memory;
    b. else Start a fresh bound worker on the GPU holding the backbone with the most free memory;
-   c. else offload (offload.py) on the GPU where it loses the least value, then Start there;
+   c. else offload (offload.py) on the GPU where it loses the least value, then Start there (each
+      Stop names its cause: a cold start, the min_replicas floor, or a scale-up under a burst);
    d. else Wait with the reason (the GPUs' memory numbers).
 4. **Warm pool** (planner.py) with the memory left.
+5. **Pre-loading** (preload.py): which function's adapter each ready standby the plan keeps should hold.
+
+`fast_binds(snapshot, functions)` is step 3a alone for functions whose demand just arrived: the driver
+binds from its last snapshot within milliseconds of a request, and the full round follows.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from lorafn.controller.policy.account import Ledger, MemoryAccount, accounts, gib
-from lorafn.controller.policy.actions import Action, Bind, Plan, Start, Stop, Wait
+from lorafn.controller.policy.actions import Action, Bind, OffloadCause, Plan, Start, Stop, Wait
 from lorafn.controller.policy.backoff import backoff_reason, backoff_remaining_s
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.model import Function, Snapshot, Worker
 from lorafn.controller.policy.offload import candidates, choose_victims, lost_value
 from lorafn.controller.policy.planner import cold_demand, holds, is_pool_worker, plan_pool, refill_s
+from lorafn.controller.policy.preload import plan_preload
+
+# demand urgency (step 3) -> why an offload for it needs room
+_CAUSES: tuple[OffloadCause, ...] = ("cold_start", "min_replicas", "scale_up")
 
 
 def _live(w: Worker) -> bool:
@@ -63,8 +74,10 @@ class _Round:
                 self.standbys[w.backbone].append(w)
         self.served: set[str] = set()  # functions given a worker in this plan
 
-    def stop(self, w: Worker, reason: str, detail: str = "") -> None:
-        self.actions.append(Stop(w.id, reason, w.gpu, detail))  # type: ignore[arg-type]
+    def stop(
+        self, w: Worker, reason: str, detail: str = "", cause: OffloadCause | None = None, victim: str = ""
+    ) -> None:
+        self.actions.append(Stop(w.id, reason, w.gpu, detail, cause, victim))  # type: ignore[arg-type]
         self.gone.add(w.id)
         self.ledger.give(w.gpu, w.mem_bytes)
         if _live(w):
@@ -98,6 +111,7 @@ class _Round:
     # -- step 3 ------------------------------------------------------------------------------
     def demand(self) -> None:
         warm = {n for n, ws in self.live.items() if any(w.state == "bound" and w.running == 0 for w in ws)}
+        self.warm = warm
         self.cold = cold_demand(self.snapshot.functions, warm, refill_s(self.costs, self.config))
         wants = []
         live = self.live
@@ -117,17 +131,17 @@ class _Round:
                 urgency = 0 if first else (1 if floor > 0 else 2)
                 wants.append((urgency, -fn.oldest_wait_s, fn.name, need))
         ready = []
-        for _, _, name, need in sorted(wants):
+        for urgency, _, name, need in sorted(wants):
             fn = self.functions[name]
             remaining = backoff_remaining_s(fn, self.config.backoff_base_s, self.config.backoff_cap_s)
             if remaining > 0:
                 self.actions.append(Wait(name, backoff_reason(fn, remaining)))
             else:
-                ready.append((fn, need))
+                ready.append((fn, need, _CAUSES[urgency]))
         # First every bind to a standby prepared for the function's shape, so that a function
         # earlier in line does not take (and pay a graph capture on) a standby prepared for another.
         rest = []
-        for fn, need in ready:
+        for fn, need, cause in ready:
             gpus = set(self.where.get(fn.backbone, ()))
             while need > 0:
                 standby = self.pick_standby(fn, gpus, prepared_only=True)
@@ -135,13 +149,13 @@ class _Round:
                     break
                 self.bind(fn, standby)
                 need -= 1
-            rest.append((fn, need))
-        for fn, need in rest:
+            rest.append((fn, need, cause))
+        for fn, need, cause in rest:
             for _ in range(need):
-                if not self.acquire(fn):
+                if not self.acquire(fn, cause):
                     break
 
-    def acquire(self, fn: Function) -> bool:
+    def acquire(self, fn: Function, cause: OffloadCause = "cold_start") -> bool:
         """One more worker for ``fn``: bind, else start, else offload and start, else Wait."""
         gpus = self.where.get(fn.backbone, [])
         if fn.backbone not in self.backbones:
@@ -168,7 +182,7 @@ class _Round:
         free = self.ledger.free
         best = max((g for g in gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
         if best is None and self.config.offloading:
-            best = self.offload_for(fn, gpus)
+            best = self.offload_for(fn, gpus, cause)
         if best is None:
             self.actions.append(Wait(fn.name, self.no_room_reason(fn, gpus)))
             return False
@@ -190,7 +204,9 @@ class _Round:
         return True
 
     def bind(self, fn: Function, standby: Worker) -> None:
-        self.actions.append(Bind(standby.id, fn.name, standby.gpu, standby.shape == fn.shape))
+        self.actions.append(
+            Bind(standby.id, fn.name, standby.gpu, standby.shape == fn.shape, standby.preloaded == fn.name)
+        )
         self.standbys[fn.backbone].remove(standby)
         self.protected.add(standby.id)
         self.served.add(fn.name)
@@ -231,12 +247,15 @@ class _Round:
             fit = 0 if w.shape == fn.shape else (1 if w.shape is None else 2)
             if fit > 0 and not mismatch_ok:
                 continue
-            rank = (fit, w.mem_bytes, -self.ledger.free[w.gpu], w.id)
+            # its adapter already loaded first; then one holding no other function's adapter (that one
+            # may be the next cold start's fast bind)
+            held = 0 if w.preloaded == fn.name else (1 if w.preloaded is None else 2)
+            rank = (fit, held, w.mem_bytes, -self.ledger.free[w.gpu], w.id)
             if best_rank is None or rank < best_rank:
                 best, best_rank = w, rank
         return best
 
-    def offload_for(self, fn: Function, gpus: list[str]) -> str | None:
+    def offload_for(self, fn: Function, gpus: list[str], cause: OffloadCause) -> str | None:
         """Stop the least valuable workers on the best GPU so that ``fn`` fits there; that GPU or None."""
         counts = {name: len(ws) for name, ws in self.live.items()}
         best = None
@@ -262,7 +281,11 @@ class _Round:
             w = v.worker
             kind = "standby" if v.tier == 0 else "idle bound worker"
             self.stop(
-                w, "offload", f"{kind} of {w.function or w.shape or 'any shape'} makes room for {fn.name}"
+                w,
+                "offload",
+                f"{kind} of {w.function or w.shape or 'any shape'} makes room for {fn.name} ({cause})",
+                cause,
+                "standby" if v.tier == 0 else "idle_bound",
             )
             if w.state == "standby":
                 self.standbys[w.backbone].remove(w)
@@ -303,6 +326,26 @@ class _Round:
         self.actions.extend(actions)
         return targets
 
+    # -- step 5 ------------------------------------------------------------------------------
+    def preload(self) -> None:
+        if not self.config.warm_pool:
+            return
+        stopped = self.gone | {a.worker_id for a in self.actions if isinstance(a, Stop)}
+        ready = [
+            w
+            for w in self.snapshot.workers
+            if w.state == "standby" and w.id not in stopped and w.id not in self.protected
+        ]
+        _, actions = plan_preload(
+            self.snapshot.functions,
+            ready,
+            self.where,
+            self.costs,
+            refill_s(self.costs, self.config),
+            self.warm | self.served,
+        )
+        self.actions.extend(actions)
+
 
 def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
     """The plan of one round (see the module docstring)."""
@@ -310,6 +353,7 @@ def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
     r.retire()
     r.demand()
     pool = r.warm_pool()
+    r.preload()
     account = {
         g: MemoryAccount(
             a.gpu,
@@ -323,3 +367,22 @@ def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
         for g, a in r.account.items()
     }
     return Plan(r.actions, pool, account)
+
+
+def fast_binds(
+    snapshot: Snapshot, functions: Iterable[str], config: PolicyConfig | None = None
+) -> list[Bind]:
+    """Binds for ``functions`` (demand just recorded for them) from ``snapshot`` alone: step 3a of `decide`
+    for each that has no live worker, is known, and is not backing off after failed starts. No starts, no
+    offloads, no waits: the full round that follows decides those (and sees these binds as pending)."""
+    r = _Round(snapshot, config or PolicyConfig())
+    for name in sorted(set(functions)):
+        fn = r.functions.get(name)
+        if fn is None or r.live_count(name) > 0:
+            continue
+        if backoff_remaining_s(fn, r.config.backoff_base_s, r.config.backoff_cap_s) > 0:
+            continue
+        standby = r.pick_standby(fn, set(r.where.get(fn.backbone, ())))
+        if standby is not None:
+            r.bind(fn, standby)
+    return [a for a in r.actions if isinstance(a, Bind)]

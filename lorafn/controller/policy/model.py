@@ -66,7 +66,8 @@ class Worker:
     ``shape``: the adapter shape whose graphs it has ready (None = shape-agnostic).
     ``mem_bytes``: CUDA context + KV budget + LoRA buffers + graph pool.
     ``idle_s``: seconds since its last request finished; ``running``: requests in flight;
-    ``age_s``: seconds since it was started.
+    ``age_s``: seconds since it was started. ``preloaded``: for a standby, the function whose adapter
+    it holds in its LoRA buffers (pre-loading, DESIGN idea 4): a bind to that function needs no load.
     """
 
     id: str
@@ -79,6 +80,7 @@ class Worker:
     idle_s: float = 0.0
     running: int = 0
     age_s: float = 0.0
+    preloaded: str | None = None
 
     def __post_init__(self) -> None:
         owner = f"Worker {self.id}"
@@ -90,6 +92,8 @@ class Worker:
             raise ValueError(f"{owner}.function must be set for a bound worker, got {self.function!r}")
         if self.state == "standby" and self.function is not None:
             raise ValueError(f"{owner}.function must be None for a standby worker, got {self.function!r}")
+        if self.preloaded is not None and (not isinstance(self.preloaded, str) or not self.preloaded):
+            raise ValueError(f"{owner}.preloaded must be None or a function name, got {self.preloaded!r}")
         _check_bytes(owner, "mem_bytes", self.mem_bytes)
         _check_non_negative(owner, "idle_s", self.idle_s)
         _check_non_negative(owner, "age_s", self.age_s)
@@ -105,6 +109,8 @@ class Function:
     of its workers reserves. ``arrival_rate``: recent requests/s; ``queued``: requests waiting;
     ``oldest_wait_s``: how long the oldest has waited. ``start_failures``: consecutive failed
     starts, ``last_failure_s``: seconds since the last one, ``last_failure``: its message.
+    ``lora_bytes``: its adapter's tensors (part of ``mem_bytes``; what pre-loading it into a standby
+    occupies there; 0 = unknown).
     """
 
     name: str
@@ -121,12 +127,14 @@ class Function:
     start_failures: int = 0
     last_failure_s: float | None = None
     last_failure: str = ""
+    lora_bytes: int = 0
 
     def __post_init__(self) -> None:
         owner = f"Function {self.name}"
         if not self.name:
             raise ValueError("Function.name must be a non-empty string")
         _check_bytes(owner, "mem_bytes", self.mem_bytes)
+        _check_bytes(owner, "lora_bytes", self.lora_bytes)
         for name in ("min_replicas", "queued", "start_failures"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
@@ -180,6 +188,8 @@ class Costs:
     ``fresh_start_s``: spawn -> serving for a fresh worker process (also the time to refill one
     standby). ``bind_s``: bind -> serving for a standby prepared for the function's shape (adapter
     load). ``capture_s``: extra for a standby not prepared for that shape (graph capture).
+    ``adapter_load_s``: the part of ``bind_s`` that loads the adapter (file read, copy into the
+    buffers): what a standby that pre-loaded the function's adapter saves (None: all of ``bind_s``).
     ``standby_bytes``: reservation of a standby prepared for a shape (key None = shape-agnostic);
     shapes not listed use ``default_standby_bytes``. A standby is never smaller than the largest
     ``mem_bytes`` of the functions it is kept for, or it could not take them.
@@ -190,16 +200,23 @@ class Costs:
     capture_s: float = 0.0
     default_standby_bytes: int = 0
     standby_bytes: Mapping[str | None, int] = field(default_factory=dict)
+    adapter_load_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("fresh_start_s", "bind_s", "capture_s"):
             _check_non_negative("Costs", name, getattr(self, name))
+        if self.adapter_load_s is not None:
+            _check_non_negative("Costs", "adapter_load_s", self.adapter_load_s)
         _check_bytes("Costs", "default_standby_bytes", self.default_standby_bytes)
         for shape, size in self.standby_bytes.items():
             _check_bytes("Costs", f"standby_bytes[{shape!r}]", size)
 
     def standby_bytes_for(self, shape: str | None) -> int:
         return self.standby_bytes.get(shape, self.default_standby_bytes)
+
+    def preload_saving_s(self) -> float:
+        """Seconds a bind to a standby that pre-loaded the function's adapter saves over a plain bind."""
+        return self.bind_s if self.adapter_load_s is None else min(self.bind_s, self.adapter_load_s)
 
     def bind_saving_s(self, prepared: bool) -> float:
         """Seconds a bind saves over a fresh start: less when the graphs must be captured."""

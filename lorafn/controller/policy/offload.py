@@ -4,7 +4,9 @@ Candidates on one GPU, least valuable first:
 1. standby workers (ready or still starting), by value density = cold-start rate of their shape
    (functions of that backbone and shape with no idle bound worker, `planner.ColdDemand`) x seconds
    a bind saves over a fresh start / bytes; a shape-agnostic standby counts every cold function of
-   its backbone, with the smaller saving of a bind that must capture graphs;
+   its backbone, with the smaller saving of a bind that must capture graphs; a standby holding a cold
+   function's pre-loaded adapter adds that adapter's value (`preload.preload_value`), so the standbys
+   of cold shapes and those pre-loaded with cold functions go first;
 2. idle bound workers (``running == 0``) before their keep-alive ends, by value density = their
    function's arrival rate x fresh-start seconds (what its next request pays) / bytes. A function's
    last ``min_replicas`` workers and the workers of functions with queued requests are not candidates
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from lorafn.controller.policy.model import Costs, Function, Worker
 from lorafn.controller.policy.planner import ColdDemand
+from lorafn.controller.policy.preload import preload_value
 
 STANDBY, IDLE_BOUND = 0, 1
 
@@ -40,15 +43,21 @@ class Victim:
         return (self.tier, self.density, self.worker.id)
 
 
-def standby_density(worker: Worker, cold: ColdDemand, costs: Costs) -> float:
+def standby_density(
+    worker: Worker, cold: ColdDemand, costs: Costs, functions: Mapping[str, Function] | None = None
+) -> float:
     """Value density of keeping a standby: cold starts/s it could take x seconds saved / bytes.
 
     A standby prepared for a shape takes that shape's cold starts; a shape-agnostic one any of its
-    backbone's (`planner.ColdDemand`).
+    backbone's (`planner.ColdDemand`). Plus, when it holds a still-cold function's pre-loaded adapter
+    (one of ``functions``), the seconds per second that pre-load saves.
     """
     rate = cold.rate((worker.backbone, worker.shape))
-    saving = costs.bind_saving_s(prepared=worker.shape is not None)
-    return rate * saving / max(1, worker.mem_bytes)
+    value = rate * costs.bind_saving_s(prepared=worker.shape is not None)
+    held = (functions or {}).get(worker.preloaded or "")
+    if held is not None and held.name in cold.key_of:
+        value += preload_value(held, costs, cold.window_s)
+    return value / max(1, worker.mem_bytes)
 
 
 def bound_density(worker: Worker, function: Function | None, costs: Costs) -> float:
@@ -74,7 +83,7 @@ def candidates(
         if w.id in protected or w.running > 0 or w.state == "draining":
             continue
         if w.state == "standby" or (w.state == "starting" and w.function is None):
-            out.append(Victim(w, STANDBY, standby_density(w, cold, costs)))
+            out.append(Victim(w, STANDBY, standby_density(w, cold, costs, functions)))
         elif w.state == "bound":
             fn = functions.get(w.function or "")
             if fn is not None and (fn.queued > 0 or spare.get(fn.name, 0) <= fn.min_replicas):

@@ -19,6 +19,13 @@ class _Broken:
     def __init__(self, metrics: Any) -> None:
         self.metrics = metrics
         self.rounds = 0
+        self.demand_cursor = None
+
+    def wait_for_demand(self, timeout_s: float) -> list:
+        return []
+
+    def answer_demand(self, demand: list) -> list:
+        return []
 
     def round(self) -> None:
         self.rounds += 1

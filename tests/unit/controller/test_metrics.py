@@ -90,12 +90,13 @@ def test_demand_wakes_the_wait_at_once(controller: Controller) -> None:
 
     from lorafn.store import streams
 
-    assert controller.wait_for_demand(0.05) is False  # nothing recorded: the whole timeout
+    assert controller.wait_for_demand(0.05) == []  # nothing recorded: the whole timeout
     store, keys = controller.store, controller.keys
     timer = threading.Timer(0.2, lambda: store.run(streams.record_demand(keys, "a/b", "request")))
     timer.start()
     t0 = time.monotonic()
-    assert controller.wait_for_demand(30.0) is True
+    woke = controller.wait_for_demand(30.0)
+    assert [d.function for d in woke] == ["a/b"]
     assert time.monotonic() - t0 < 20  # woken by the demand, not by the 30 s timeout
     timer.join()
 
