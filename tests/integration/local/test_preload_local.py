@@ -1,0 +1,109 @@
+"""Pre-loading on one machine, as real processes: `lorafn up` on CPU keeps a standby prepared for a function's
+adapter shape, tells it to pre-load that function's adapter (it heartbeats `preloaded` and stays a standby,
+serving nothing), and the function's first request binds exactly that standby (registration only) and gets
+the same tokens as a fresh engine built with the adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.integration.local.platform_helpers import lorafn
+from tests.integration.local.platform_helpers import wait_for as _wait
+from tests.integration.local.platform_helpers import workers as _workers
+from tests.integration.runtime.engine_helpers import write_peft_adapter
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+def test_a_preloaded_standby_serves_the_first_request_like_a_fresh_worker(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    adapter = write_peft_adapter(
+        tiny_model_dir, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+    )
+    state_dir = tmp_path / "state"
+    config = tmp_path / "up.yaml"
+    config.write_text(
+        "device: cpu\ndevices: 1\ndevice_memory_mib: 600\nworker_overhead_mib: 64\ndefault_kv_mib: 16\n"
+        "gateway_port: 0\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LORAFN_COLD_START_TIMEOUT_S": "60"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "lorafn.cli", "up", "--config", str(config), "--state-dir", str(state_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        _wait("platform.json", lambda: (state_dir / "platform.json").exists(), 120, up)
+        state = json.loads((state_dir / "platform.json").read_text())
+        r = redis.Redis.from_url(state["redis_url"], decode_responses=True)
+        docs = [
+            "apiVersion: lorafn.io/v1alpha1\nkind: Backbone\nmetadata: {name: tiny}\n"
+            f"spec: {{model: {{uri: 'file://{tiny_model_dir}'}}, dtype: float32, "
+            "warmPool: {minStandby: 1, maxStandby: 1}}\n",
+            "apiVersion: lorafn.io/v1alpha1\nkind: LoRAFunction\nmetadata: {name: fa, namespace: t}\n"
+            f"spec: {{backbone: tiny, adapter: {{uri: 'file://{adapter}'}}, "
+            "scaling: {keepAliveSeconds: 300}}\n",
+        ]
+        for i, doc in enumerate(docs):
+            manifest = tmp_path / f"doc{i}.yaml"
+            manifest.write_text(doc)
+            applied = lorafn(
+                "apply", "-f", str(manifest), *(["--api-key", "key-a"] if i else []), state_dir=state_dir
+            )
+            assert applied.returncode == 0, applied.stderr
+
+        def preloaded() -> list[str]:
+            return [
+                w
+                for w, h in _workers(r).items()
+                if h.get("state") == "standby" and h.get("preloaded") == "t/fa"
+            ]
+
+        holder = _wait("a standby holding t/fa's adapter", preloaded, 180, up)[0]
+        # it stays a standby and serves nothing: the function has no worker, its stream no consumer
+        assert r.zcard("lorafn:fn:t/fa:workers") == 0
+
+        import openai
+
+        client = openai.OpenAI(
+            base_url=f"{state['gateway_url']}/v1", api_key="key-a", max_retries=0, timeout=120
+        )
+        got = client.completions.create(model="t/fa", prompt=PROMPT, max_tokens=8, temperature=0)
+        status = r.hgetall("lorafn:fn:t/fa:status")
+        assert status.get("last_cold_path") == "standby", status
+        bound = {w: h for w, h in _workers(r).items() if h.get("function") == "t/fa"}
+        assert list(bound) == [holder], (holder, bound)  # the pre-loaded standby took it
+
+        from lorafn.api.tokenizer import TextTokenizer
+        from lorafn.runtime import Engine, EngineConfig, SamplingParams
+
+        ids = TextTokenizer(tiny_model_dir).encode(PROMPT)
+        fresh = Engine(EngineConfig(model=tiny_model_dir, adapter=adapter, num_kv_blocks=64))
+        want = fresh.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
+        base = Engine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
+        without = base.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
+        assert want.token_ids != without.token_ids, (
+            "the adapter must change the answer for this test to mean anything"
+        )
+        assert got.choices[0].text == want.text
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+        log = up.stdout.read() if up.stdout else ""
+        print(log)  # shown when the test fails: the controller's decisions
+    assert up.returncode == 0
+    assert "adapter pre-loaded" in log  # the controller's bind line: a bind into the pre-loaded standby
