@@ -8,6 +8,8 @@ Where a request goes (docs/gateway.md): `routes` -> `admission` (auth, `prepare`
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from lorafn import __version__
+from lorafn.gateway.batch_runner import BatchRunner
 from lorafn.gateway.deps import Gateway
 from lorafn.gateway.errors import APIError
 from lorafn.gateway.metrics import BodyLimitMiddleware, MetricsMiddleware
@@ -37,7 +40,13 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # the batch runner (docs/batch.md): active in one gateway of the deployment (a Redis lease)
+        runner = asyncio.create_task(BatchRunner(gw).run()) if settings.batch_runner else None
         yield
+        if runner is not None:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
         await gw.store.close()
         await gw.health.close()
 
@@ -52,7 +61,10 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
     _add_error_handlers(app, gw)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(
-        BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        timeout_s=settings.body_timeout_s,
+        path_limits={"/v1/files": (settings.max_file_bytes, "max_file_bytes")},
     )
     app.add_middleware(MetricsMiddleware, metrics=gw.metrics)
     return app

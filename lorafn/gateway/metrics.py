@@ -78,6 +78,13 @@ def endpoint_of(path: str) -> str:
         return ENDPOINTS[path]
     if path.startswith("/v1/functions/") and path.endswith(":invoke"):
         return "invoke"
+    for collection, one in (("/v1/files", "file"), ("/v1/batches", "batch")):  # docs/batch.md
+        if path == collection:
+            return collection.removeprefix("/v1/")
+        if path.startswith(collection + "/") and path.count("/") == 3:
+            return one
+        if path.startswith(collection + "/") and path.count("/") == 4:
+            return f"{one}_{path.rsplit('/', 1)[1]}" if path.endswith(("/content", "/cancel")) else "other"
     return "other"
 
 
@@ -112,8 +119,16 @@ class BodyLimitMiddleware:
     bodies that take longer than `timeout_s` to arrive with 408 (a slow client must not hold a
     connection and a task forever, docs/gateway.md)."""
 
-    def __init__(self, app: Any, max_bytes: int, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        path_limits: dict[str, tuple[int, str]] | None = None,
+    ) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        # other limits for some paths: path -> (bytes, the setting's name) (uploads: max_file_bytes)
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -121,14 +136,17 @@ class BodyLimitMiddleware:
             return
         from lorafn.gateway.errors import APIError
 
-        too_large = APIError(413, f"the request body exceeds {self.max_bytes} bytes", code="body_too_large")
+        max_bytes, limit = self.path_limits.get(scope.get("path", ""), (self.max_bytes, "max_body_bytes"))
+        too_large = APIError(
+            413, f"the request body exceeds {max_bytes} bytes ({limit})", code="body_too_large"
+        )
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
                     length = int(value)
                 except ValueError:
                     length = -1
-                if length > self.max_bytes or length < 0:
+                if length > max_bytes or length < 0:
                     await _send_json(
                         send,
                         413 if length > 0 else 400,
@@ -152,7 +170,7 @@ class BodyLimitMiddleware:
                     raise _BodyTimeout from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > max_bytes:
                     raise _BodyTooLarge
                 body_done = not message.get("more_body", False)
             return message

@@ -23,12 +23,15 @@ from pydantic import BaseModel, ValidationError
 from lorafn.api import FunctionRef
 from lorafn.gateway import schemas
 from lorafn.gateway.admission import FunctionInfo, bearer, prepare
+from lorafn.gateway.batch_routes import router as batch_router
 from lorafn.gateway.deps import Gateway, gateway_of
 from lorafn.gateway.errors import bad_request, from_validation_error
 from lorafn.gateway.responses import Kind, event_stream, json_response
 from lorafn.store import UNAVAILABLE_ERRORS
 
 router = APIRouter()
+# the Files and Batch API (docs/batch.md): its routes join this table as they are (no prefix)
+router.routes.extend(batch_router.routes)
 
 # Request bodies are read by hand (so that auth comes before validation, docs/gateway.md#auth); their
 # schemas are added to the OpenAPI document from here (`app.openapi`).

@@ -6,6 +6,8 @@ the controller and the operator read the same fields, so a deployment sets them 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from lorafn.api.settings import SharedSettings
@@ -56,3 +58,25 @@ class GatewaySettings(SharedSettings):
         description="label /metrics by function name (it needs no key: off, names are not listed)",
     )
     log_level: str = "info"
+
+    # offline batches (the OpenAI Files and Batch API; docs/batch.md)
+    files_dir: Path | None = Field(
+        default=None,
+        description="the file store of batch input/output files (default <cache_dir>/files; lorafn up: "
+        "<state>/files; Kubernetes: a volume shared by the gateway replicas)",
+    )
+    max_file_bytes: int = Field(default=100 << 20, ge=1024, description="larger uploads get 413")
+    max_batch_requests: int = Field(default=50_000, ge=1, description="lines of one batch input file")
+    batch_runner: bool = Field(
+        default=True, description="run the batch runner in this process (active under a lease)"
+    )
+    batch_tick_s: float = Field(default=0.2, gt=0, description="how often the runner reads replies and packs")
+    batch_max_inflight_per_worker: int = Field(
+        default=48,
+        ge=1,
+        description="batch requests in flight per live worker (below its max_running: slots left for online)",
+    )
+    batch_retries: int = Field(default=2, ge=0, description="resubmissions of a batch request that failed")
+
+    def file_store_dir(self) -> Path:
+        return self.files_dir or self.cache_dir / "files"

@@ -205,3 +205,40 @@ class Keys:
         latency on one backbone, GPU model and adapter shape."""
         parts = (check_token(backbone, "backbone"), check_token(gpu_model, "gpu model"))
         return f"{self.prefix}:profile:{parts[0]}|{parts[1]}|{check_token(shape, 'adapter shape')}"
+
+    # -- offline batches: the OpenAI Files and Batch API (lorafn.store.batches, docs/batch.md) ------
+    def file(self, file_id: str) -> str:
+        """hash: a file's record (owner function, purpose, filename, bytes, created_at, path in the store)."""
+        return f"{self.prefix}:file:{check_id(file_id, 'file id')}"
+
+    def files(self, function: str) -> str:
+        """sorted set: file id -> created_at (s) of the files of a function (uploaded or batch output)."""
+        return f"{self.function(function)}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """hash: a batch's record (the OpenAI batch object's fields; request counts)."""
+        return f"{self.prefix}:batch:{check_id(batch_id, 'batch id')}"
+
+    def batches(self, function: str) -> str:
+        """sorted set: batch id -> created_at (s) of a function's batches."""
+        return f"{self.function(function)}:batches"
+
+    def active_batches(self) -> str:
+        """set: ids of the batches the batch runner still works on (in progress or cancelling)."""
+        return f"{self.prefix}:batches:active"
+
+    def batch_results(self, batch_id: str) -> str:
+        """hash: custom_id -> its output line (HSETNX: a request answered twice is written once)."""
+        return f"{self.batch(batch_id)}:results"
+
+    def batch_errors(self, batch_id: str) -> str:
+        """hash: custom_id (or `#<line>` when it has none) -> its error-file line."""
+        return f"{self.batch(batch_id)}:errors"
+
+    def batch_inflight(self, batch_id: str) -> str:
+        """hash: custom_id -> `<request id>|<attempt>` of the requests submitted and not yet answered."""
+        return f"{self.batch(batch_id)}:inflight"
+
+    def batch_runner_lease(self) -> str:
+        """string with expiry: the gateway process whose batch runner is active (SET NX PX, renewed)."""
+        return f"{self.prefix}:batch_runner:lease"

@@ -18,6 +18,8 @@ KEY_ARGS = {
     "gpu": "local/0",
     "gpu_model": "NVIDIA-H100-80GB-HBM3",
     "shape": "q_proj:16,v_proj:16",
+    "file_id": "file-1",
+    "batch_id": "batch_1",
 }
 
 
