@@ -17,9 +17,11 @@ GPU only (the figures are about the H100's memory bandwidth); nothing here is ti
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import itertools
 import json
+import pstats
 import re
 import statistics
 import sys
@@ -84,17 +86,27 @@ def time_events(fn, iters: int = 50) -> float:
     return statistics.median(times)
 
 
-def measure(engine: Engine, prompt_len: int, batch: int, vocab: int, decode_tokens: int) -> dict:
+def measure(
+    engine: Engine, prompt_len: int, batch: int, vocab: int, decode_tokens: int, host_profile: bool = False
+) -> dict:
     params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, batch)]
     while any(not engine.get_output(i).token_ids for i in ids):
         engine.step()
     torch.cuda.synchronize()
     step_times = []
+    profiler = cProfile.Profile() if host_profile else None
     while engine.has_unfinished():
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         engine.step()
+        if profiler is not None:
+            profiler.disable()
         step_times.append(time.perf_counter() - t0)
+    if profiler is not None:  # where the host's part of a step goes (the GPU wait shows as the sync)
+        print(f"\nhost profile of {len(step_times)} decode steps, batch {batch} (top 18 by own time):")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     graphs = engine.runner.graphs
     bucket = next(b for b in graphs.buckets if b >= batch)
     replay = graphs.graphs[bucket].replay
@@ -146,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the decode steps of lora+f")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed: this profiles GPU decode steps")
@@ -185,7 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         figures["weight_bytes"] = engine.runner.model.weight_bytes()
         figures[name] = {
-            b: measure(engine, args.prompt_len, b, mc.vocab_size, args.decode_tokens) for b in batches
+            b: measure(
+                engine,
+                args.prompt_len,
+                b,
+                mc.vocab_size,
+                args.decode_tokens,
+                host_profile=args.host_profile and name == "lora+f" and b == max(batches),
+            )
+            for b in batches
         }
         if name == "base":
             figures["gemms"] = gemm_table(engine.runner.model, batches, bandwidth)

@@ -70,50 +70,71 @@ def tiny_setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     return tiny_model_dir, cfg, adapters
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("adapter", [None, "all-linear", "some"])
-def test_fused_forward_matches_unfused(tiny_setup, dtype, tol, adapter) -> None:
-    model_dir, cfg, adapters = tiny_setup
-    dev = torch.device("cuda")
-    source = SafetensorsWeightSource(model_dir)
-    lora = load_lora(adapters[adapter], cfg, dev, dtype) if adapter else None
-    ref = LlamaModel(cfg, source, dev, dtype, lora, max_position=512, use_triton_attention=True)
-    fused = LlamaModel(
-        cfg, source, dev, dtype, lora, max_position=512, use_triton_attention=True, fused_decode=True
-    )
-    assert fused.fused is not None and ref.fused is None
-    kv_ref, kv_fused = (KVCache(cfg, 32, 16, dev, dtype) for _ in range(2))
+def _steps(cfg: ModelConfig, dev: torch.device) -> list[ForwardBatch]:
+    """Two prompts of 7 and 9 tokens in one step (16 rows: the fused limit), then 3 decodes of both."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    # two prompts of 7 and 9 tokens in one step (16 rows: the fused limit), sequences 0 and 1
-    ids = torch.randint(5, cfg.vocab_size - 5, (16,), device=dev, generator=gen)
-    positions = torch.cat([torch.arange(7), torch.arange(9)]).to(dev)
-    slots = torch.cat([torch.arange(7), 16 + torch.arange(9)]).to(dev)
-    prefill = ForwardBatch(
-        ids,
-        positions,
-        slots,
-        0,
-        None,
-        None,
-        [PrefillSpan(0, 7, 0), PrefillSpan(7, 9, 0)],
-        torch.tensor([6, 15], device=dev),
-    )
-    a, b = ref.forward(prefill, kv_ref.layers), fused.forward(prefill, kv_fused.layers)
-    assert _rel(b, a) < tol and _rel(kv_fused.data, kv_ref.data) < tol
-    for step in range(3):  # decodes of both sequences
-        dec = ForwardBatch(
-            torch.randint(5, cfg.vocab_size - 5, (2,), device=dev, generator=gen),
-            torch.tensor([7 + step, 9 + step], device=dev),
-            torch.tensor([7 + step, 16 + 9 + step], device=dev),
-            2,
-            torch.tensor([[0], [1]], dtype=torch.int32, device=dev),
-            torch.tensor([8 + step, 10 + step], dtype=torch.int32, device=dev),
-            [],
+    steps = [
+        ForwardBatch(
+            torch.randint(5, cfg.vocab_size - 5, (16,), device=dev, generator=gen),
+            torch.cat([torch.arange(7), torch.arange(9)]).to(dev),
+            torch.cat([torch.arange(7), 16 + torch.arange(9)]).to(dev),
+            0,
             None,
+            None,
+            [PrefillSpan(0, 7, 0), PrefillSpan(7, 9, 0)],
+            torch.tensor([6, 15], device=dev),
         )
-        a, b = ref.forward(dec, kv_ref.layers), fused.forward(dec, kv_fused.layers)
-        assert _rel(b, a) < tol, f"decode step {step}"
-    assert _rel(kv_fused.data, kv_ref.data) < tol
+    ]
+    for step in range(3):
+        steps.append(
+            ForwardBatch(
+                torch.randint(5, cfg.vocab_size - 5, (2,), device=dev, generator=gen),
+                torch.tensor([7 + step, 9 + step], device=dev),
+                torch.tensor([7 + step, 16 + 9 + step], device=dev),
+                2,
+                torch.tensor([[0], [1]], dtype=torch.int32, device=dev),
+                torch.tensor([8 + step, 10 + step], dtype=torch.int32, device=dev),
+                [],
+                None,
+            )
+        )
+    return steps
+
+
+def _run(model_dir: Path, cfg: ModelConfig, adapter: Path | None, dtype: torch.dtype, fused: bool):
+    """(logits of every step, the KV cache after them) of one model variant, all in float32."""
+    dev = torch.device("cuda")
+    lora = load_lora(adapter, cfg, dev, dtype) if adapter else None
+    model = LlamaModel(
+        cfg, SafetensorsWeightSource(model_dir), dev, dtype, lora, max_position=512,
+        use_triton_attention=True, fused_decode=fused,
+    )  # fmt: skip
+    assert (model.fused is not None) == fused
+    kv = KVCache(cfg, 32, 16, dev, dtype)
+    logits = [model.forward(step, kv.layers).float() for step in _steps(cfg, dev)]
+    return logits, kv.data.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("adapter", [None, "all-linear", "some"])
+def test_fused_forward_matches_unfused(tiny_setup, dtype, adapter) -> None:
+    """float32: fused = unfused within 1e-5. bf16: both are compared with the float32 forward, and the
+    fused one may not be further from it than the unfused one (the roundings differ only in order)."""
+    model_dir, cfg, adapters = tiny_setup
+    path = adapters[adapter] if adapter else None
+    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True)
+    plain_logits, plain_kv = _run(model_dir, cfg, path, dtype, False)
+    if dtype == torch.float32:
+        for i, (a, b) in enumerate(zip(fused_logits, plain_logits, strict=True)):
+            assert _rel(a, b) < 1e-5, f"step {i}"
+        assert _rel(fused_kv, plain_kv) < 1e-5
+        return
+    ref_logits, ref_kv = _run(model_dir, cfg, path, torch.float32, False)
+    for i, (a, b, r) in enumerate(zip(fused_logits, plain_logits, ref_logits, strict=True)):
+        assert _rel(a, r) <= 1.5 * _rel(b, r) + 1e-3, (
+            f"step {i}: fused {_rel(a, r):.4f}, unfused {_rel(b, r):.4f}"
+        )
+    assert _rel(fused_kv, ref_kv) <= 1.5 * _rel(plain_kv, ref_kv) + 1e-3
 
 
 def test_fused_engine_tokens_equal_unfused_fp32(tiny_setup) -> None:

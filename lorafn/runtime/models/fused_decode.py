@@ -145,11 +145,15 @@ def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tenso
 
 
 @triton.jit
-def lora_add_tile(acc, T, row, stride_t, off, rank, BT, out_features, cols, mask):
-    """acc + t[row, off:off+rank] · B_t[:, cols] in float32 (B_t: [rank, out_features])."""
-    for j in range(0, rank):
-        tj = tl.load(T + row * stride_t + off + j).to(tl.float32)
-        acc += tj * tl.load(BT + j * out_features + cols, mask=mask, other=0.0).to(tl.float32)
+def lora_add_tile(acc, T, row, stride_t, off, rank, BT, out_features, cols, mask, R: tl.constexpr):
+    """acc + t[row, off:off+rank] · B_t[:, cols] in float32 (B_t: [rank, out_features]; rank <= R).
+
+    Unrolled over R so that every load is in flight at once: a loop over a run-time rank issued them one
+    after another and made the expands ~10x slower than their bytes (H100, bench/decode_profile.py)."""
+    for j in tl.static_range(R):
+        ok = mask & ((cols * 0 + j) < rank)  # this projection's rank may be below the group's widest
+        tj = tl.load(T + row * stride_t + off + j + cols * 0, mask=ok, other=0.0).to(tl.float32)
+        acc += tj * tl.load(BT + j * out_features + cols, mask=ok, other=0.0).to(tl.float32)
     return acc
 
 
@@ -196,6 +200,7 @@ def _rope_lora_kv_kernel(
     num_heads,
     num_kv_heads,
     HAS_LORA: tl.constexpr,
+    R: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -217,11 +222,11 @@ def _rope_lora_kv_kernel(
         if HAS_LORA:
             out_f = num_heads * head_dim
             x1 = (
-                lora_add_tile(x1, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols, mask)
+                lora_add_tile(x1, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols, mask, R)
                 .to(dt)
                 .to(tl.float32)
             )
-            x2 = lora_add_tile(x2, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols + HALF, mask)
+            x2 = lora_add_tile(x2, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols + HALF, mask, R)
             x2 = x2.to(dt).to(tl.float32)
         o1, o2 = _rope_half_pair(x1, x2, c1, c2, s1, s2, dt)
         base = QO + t * (num_heads * head_dim) + h * head_dim
@@ -237,17 +242,17 @@ def _rope_lora_kv_kernel(
         v2 = tl.load(V + t * stride_v + HALF + cols, mask=mask, other=0.0)
         if HAS_LORA:
             k1 = (
-                lora_add_tile(k1, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols, mask)
+                lora_add_tile(k1, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols, mask, R)
                 .to(dt)
                 .to(tl.float32)
             )
-            k2 = lora_add_tile(k2, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols + HALF, mask)
+            k2 = lora_add_tile(k2, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols + HALF, mask, R)
             k2 = k2.to(dt).to(tl.float32)
-            v1 = lora_add_tile(v1.to(tl.float32), TV, t, stride_tv, off_v, rank_v, BV, out_f, cols, mask).to(
-                dt
-            )
+            v1 = lora_add_tile(
+                v1.to(tl.float32), TV, t, stride_tv, off_v, rank_v, BV, out_f, cols, mask, R
+            ).to(dt)
             v2 = lora_add_tile(
-                v2.to(tl.float32), TV, t, stride_tv, off_v, rank_v, BV, out_f, cols + HALF, mask
+                v2.to(tl.float32), TV, t, stride_tv, off_v, rank_v, BV, out_f, cols + HALF, mask, R
             )
             v2 = v2.to(dt)
         o1, o2 = _rope_half_pair(k1, k2, c1, c2, s1, s2, dt)
@@ -264,6 +269,13 @@ def _rope_lora_kv_kernel(
         tl.store(v_out + HALF + offs, v2.to(dt), mask=mask)
         tl.store(v_cached + offs, v1.to(dt), mask=mask)
         tl.store(v_cached + HALF + offs, v2.to(dt), mask=mask)
+
+
+def max_rank(expands: tuple[Expand | None, ...] | Expand | None) -> int:
+    """The unroll width of the expands' rank loop (a compile-time constant of the kernels)."""
+    if isinstance(expands, Expand):
+        return expands.rank
+    return max((e.rank for e in expands or () if e is not None), default=0)
 
 
 def _lora_args(expand: Expand | None, like: torch.Tensor) -> tuple:
@@ -333,6 +345,7 @@ def rope_lora_kv(
         num_heads,
         num_kv_heads,
         HAS_LORA=lora is not None,
+        R=max_rank(lora),
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
         num_warps=1,
@@ -359,6 +372,7 @@ def _silu_mul_lora_kernel(
     rank_u,
     N,
     HAS_LORA: tl.constexpr,
+    R: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -368,8 +382,8 @@ def _silu_mul_lora_kernel(
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_LORA:
-        g = lora_add_tile(g, TG, row, stride_tg, off_g, rank_g, BG, N, cols, mask).to(dt).to(tl.float32)
-        u = lora_add_tile(u, TU, row, stride_tu, off_u, rank_u, BU, N, cols, mask).to(dt).to(tl.float32)
+        g = lora_add_tile(g, TG, row, stride_tg, off_g, rank_g, BG, N, cols, mask, R).to(dt).to(tl.float32)
+        u = lora_add_tile(u, TU, row, stride_tu, off_u, rank_u, BU, N, cols, mask, R).to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(OUT + row * N + cols, (act * u).to(dt), mask=mask)
 
@@ -383,7 +397,7 @@ def silu_mul_lora(
     eg, eu = lora if lora is not None else (None, None)
     tg, bg, stg, og, rg = _lora_args(eg, gate)
     tu, bu, stu, ou, ru = _lora_args(eu, gate)
-    block = 1024
+    block = 1024 if lora is None else 256  # with expands: more programs, each reading fewer B rows
     _silu_mul_lora_kernel[(tokens, triton.cdiv(n, block))](
         gate,
         up,
@@ -402,6 +416,7 @@ def silu_mul_lora(
         ru,
         n,
         HAS_LORA=lora is not None,
+        R=max_rank(lora),
         BLOCK=block,
         num_warps=4,
     )

@@ -33,6 +33,7 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    LORA_R: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -42,7 +43,7 @@ def _add_rms_norm_kernel(
         delta = tl.load(R + row * N + offs, mask=mask, other=0.0)
         if HAS_LORA:  # delta + t·Bᵀ, rounded once (the unfused path's addmm_ epilogue)
             delta = lora_add_tile(
-                delta.to(tl.float32), T, row, stride_t, lora_off, lora_rank, BT, N, offs, mask
+                delta.to(tl.float32), T, row, stride_t, lora_off, lora_rank, BT, N, offs, mask, LORA_R
             )
             delta = delta.to(RES_OUT.dtype.element_ty)
         x = (x.to(tl.float32) + delta.to(tl.float32)).to(RES_OUT.dtype.element_ty)
@@ -74,6 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         BLOCK=triton.next_power_of_2(n),
         HAS_RES=False,
         HAS_LORA=False,
+        LORA_R=0,
         num_warps=4,
     )
     return out
@@ -106,7 +108,8 @@ def add_rms_norm(
         BLOCK=triton.next_power_of_2(n),
         HAS_RES=True,
         HAS_LORA=lora is not None,
-        num_warps=4,
+        LORA_R=lora.rank if lora is not None else 0,
+        num_warps=16 if lora is not None else 4,  # one program per row reads all of B: more loads in flight
     )
     return res, out
 
