@@ -32,6 +32,7 @@ _GROUPS: list[tuple[str, str, str | None]] = [
     ("lorafn.backbone_server.cli", "app", "backbone-server"),
     ("lorafn.replay.cli", "app", "bench"),
     ("lorafn.runtime.zygote", "app", "zygote"),
+    ("lorafn.local.batch_cli", "app", "batch"),
 ]
 _ROOT_REGISTRARS: list[str] = ["lorafn.local.cli"]
 

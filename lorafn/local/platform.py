@@ -181,7 +181,12 @@ class LocalPlatform:
         child = self.procs.start(
             "gateway",
             lorafn_argv("gateway", "serve", "--host", self.config.host, "--port", str(port)),
-            env={**self._component_env(), "LORAFN_INSTANCE_ID": self.instance_id},
+            # batch files live in the state dir (docs/batch.md)
+            env={
+                **self._component_env(),
+                "LORAFN_INSTANCE_ID": self.instance_id,
+                "LORAFN_FILES_DIR": str(self.state_dir / "files"),
+            },
         )
         self.procs.wait_until(
             child, lambda: gateway_answers(self.gateway_url, self.instance_id), timeout_s=60

@@ -311,3 +311,49 @@ def test_worker_killed_mid_batch_every_custom_id_exactly_once(env, tiny_model_di
     finally:
         for p in procs:
             stop_process(p)
+
+
+def test_no_worker_records_cold_start_demand_and_the_cli_waits_for_the_batch(env) -> None:
+    """A batch for a function with no live worker records demand as an online request does; once a worker
+    is up the batch completes. Driven by `lorafn batch` (create --wait, get, results), metrics counted."""
+    from typer.testing import CliRunner
+
+    from lorafn.cli import app
+    from lorafn.store import streams
+
+    redis_url, prefix, store, keys, tmp = env
+    src = tmp / "in.jsonl"
+    src.write_text(
+        "\n".join(line(f"q{i}", {"model": FN, "prompt": f"cold {i}", "max_tokens": 3}) for i in range(6))
+    )
+    runner = CliRunner()
+    with gateway(redis_url, prefix, files_dir=tmp / "files", batch_tick_s=0.05) as url:
+        args = ["--url", url, "--api-key", KEY]
+        created = runner.invoke(app, ["batch", "create", str(src), "--endpoint", "/v1/completions", *args])
+        assert created.exit_code == 0, created.output
+        batch_id = json.loads(created.output)["id"]
+        deadline = time.monotonic() + 30
+        while not [f for _e, f in store.run(streams.read_demand(keys, "0", None)) if f.get("function") == FN]:
+            assert time.monotonic() < deadline, "no cold-start demand recorded for the batch"
+            time.sleep(0.05)
+        demand = [f for _e, f in store.run(streams.read_demand(keys, "0", None)) if f.get("function") == FN]
+        assert demand[0].get("reason") == "batch"
+        with worker_thread(redis_url, prefix, FN):
+            waited = runner.invoke(app, ["batch", "get", batch_id, *args])
+            assert waited.exit_code == 0 and json.loads(waited.output)["id"] == batch_id
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            assert wait_final(client, batch_id).status == "completed"
+            waited = runner.invoke(
+                app, ["batch", "create", str(src), "--endpoint", "/v1/completions", "--wait", *args]
+            )
+            assert waited.exit_code == 0 and '"status": "completed"' in waited.output, waited.output
+        got = runner.invoke(app, ["batch", "results", batch_id, *args])
+        assert got.exit_code == 0
+        assert sorted(json.loads(x)["custom_id"] for x in got.output.splitlines()) == [
+            f"q{i}" for i in range(6)
+        ]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'lorafn_batches_finished_total{state="completed"}' in metrics
+        assert 'lorafn_batch_requests_total{outcome="completed"} 12.0' in metrics
+        nokey = runner.invoke(app, ["batch", "get", batch_id, "--url", url, "--api-key", "sk-wrong-0000"])
+        assert nokey.exit_code == 2 and "401" in nokey.output
