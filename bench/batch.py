@@ -1,0 +1,228 @@
+"""Offline batch vs online requests (issue 17, docs/batch.md): GSM8K prompts on one function, once as an
+OpenAI batch (KV-packed waves at batch priority) and once as concurrent online requests (at most
+`--concurrency` in flight, default: what the batch runner keeps in flight), side by side in one run:
+makespan, requests/s, tokens/s and the ratio. With `--other-rps R`, a second function on the same device
+gets steady online traffic during both phases and its TTFT p50/p99 is reported per phase (batch work must
+not hurt it).
+
+CPU (tiny preset, a subset):  python bench/batch.py --preset tiny --limit 64 --max-tokens 16
+H100 (7B preset, all 1,319):  python bench/batch.py --preset llama-2-7b --device cuda --max-tokens 256 \\
+                                  --other-rps 2 --json batch-h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lorafn.replay import trace  # noqa: E402
+from lorafn.replay.driver import DriveOptions, Target, drive  # noqa: E402
+from lorafn.replay.platform import ManagedPlatform, new_keys, prepare_adapters, prepare_model  # noqa: E402
+from lorafn.replay.stats import percentiles  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data"
+NAMESPACE = "batch"
+BACKBONE = "batch-backbone"
+
+
+def manifest(
+    model_dir: Path, dtype: str, functions: list[str], adapters: list[Path], keys: dict[str, str]
+) -> str:
+    import yaml
+
+    docs: list[dict[str, Any]] = [
+        {"apiVersion": "lorafn.io/v1alpha1", "kind": "Backbone", "metadata": {"name": BACKBONE},
+         "spec": {"model": {"uri": f"file://{model_dir}"}, "dtype": dtype,
+                  "warmPool": {"minStandby": 0, "maxStandby": 0}}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "batch-keys", "namespace": NAMESPACE},
+         "stringData": {fn.split("/", 1)[1]: keys[fn] for fn in functions}},
+    ]  # fmt: skip
+    for i, fn in enumerate(functions):
+        name = fn.split("/", 1)[1]
+        docs.append(
+            {"apiVersion": "lorafn.io/v1alpha1", "kind": "LoRAFunction",
+             "metadata": {"name": name, "namespace": NAMESPACE},
+             "spec": {"backbone": BACKBONE, "adapter": {"uri": f"file://{adapters[i % len(adapters)]}"},
+                      "slo": {"ttftMs": 1000},
+                      "scaling": {"minReplicas": 1, "maxReplicas": 1, "keepAliveSeconds": 3600},
+                      "auth": {"apiKeySecretRef": {"name": "batch-keys", "key": name}}}}
+        )  # fmt: skip
+    return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+def run_batch(url: str, key: str, fn: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=2, timeout=600)
+    lines = [
+        json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                    "body": {"model": fn, "prompt": p, "max_tokens": max_tokens, "temperature": 0}})
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    start = time.perf_counter()
+    f = client.files.create(file=("gsm8k.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    makespan = time.perf_counter() - start
+    out = (
+        [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        if batch.output_file_id
+        else []
+    )
+    tokens = sum(o["response"]["body"]["usage"]["completion_tokens"] for o in out)
+    counts = batch.request_counts
+    return {"makespan_s": makespan, "completed": counts.completed, "failed": counts.failed,
+            "completion_tokens": tokens, "status": batch.status}  # fmt: skip
+
+
+async def run_online(
+    url: str, key: str, fn: str, prompts: list[str], max_tokens: int, concurrency: int
+) -> dict[str, Any]:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    tokens, failed = 0, 0
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600
+    ) as client:
+
+        async def one(p: str) -> None:
+            nonlocal tokens, failed
+            async with sem:
+                r = await client.post(
+                    "/v1/completions",
+                    json={"model": fn, "prompt": p, "max_tokens": max_tokens, "temperature": 0},
+                )
+                if r.status_code == 200:
+                    tokens += r.json()["usage"]["completion_tokens"]
+                else:
+                    failed += 1
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts))
+    return {"makespan_s": time.perf_counter() - start, "completed": len(prompts) - failed, "failed": failed,
+            "completion_tokens": tokens, "status": "done"}  # fmt: skip
+
+
+class Other:
+    """Steady online traffic on another function while a phase runs; its TTFTs per phase."""
+
+    def __init__(self, target: Target, fn: str, rps: float, prompts: list[str]) -> None:
+        self.target, self.fn, self.rps, self.prompts = target, fn, rps, prompts
+
+    def during(self, seconds_hint: float) -> tuple[threading.Thread, dict[str, Any]]:
+        n = max(1, int(self.rps * seconds_hint))
+        plan = [
+            trace.PlannedRequest(i, i / self.rps, self.fn, self.prompts[i % len(self.prompts)], 64, 16)
+            for i in range(n)
+        ]
+        out: dict[str, Any] = {}
+
+        def go() -> None:
+            done = asyncio.run(
+                drive(plan, self.target, DriveOptions(request_timeout_s=300, drain_timeout_s=300))
+            )
+            ok = [r for r in done.results if r.ok]
+            out.update(
+                percentiles(r.ttft_ms for r in ok),
+                requests=len(done.results),
+                errors=len(done.results) - len(ok),
+            )
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        return t, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--model", help="an existing model directory instead of --preset")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--limit", type=int, default=None, help="the first N GSM8K prompts (CPU: a subset)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=48, help="online phase: requests in flight")
+    ap.add_argument("--other-rps", type=float, default=0.0, help="online traffic on a second function")
+    ap.add_argument("--data-dir", default=str(DATA))
+    ap.add_argument("--start-timeout-s", type=float, default=600.0)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="lorafn-batch-bench-"))
+    model_dir = (
+        Path(args.model)
+        if args.model
+        else prepare_model(args.preset, work / f"model-{args.preset}", args.dtype)
+    )
+    adapters = prepare_adapters(model_dir, work / "adapters", 2, 16, "all-linear")
+    questions = trace.load_questions(Path(args.data_dir) / "gsm8k_test.jsonl")
+    prompts = [f"Question: {q}\nAnswer:" for q in questions[: args.limit]]
+    functions = [f"{NAMESPACE}/gsm8k"] + ([f"{NAMESPACE}/online"] if args.other_rps > 0 else [])
+    keys = new_keys(functions)
+    settings = {"device": args.device, "devices": 1, "warm_pool": False}
+    # no rate limit or queue cap: the online baseline must not be throttled by the gateway's defaults
+    env = {
+        "LORAFN_RATE_LIMIT_RPS": "0",
+        "LORAFN_MAX_QUEUE": "0",
+        "LORAFN_BATCH_MAX_INFLIGHT_PER_WORKER": str(args.concurrency),
+    }
+    platform = ManagedPlatform(work / "platform", settings, env=env)
+    rows: dict[str, Any] = {}
+    try:
+        state = platform.start(timeout_s=args.start_timeout_s)
+        platform.apply(manifest(model_dir, args.dtype, functions, adapters, keys))
+        platform.settle(functions, 1, want_standby=False, shared=True, timeout_s=args.start_timeout_s)
+        target = Target(state.gateway_url, keys, state.redis_url, state.key_prefix)
+        fn, key = functions[0], keys[functions[0]]
+        asyncio.run(run_online(state.gateway_url, key, fn, prompts[:4], 8, 4))  # warm-up
+        other = Other(target, functions[1], args.other_rps, prompts) if args.other_rps > 0 else None
+        for phase in ("online", "batch"):
+            hint = rows["online"]["makespan_s"] if rows else 60.0
+            thread, ttft = other.during(hint) if other else (None, {})
+            print(f"{phase}: {len(prompts)} prompts ...", flush=True)
+            if phase == "batch":
+                rows[phase] = run_batch(state.gateway_url, key, fn, prompts, args.max_tokens)
+            else:
+                rows[phase] = asyncio.run(
+                    run_online(state.gateway_url, key, fn, prompts, args.max_tokens, args.concurrency)
+                )
+            if thread is not None:
+                thread.join(timeout=600)
+                rows[phase]["other_ttft_ms"] = ttft
+    finally:
+        platform.stop()
+    print(
+        f"\n{'':10} {'makespan s':>11} {'req/s':>8} {'tok/s':>8} {'failed':>7} {'other TTFT p50/p99 ms':>22}"
+    )
+    for phase, r in rows.items():
+        o = r.get("other_ttft_ms") or {}
+        other_s = f"{o.get('p50') or 0:.0f}/{o.get('p99') or 0:.0f}" if o else "-"
+        print(f"{phase:10} {r['makespan_s']:11.2f} {r['completed'] / r['makespan_s']:8.2f} "
+              f"{r['completion_tokens'] / r['makespan_s']:8.1f} {r['failed']:7d} {other_s:>22}")  # fmt: skip
+    if "online" in rows and "batch" in rows:
+        print(
+            f"makespan batch / online = {rows['batch']['makespan_s'] / rows['online']['makespan_s']:.2f}"
+            " (target <= 0.8)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
