@@ -13,7 +13,7 @@ throughput (completion tokens/s), and the slot's grants.
     # H100: 6 functions on one llama-2-7b (random weights of the real shape), r16 adapters
     python bench/admission.py --preset llama-2-7b --device cuda --dtype bfloat16 --functions 6 \
         --slos 300,1000,3000 --rate 12 --duration-s 60 --max-prompt-tokens 1024 --max-tokens 128 \
-        --workdir /tmp/adm --json $OUT/admission.json
+        --data-dir .data --workdir /tmp/adm --json $OUT/admission.json
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from lorafn.replay.platform import (  # noqa: E402
 )
 from lorafn.replay.stats import RequestResult, percentiles, slo_violated  # noqa: E402
 from lorafn.store import admission as store_admission  # noqa: E402
+from lorafn.store import streams  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 NAMESPACE = "adm"
@@ -48,7 +49,7 @@ BACKBONE = "adm-backbone"
 
 def manifest(
     model_dir: Path, dtype: str, functions: list[str], adapters: list[Path], slos: dict[str, int],
-    keys: dict[str, str],
+    keys: dict[str, str], kv_mib: int | None = None,
 ) -> str:  # fmt: skip
     """A Backbone without a warm pool, a Secret of keys, and each function warm (minReplicas 1) with its
     own TTFT SLO."""
@@ -77,6 +78,7 @@ def manifest(
                     "slo": {"ttftMs": slos[fn]},
                     "scaling": {"minReplicas": 1, "maxReplicas": 1, "keepAliveSeconds": 3600},
                     "auth": {"apiKeySecretRef": {"name": "adm-keys", "key": name}},
+                    **({"resources": {"kvCacheMiB": kv_mib}} if kv_mib else {}),
                 },
             }
         )  # fmt: skip
@@ -115,12 +117,12 @@ def run_one(
     settings = {"device": args.device, "devices": 1, "gpu_admission": admission, "warm_pool": False}
     if args.device_memory_mib:
         settings["device_memory_mib"] = args.device_memory_mib
-    # workers of the device that may prefill at once (the workers read it from the environment)
-    platform = ManagedPlatform(workdir, settings, env={"LORAFN_GPU_PREFILL_SLOTS": str(args.prefill_slots)})
+    env = {"LORAFN_GPU_PREFILL_TOKENS": str(args.prefill_tokens)} if args.prefill_tokens else {}
+    platform = ManagedPlatform(workdir, settings, env=env)  # the workers read the budget from the env
     keys = new_keys(functions)
     try:
         state = platform.start(timeout_s=args.start_timeout_s)
-        platform.apply(manifest(model_dir, args.dtype, functions, adapters, slos, keys))
+        platform.apply(manifest(model_dir, args.dtype, functions, adapters, slos, keys, args.kv_mib))
         settled = platform.settle(
             functions, 1, want_standby=False, shared=True, timeout_s=args.start_timeout_s
         )
@@ -138,6 +140,8 @@ def run_one(
         done = asyncio.run(drive(plan, target, options))
         assert platform.store is not None
         grants = platform.store.run(store_admission.grants(platform.keys, "local/0", count=100_000))
+        releases = platform.store.run(store_admission.releases(platform.keys, "local/0", count=100_000))
+        pending = sum(len(platform.store.run(streams.pending(platform.keys, fn, 0))) for fn in functions)
     finally:
         platform.stop()
     results = done.results
@@ -148,8 +152,29 @@ def run_one(
     contested = [g for g in grants if g.waiters > 1]
     return {
         "admission": admission, "overall": overall, "functions": per_fn, "duration_s": done.duration_s,
-        "grants": len(grants), "contested_grants": len(contested),
+        "grants": len(grants), "contested_grants": len(contested), "slot": slot_figures(grants, releases),
+        "unanswered": sum(not r.ok for r in results), "pending_entries": pending,
         "results": [r.to_json() for r in results],
+    }  # fmt: skip
+
+
+def slot_figures(
+    grants: list[store_admission.Grant], releases: list[store_admission.Release]
+) -> dict[str, Any]:
+    """What the budget cost: how long grants waited, how long shares were held, how many granted steps
+    prefilled nothing (a worker whose KV cache is full holding the budget across decode steps), and how
+    late after its step a release reached Redis."""
+    waited = percentiles(g.waited_ms for g in grants)
+    held = percentiles(r.held_ms for r in releases)
+    late = percentiles(r.late_ms for r in releases if r.late_ms is not None)
+    return {
+        "wait_p50_ms": waited["p50"], "wait_p99_ms": waited["p99"],
+        "hold_p50_ms": held["p50"], "hold_p99_ms": held["p99"],
+        "hold_total_ms": sum(r.held_ms for r in releases),
+        "unused_grants": sum(r.prefilled == 0 for r in releases),
+        "unused_hold_ms": sum(r.held_ms for r in releases if r.prefilled == 0),
+        "release_late_p50_ms": late["p50"], "release_late_p99_ms": late["p99"],
+        "used_max_tokens": max((g.used for g in grants), default=0),
     }  # fmt: skip
 
 
@@ -179,8 +204,13 @@ def render(runs: dict[str, dict[str, Any]], functions: list[str], slos: dict[str
     on, off = runs["on"]["overall"], runs["off"]["overall"]
     cost = 1 - on["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else None
     print()
-    print(f"slot grants: {runs['on']['grants']} ({runs['on']['contested_grants']} with several waiters); "
+    print(f"grants: {runs['on']['grants']} ({runs['on']['contested_grants']} with several waiters); "
           f"off: {runs['off']['grants']}")  # fmt: skip
+    slot = runs["on"]["slot"]
+    print("budget (on): " + ", ".join(f"{k} {_f(v, '{:.1f}')}" for k, v in slot.items()))
+    for name in ("on", "off"):
+        print(f"lost ({name}): {runs[name]['unanswered']} unanswered, {runs[name]['pending_entries']} "
+              "entries left pending")  # fmt: skip
     shown_cost = _f(cost * 100 if cost is not None else None, "{:.1f}%")
     print(f"SLO violations: on {on['slo_violations'] * 100:.1f}% vs off {off['slo_violations'] * 100:.1f}%;"
           f" throughput cost of admission: {shown_cost}")  # fmt: skip
@@ -197,20 +227,29 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rate", type=float, default=6.0, help="mean requests/s over all functions")
     ap.add_argument("--duration-s", type=float, default=30.0)
-    ap.add_argument("--trace", default=str(DATA / "azure_llm_2023_code.csv"))
+    ap.add_argument(
+        "--data-dir", default=str(DATA), help="the shared data (a copy such as .data on a device)"
+    )
+    ap.add_argument("--trace", default=None, help="default: <data-dir>/azure_llm_2023_code.csv")
     ap.add_argument("--trace-start-s", type=float, default=0.0)
-    ap.add_argument("--questions", default=str(DATA / "gsm8k_test.jsonl"))
+    ap.add_argument("--questions", default=None, help="default: <data-dir>/gsm8k_test.jsonl")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prefill-slots", type=int, default=1, help="prefills at once per device (admission on)")
+    ap.add_argument(
+        "--prefill-tokens", type=int, default=None,
+        help="the device's prefill budget in prompt tokens (admission on; default: the workers' 2048)",
+    )  # fmt: skip
     ap.add_argument("--warmup-rounds", type=int, default=3)
     ap.add_argument("--device-memory-mib", type=int, default=None)
+    ap.add_argument("--kv-mib", type=int, default=None, help="spec.resources.kvCacheMiB of every function")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="write every figure and request here")
     args = ap.parse_args()
+    args.trace = args.trace or str(Path(args.data_dir) / "azure_llm_2023_code.csv")
+    args.questions = args.questions or str(Path(args.data_dir) / "gsm8k_test.jsonl")
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="lorafn-adm-")
     work = Path(args.workdir)

@@ -1,4 +1,4 @@
-"""SLO-aware batching in a worker: latency profile, fill or expire, and the GPU's prefill slot.
+"""SLO-aware batching in a worker: latency profile, fill or expire, and the GPU's prefill token budget.
 
 The serving loop (`worker.py`) calls `Batching` at four points; the decisions are `lorafn.runtime.slo`'s
 (pure), the Redis operations `lorafn.store.admission`'s:
@@ -7,13 +7,19 @@ The serving loop (`worker.py`) calls `Batching` at four points; the decisions ar
   model and adapter shape (the prior until this worker has measured its own steps);
 - `arrived()` when entries were read: an idle worker may hold its first prefill for companions (`hold_left_ms`
   says how much longer; the loop waits for more entries that long, never past `SLO − T(N)`);
-- `allow_prefill()` before an engine step: with prefills pending it asks the GPU's prefill slot (one
-  round trip); refused, the step runs the decodes only, or, with none, the loop blocks until the slot is
-  handed to it (`wait_for_slot`). No
-  prefill pending (a decode step): nothing is asked. Switched off (`gpu_admission=False`), or without a
-  device id, or with an engine that cannot hold its prefills back, it always answers True;
-- `observe()` after the step (its wall time into the profile) and `pipeline_ops()` on the round trip the
-  loop makes anyway: release of the slot, the active mark (M), the profile's publication.
+- `allow_prefill()` before an engine step: with prefills pending it asks for a share of the GPU's
+  prefill budget, the prompt tokens its step will prefill (one round trip; a worker alone on its GPU is
+  granted at once); refused, the step runs the decodes only, or, with none, the loop blocks until a share
+  is handed to it (`wait_for_slot`, woken by the releasing worker's script). No prefill pending (a
+  decode step): nothing is asked. A worker whose granted step could prefill nothing (its KV cache or
+  batch is full: the waiting requests wait for running ones to finish) asks no more until one of its
+  running requests ends (or `blocked_recheck_ms` passes): before, such a worker kept winning the share
+  with its oldest deadline and held it across its decode steps while every other function's prefill
+  waited (the cause of the H100 collapse, docs/benchmarks.md). Switched off (`gpu_admission=False`),
+  without a device id, or with an engine that cannot hold its prefills back, it always answers True;
+- `after_step()` after the step (its wall time into the profile; the blocked check) and `pipeline_ops()`
+  on the round trip the loop makes right after every step: the release of the share (with the step's
+  end time, so the record shows how late it came), the active mark (M), the profile's publication.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,17 +52,22 @@ class BatchingConfig:
     backbone: str = ""
     gpu_model: str = "cpu"
     shape: str = ""
-    prefill_slots: int = 1  # workers of the device that may run a prefill step at once
-    lease_ms: float = 2000.0  # the slot of a worker that died frees itself after this
+    prefill_tokens: int = 2048  # the device's prefill budget: prompt tokens prefilled at once, all workers
+    lease_ms: float = 2000.0  # the share of a worker that died frees itself after this
     poll_ms: float = 5.0  # a refused worker with no decode to run asks again after at most 20x this
     active_ttl_ms: float = 2000.0  # a worker that stopped marking itself active leaves M after this
     publish_every: int = 32  # store the fit every this many measured steps of a kind
     warmup_steps: int = 2  # first steps of each kind are not measured (kernels load, caches fill)
+    blocked_recheck_ms: float = 250.0  # a worker that could not prefill asks again after this at the latest
 
     def __post_init__(self) -> None:
-        if self.prefill_slots < 1:
-            raise ValueError(f"prefill_slots must be >= 1, got {self.prefill_slots!r}")
-        for name in ("lease_ms", "poll_ms", "active_ttl_ms"):
+        if (
+            isinstance(self.prefill_tokens, bool)
+            or not isinstance(self.prefill_tokens, int)
+            or (self.prefill_tokens < 1)
+        ):
+            raise ValueError(f"prefill_tokens must be an integer >= 1, got {self.prefill_tokens!r}")
+        for name in ("lease_ms", "poll_ms", "active_ttl_ms", "blocked_recheck_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("ttft_ms", "tpot_ms"):
@@ -96,6 +107,10 @@ class Batching:
         self._hold_until: float | None = None
         self._hold_target = 1
         self._holds_slot = False
+        self._held_step: tuple[int, int] | None = None  # what the step that held the share ran
+        self._step_end_ms = 0.0  # unix ms the step that held the share ended (the release record)
+        self._blocked: frozenset[str] | None = None  # running requests when a granted step prefilled nothing
+        self._blocked_at = 0.0
         self._active_at: float | None = None  # when this worker last marked itself active
         self._was_active = False
         self.granted = self.refused = 0  # slot answers (tests and logs read them)
@@ -180,32 +195,41 @@ class Batching:
             return 0.0
         return left
 
-    # -- the GPU's prefill slot -----------------------------------------------------------------
+    # -- the GPU's prefill budget ---------------------------------------------------------------
     def gated(self, engine: Any) -> bool:
         return self.admission_on and hasattr(engine, "num_pending_prefills")
 
-    def allow_prefill(self, engine: Any, oldest_deadline_ms: float | None) -> bool:
-        """True: run a full step (the slot is ours, or no prefill is pending, or admission is off).
-        False: run the decodes only, or — with none — `wait_for_slot` and call again."""
+    def allow_prefill(self, engine: Any, waiting: Mapping[str, float], running: Collection[str] = ()) -> bool:
+        """True: run a full step (the share is ours, or no prefill is pending, or admission is off).
+        False: run the decodes only, or — with none — `wait_for_slot` and call again.
+
+        `waiting`: the requests without a first token (request id -> enqueue time, unix ms); `running`:
+        every request of the worker."""
         if not self.gated(engine):
             return True
         pending = engine.num_pending_prefills
         if pending == 0:
+            self._blocked = None
             return True
         cfg = self.config
+        if self._blocked is not None:
+            decoding = len(waiting) < len(running)
+            recheck = (self.clock() - self._blocked_at) * 1000 >= cfg.blocked_recheck_ms
+            if decoding and self._blocked <= frozenset(running) and not recheck:
+                return False  # nothing freed the cache since: a grant would prefill nothing again
+            self._blocked = None
         fit = self.fit(slo.PREFILL)
-        limit = max(1, pending)
-        t_ms = fit.latency_ms(limit) if fit else 0.0
-        if oldest_deadline_ms is None:
-            oldest_deadline_ms = time.time() * 1000 + (cfg.ttft_ms or 1000.0)
+        t_ms = fit.latency_ms(max(1, pending)) if fit else 0.0
+        oldest = min(waiting.values()) if waiting else time.time() * 1000
+        deadline_ms = oldest + (cfg.ttft_ms or 1000.0)
         decode = self.fit(slo.DECODE)
         step_ms = decode.latency_ms(1) if decode else 0.0
         answer = self.store.run(
             store_admission.ask(
                 self.keys, cfg.gpu, self.worker_id, self.function,
-                deadline_ms=oldest_deadline_ms, t_ms=t_ms, lease_ms=max(cfg.lease_ms, 4 * t_ms),
+                deadline_ms=deadline_ms, t_ms=t_ms, lease_ms=max(cfg.lease_ms, 4 * t_ms),
                 waiter_ttl_ms=max(250.0, 4 * step_ms, 8 * cfg.poll_ms), active_ttl_ms=cfg.active_ttl_ms,
-                slots=cfg.prefill_slots,
+                budget=cfg.prefill_tokens, tokens=self.prefill_tokens(engine, waiting),
             )
         )  # fmt: skip
         if answer.granted:
@@ -215,8 +239,35 @@ class Batching:
         self.refused += 1
         return False
 
+    def prefill_tokens(self, engine: Any, waiting: Collection[str]) -> int:
+        """The prompt tokens the next step prefills, at most: the waiting requests' prompts, within the
+        engine's step budget (an engine that does not tell asks for the whole budget: one at a time)."""
+        cfg = self.config
+        step_budget = getattr(getattr(engine, "config", None), "max_num_batched_tokens", None)
+        get_output = getattr(engine, "get_output", None)
+        if get_output is None:
+            return cfg.prefill_tokens
+        total = 0
+        for rid in waiting:
+            out = get_output(rid)
+            total += len(out.prompt_token_ids) if out is not None else 0
+        if isinstance(step_budget, int) and step_budget > 0:
+            total = min(total, step_budget)
+        return max(1, total)
+
+    def after_step(self, step: tuple[int, int] | None, ms: float, running: Collection[str]) -> None:
+        """One engine step ran `step` = (prefill, decode) sequences in `ms`. A step that held the share
+        and prefilled nothing means the waiting requests cannot start until a running one ends."""
+        if step is not None:
+            self.observe(step, ms)
+        if self._holds_slot:
+            self._held_step = step
+            self._step_end_ms = time.time() * 1000
+            if step is not None and step[0] == 0 and running:
+                self._blocked, self._blocked_at = frozenset(running), self.clock()
+
     def wait_for_slot(self) -> None:
-        """Refused with nothing to decode: block until the slot is handed to this worker (or `poll_ms`
+        """Refused with nothing to decode: block until a share is handed to this worker (or `poll_ms`
         x 20 passes: a lease that ran out hands nothing on)."""
         self.store.run(
             store_admission.wait_for_slot(
@@ -225,17 +276,20 @@ class Batching:
         )
 
     def pipeline_ops(self, busy: bool) -> list[Op[Any]]:
-        """What rides on the loop's round trip: the slot's release, the active mark, the profile."""
+        """What rides on the loop's round trip: the share's release, the active mark, the profile. The
+        release goes first in the pipeline the loop sends right after every step."""
         ops: list[Op[Any]] = []
         cfg = self.config
         if self.admission_on:
             if self._holds_slot:
+                prefilled = self._held_step[0] if self._held_step is not None else -1
                 ops.append(
                     store_admission.release(
-                        self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms, cfg.prefill_slots
+                        self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms, cfg.prefill_tokens,
+                        prefilled=prefilled, step_end_ms=self._step_end_ms,
                     )
-                )
-                self._holds_slot = False
+                )  # fmt: skip
+                self._holds_slot, self._held_step, self._step_end_ms = False, None, 0.0
             now = self.clock()
             if busy and (self._active_at is None or now - self._active_at > cfg.active_ttl_ms / 3000):
                 ops.append(store_admission.mark_active(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms))
@@ -243,7 +297,7 @@ class Batching:
             elif not busy and self._was_active:
                 ops.append(
                     store_admission.mark_idle(
-                        self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms, cfg.prefill_slots
+                        self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms, cfg.prefill_tokens
                     )
                 )
                 self._active_at, self._was_active = None, False

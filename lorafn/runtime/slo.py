@@ -10,11 +10,14 @@ Three decisions, each a plain function of numbers so that it is tested on its ow
   most `d = SLO − T(N)` (N: the batch it fills toward) minus what the request already waited, so a full
   batch still meets the SLO; it holds only when another request is expected within that time (the
   recent inter-arrival time), so a lone request on a quiet function is never delayed for nothing.
-- **Cross-function GPU admission.** The workers of one GPU that want to run a prefill compete for the
-  GPU's prefill slot; the one with the smallest deadline margin `Δ = SLO − (w + M·T(b))` goes first
-  (w: how long its oldest waiting request has waited, M: active batches on the GPU). With
-  `deadline = arrival + SLO`, `Δ = deadline − now − M·T(b)`. `lorafn/store/lua/gpu_admission.lua`
-  takes the same decision atomically in Redis; `pick` is its reference (tests compare the two).
+- **Cross-function GPU admission.** The workers of one GPU that want to run a prefill step ask for a
+  share of the GPU's prefill token budget (the tokens their step will prefill): several prefills run at
+  once while they fit, and the GPU is never handed more prefill work at once than the budget. Waiters
+  are served in the order of their deadline margin `Δ = SLO − (w + M·T(b))` (w: how long the oldest
+  waiting request has waited, M: active batches on the GPU; with `deadline = arrival + SLO`,
+  `Δ = deadline − now − M·T(b)`), and the first that does not fit stops the line, so a large prefill is
+  never overtaken forever by small ones. `lorafn/store/lua/gpu_admission.lua` takes the same decision
+  atomically in Redis; `admit` is its reference (tests compare the two).
 """
 
 from __future__ import annotations
@@ -175,16 +178,46 @@ def margin_ms(deadline_ms: float, now_ms: float, active: int, t_ms: float) -> fl
 
 @dataclass(frozen=True)
 class Waiter:
-    """A worker that asks the GPU's prefill slot: its oldest waiting request's deadline (unix ms) and the
-    expected time of the prefill step it wants to run, `T(b)` (ms)."""
+    """A worker that asks for a share of the GPU's prefill budget: its oldest waiting request's deadline
+    (unix ms), the expected time of the prefill step it wants to run, `T(b)` (ms), and the prompt tokens
+    that step prefills."""
 
     worker: str
     deadline_ms: float
     t_ms: float
+    tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+            raise ValueError(f"tokens must be an integer >= 1, got {self.tokens!r}")
+
+
+def in_order(waiters: Iterable[Waiter], now_ms: float, active: int) -> list[Waiter]:
+    """The waiters by deadline margin, smallest first; ties to the smaller worker id (as the Lua script)."""
+    return sorted(waiters, key=lambda w: (margin_ms(w.deadline_ms, now_ms, active, w.t_ms), w.worker))
 
 
 def pick(waiters: Iterable[Waiter], now_ms: float, active: int) -> Waiter | None:
-    """The waiter that gets the slot: smallest margin, ties to the smaller worker id (as the Lua script)."""
-    return min(
-        waiters, key=lambda w: (margin_ms(w.deadline_ms, now_ms, active, w.t_ms), w.worker), default=None
-    )
+    """The waiter served first: the smallest margin."""
+    order = in_order(waiters, now_ms, active)
+    return order[0] if order else None
+
+
+def admit(
+    waiters: Iterable[Waiter], now_ms: float, active: int, used_tokens: int, budget_tokens: int
+) -> list[Waiter]:
+    """The waiters granted now, in margin order, while their tokens fit in what the budget has left
+    (`budget_tokens − used_tokens`, used = what the running prefill steps hold). The first waiter that
+    does not fit stops the line: nobody behind it overtakes it, so it starts as soon as enough is freed
+    (no starvation). One larger than the whole budget runs alone, once nothing is held."""
+    if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
+        raise ValueError(f"budget_tokens must be an integer >= 1, got {budget_tokens!r}")
+    if used_tokens < 0:
+        raise ValueError(f"used_tokens must be >= 0, got {used_tokens!r}")
+    granted: list[Waiter] = []
+    for w in in_order(waiters, now_ms, active):
+        if used_tokens and used_tokens + w.tokens > budget_tokens:
+            break
+        granted.append(w)
+        used_tokens += w.tokens
+    return granted

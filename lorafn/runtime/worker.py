@@ -374,9 +374,8 @@ class Worker:
     def _step(self) -> None:
         allow_prefill = True
         if self.batching.gated(self.engine):
-            waiting = [r.arrival_ms for r in self.running.values() if not r.completion_tokens]
-            ttft = self.batching.config.ttft_ms or 1000.0
-            allow_prefill = self.batching.allow_prefill(self.engine, min(waiting) + ttft if waiting else None)
+            waiting = {rid: r.arrival_ms for rid, r in self.running.items() if not r.completion_tokens}
+            allow_prefill = self.batching.allow_prefill(self.engine, waiting, self.running)
             if not allow_prefill and len(waiting) == len(self.running):  # nothing to decode: wait
                 self.batching.wait_for_slot()
                 self._read(block_ms=None)
@@ -402,8 +401,7 @@ class Worker:
             self._flush()
             raise
         step = getattr(self.engine, "last_step", None)
-        if step is not None:
-            self.batching.observe(step, (time.perf_counter() - started) * 1000)
+        self.batching.after_step(step, (time.perf_counter() - started) * 1000, self.running)
         for delta in deltas:
             run = self.running.get(delta.request_id)
             if run is None:
@@ -627,8 +625,10 @@ class WorkerSettings(SharedSettings):
     batch_hold: bool = Field(
         default=True, description="fill or expire: an idle worker holds its first prefill for companions"
     )
-    gpu_prefill_slots: int = Field(
-        default=1, ge=1, description="workers of a device that may run a prefill step at once (admission)"
+    gpu_prefill_tokens: int = Field(
+        default=2048,
+        ge=1,
+        description="the device's prefill budget (admission): prompt tokens its workers prefill at once",
     )
     log_level: str = "INFO"
 
@@ -764,7 +764,7 @@ def serving_config(
             gpu=settings.gpu,
             gpu_admission=settings.gpu_admission,
             batch_hold=settings.batch_hold,
-            prefill_slots=settings.gpu_prefill_slots,
+            prefill_tokens=settings.gpu_prefill_tokens,
             backbone=settings.backbone or "",
             gpu_model=gpu_model_name(settings.device),
             shape=fields.get("shape", ""),

@@ -1,14 +1,16 @@
-"""The Redis side of SLO-aware batching: one GPU's prefill slots and the latency profiles.
+"""The Redis side of SLO-aware batching: one GPU's prefill token budget and the latency profiles.
 
-The slots (`lua/gpu_admission.lua`, one atomic script; `slots` per GPU, 1 by default): a worker that
-wants to run a prefill `ask`s with its oldest waiting request's deadline and the expected step time
-`T(b)`; the script grants a free slot to the waiter of smallest deadline margin (`lorafn.runtime.slo`
-holds the policy and its reference `pick`). The holder `release`s it after its step (in the pipeline
-the worker sends anyway); a lease ends the hold of a worker that died. A freed slot is handed straight
-to the best waiter, which a blocked waiter learns from its wake list (`wait_for_slot`) without
-polling. Workers with a running batch mark themselves `active` (M in the margin) and leave with
-`idle`. Decode steps never ask. Every grant is appended to a capped stream (`admissions`) with the
-runner-up's margin, which tests read.
+The budget (`lua/gpu_admission.lua`, one atomic script): a worker that wants to run a prefill step `ask`s
+for the prompt tokens that step prefills, with its oldest waiting request's deadline and the expected
+step time `T(b)`; prefills run at once while their tokens fit in the GPU's budget, waiters are served by
+smallest deadline margin and the first that does not fit stops the line (`lorafn.runtime.slo.admit` is
+the reference). The holder `release`s its share right after its step; a lease ends the hold of a worker
+that died. Freed tokens are handed straight to the best waiters, which a blocked waiter learns from its
+wake list (`wait_for_slot`) without polling. Workers with a running batch mark themselves `active` (M in
+the margin) and leave with `idle`. Decode steps never ask. Every grant and every release is appended to
+a capped stream (`admissions`): the grant with the runner-up's margin and how long it waited, the
+release with how long the share was held, whether the step prefilled anything and how late after the
+step's end the release came (`grants`, `releases`: what tests and `bench/admission.py` read).
 
 Profiles: a hash per (backbone, GPU model, adapter shape) with the fit of each step kind, written by
 the workers that measured it and read by a new worker as its prior.
@@ -25,8 +27,9 @@ from lorafn.store.keys import Keys, check_id
 
 @dataclass(frozen=True)
 class SlotAnswer:
-    """`granted`: the asker holds the slot. `margin_ms`: its own deadline margin as the script saw it,
-    `active`: M. Refused: `other` is the holder or the waiter of smaller margin; `retry_ms` a hint."""
+    """`granted`: the asker holds its share of the budget. `margin_ms`: its own deadline margin as the
+    script saw it, `active`: M. Refused: `other` is a holder or the waiter first in line; `retry_ms` a
+    hint (when the soonest lease ends)."""
 
     granted: bool
     margin_ms: float
@@ -38,7 +41,8 @@ class SlotAnswer:
 
 @dataclass(frozen=True)
 class Grant:
-    """One recorded grant of the slot: the grantee's margin and the next smallest one, as decided."""
+    """One recorded grant: the grantee's margin, the next one in line, its tokens and the budget then held
+    (its own included), how long it had waited since it first asked."""
 
     entry_id: str
     worker: str
@@ -46,7 +50,23 @@ class Grant:
     margin_ms: float
     active: int
     waiters: int
-    runner_up_ms: float | None = None  # the next smallest margin among the waiters (None: alone)
+    runner_up_ms: float | None = None  # the next margin in line (None: alone)
+    tokens: int = 0
+    used: int = 0
+    waited_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Release:
+    """One recorded release: how long the share was held, the sequences the step prefilled (-1: unknown;
+    0: the step could prefill nothing, e.g. its KV cache was full), and how long after the step's end the
+    release reached Redis (None: unknown)."""
+
+    entry_id: str
+    worker: str
+    held_ms: float
+    prefilled: int
+    late_ms: float | None
 
 
 def _keys(keys: Keys, gpu: str) -> list[str]:
@@ -62,10 +82,10 @@ def _ms(value: float, what: str) -> int:
     return int(value)
 
 
-def _slots(slots: int) -> int:
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
-    return slots
+def _tokens(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def ask(
@@ -79,14 +99,16 @@ def ask(
     lease_ms: float,
     waiter_ttl_ms: float,
     active_ttl_ms: float,
-    slots: int = 1,
+    budget: int = 1,
+    tokens: int = 1,
 ) -> Op[SlotAnswer]:
-    """Ask one of the GPU's `slots` prefill slots for the step this worker wants to run (module doc)."""
+    """Ask for `tokens` of the GPU's prefill `budget` for the step this worker wants to run (module doc).
+    The defaults (1 of 1) make the budget one slot: a mutex."""
     check_id(worker, "worker id")
     args = [
         "ask", worker, function, f"{deadline_ms:.1f}", f"{max(0.0, t_ms):.3f}", _ms(lease_ms, "lease_ms"),
         max(1, _ms(waiter_ttl_ms, "waiter_ttl_ms")), max(1, _ms(active_ttl_ms, "active_ttl_ms")),
-        _slots(slots),
+        _tokens(budget, "budget"), _tokens(tokens, "tokens"),
     ]  # fmt: skip
     names = _keys(keys, gpu)
 
@@ -99,10 +121,22 @@ def ask(
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), parse)
 
 
-def release(keys: Keys, gpu: str, worker: str, active_ttl_ms: float, slots: int = 1) -> Op[bool]:
-    """Free the slot if this worker holds it, handing it to the best waiter; True when it held it."""
+def release(
+    keys: Keys,
+    gpu: str,
+    worker: str,
+    active_ttl_ms: float,
+    budget: int = 1,
+    prefilled: int = -1,
+    step_end_ms: float = 0.0,
+) -> Op[bool]:
+    """Free this worker's share, handing it to the best waiters; True when it held one. `prefilled` and
+    `step_end_ms` (unix ms) go into the record only."""
     names = _keys(keys, gpu)
-    args = ["release", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms")), _slots(slots)]
+    args = [
+        "release", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms")), _tokens(budget, "budget"),
+        int(prefilled), int(max(0.0, step_end_ms)),
+    ]  # fmt: skip
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), lambda r: bool(r[0]))
 
 
@@ -113,26 +147,33 @@ def mark_active(keys: Keys, gpu: str, worker: str, ttl_ms: float) -> Op[int]:
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), lambda r: int(r[0]))
 
 
-def mark_idle(keys: Keys, gpu: str, worker: str, active_ttl_ms: float, slots: int = 1) -> Op[None]:
-    """This worker's batch is empty: out of the active set and the waiters; its slot, if held, handed on."""
+def mark_idle(keys: Keys, gpu: str, worker: str, active_ttl_ms: float, budget: int = 1) -> Op[None]:
+    """This worker's batch is empty: out of the active set and the waiters; its share, if held, handed on."""
     names = _keys(keys, gpu)
-    args = ["idle", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms")), _slots(slots)]
+    args = ["idle", worker, max(1, _ms(active_ttl_ms, "active_ttl_ms")), _tokens(budget, "budget")]
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), lambda r: None)
 
 
 def wait_for_slot(keys: Keys, gpu: str, worker: str, timeout_s: float) -> Op[bool]:
-    """Block until the slot is handed to this worker (True) or `timeout_s` passes (False); then `ask`
+    """Block until a share is handed to this worker (True) or `timeout_s` passes (False); then `ask`
     takes it. The timeout covers what hands nothing on: a lease that ran out."""
     key = keys.gpu_wake(gpu, worker)
     return Op(lambda pipe: pipe.blpop([key], timeout=max(0.001, timeout_s)), lambda r: r[0] is not None)
 
 
+def _f(fields: dict[str, str], name: str) -> float | None:
+    value = fields.get(name)
+    return float(value) if value else None
+
+
 def grants(keys: Keys, gpu: str, count: int = 1000) -> Op[list[Grant]]:
-    """The most recent grants of the GPU's slot, oldest first."""
+    """The grants among the most recent `count` records of the GPU's budget, oldest first."""
 
     def parse(r: list[Any]) -> list[Grant]:
         out = []
         for entry_id, f in reversed(r[0]):
+            if f.get("event", "grant") != "grant":
+                continue
             grant = Grant(
                 entry_id=entry_id,
                 worker=f.get("worker", ""),
@@ -140,10 +181,27 @@ def grants(keys: Keys, gpu: str, count: int = 1000) -> Op[list[Grant]]:
                 margin_ms=float(f.get("margin_ms", 0)),
                 active=int(f.get("active", 0)),
                 waiters=int(f.get("waiters", 0)),
-                runner_up_ms=float(f["runner_up_ms"]) if f.get("runner_up_ms") else None,
+                runner_up_ms=_f(f, "runner_up_ms"),
+                tokens=int(f.get("tokens", 0)),
+                used=int(f.get("used", 0)),
+                waited_ms=float(f.get("waited_ms", 0)),
             )
             out.append(grant)
         return out
+
+    return Op(lambda pipe: pipe.xrevrange(keys.gpu_admissions(gpu), count=count), parse)
+
+
+def releases(keys: Keys, gpu: str, count: int = 1000) -> Op[list[Release]]:
+    """The releases among the most recent `count` records of the GPU's budget, oldest first."""
+
+    def parse(r: list[Any]) -> list[Release]:
+        return [
+            Release(entry_id, f.get("worker", ""), float(f.get("held_ms", 0)), int(f.get("prefilled", -1)),
+                    _f(f, "late_ms"))
+            for entry_id, f in reversed(r[0])
+            if f.get("event") == "release"
+        ]  # fmt: skip
 
     return Op(lambda pipe: pipe.xrevrange(keys.gpu_admissions(gpu), count=count), parse)
 

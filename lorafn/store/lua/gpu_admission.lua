@@ -1,22 +1,27 @@
--- The prefill slots of one GPU: cross-function admission by smallest deadline margin (DESIGN §7).
--- `slots` workers (1 by default) may run a prefill step at once. Margin of a waiter:
--- deadline - now - M * t, M = active batches on the GPU (the asker counted as one if it has none yet);
--- ties go to the smaller worker id. lorafn.runtime.slo.pick is the reference.
--- A freed slot is handed straight to the best waiter (its holder entry flagged `handoff`, a token pushed
--- on its wake list): a waiter blocked on that list starts at once instead of polling.
--- KEYS: 1 holders hash (worker -> until|handoff), 2 waiting hash (worker -> deadline|t|expires|lease|fn),
---       3 active zset (worker -> last active ms), 4 admissions stream (grants, capped: worker, function,
---       margin_ms, active, waiters, runner_up_ms = the next smallest margin among the waiters),
---       5 wake-list key prefix (+ worker id: the list a waiting worker blocks on)
+-- The prefill token budget of one GPU: cross-function admission by smallest deadline margin (DESIGN §7).
+-- A worker asks for the tokens its next step prefills; prefills run at once while their tokens fit in
+-- the budget (one larger than the whole budget runs alone once nothing is held). Waiters are served in
+-- the order of their margin deadline - now - M * t (M = active batches on the GPU, the asker counted as
+-- one if it has none yet; ties to the smaller worker id), and the first that does not fit stops the
+-- line. lorafn.runtime.slo.admit is the reference.
+-- Freed tokens are handed straight to the best waiters (holder entry flagged `handoff`, a token pushed
+-- on the waiter's wake list): a waiter blocked on that list starts at once, without polling.
+-- KEYS: 1 holders hash (worker -> until|handoff|tokens|granted_at), 2 waiting hash (worker ->
+--       deadline|t|expires|lease|tokens|since|fn), 3 active zset (worker -> last active ms),
+--       4 admissions stream (capped; `grant` entries: worker, function, margin_ms, active, waiters,
+--       runner_up_ms = the next margin in line, tokens, used = budget held after it, waited_ms;
+--       `release` entries: worker, held_ms, prefilled = sequences its step prefilled, late_ms = from the
+--       step's end to the release), 5 wake-list key prefix (+ worker id: the list a waiter blocks on)
 -- ARGV: 1 op, 2 worker id, then per op:
 --   ask:     3 function, 4 deadline (unix ms), 5 t (ms), 6 lease (ms), 7 waiter ttl (ms), 8 active ttl (ms),
---            9 slots
---            -> {1, margin, M, waiters}  granted (the slot is the asker's until released or the lease ends)
---            -> {0, margin, M, a holder or the waiter it went to, retry_ms}
---   release: 3 active ttl (ms), 4 slots -> 1 when the asker held a slot (now handed on or free), else 0
+--            9 budget (tokens), 10 tokens
+--            -> {1, margin, M, waiters}  granted (its share is held until released or the lease ends)
+--            -> {0, margin, M, a holder or the waiter first in line, retry_ms}
+--   release: 3 active ttl (ms), 4 budget, 5 prefilled (-1: unknown), 6 step end (unix ms, 0: unknown)
+--            -> 1 when the asker held a share (now handed on or free), else 0
 --   active:  3 active ttl (ms) -> M (the asker marked active)
---   idle:    3 active ttl (ms), 4 slots -> 1; the asker leaves the active set and the waiters, and hands
---            on its slot
+--   idle:    3 active ttl (ms), 4 budget -> 1; the asker leaves the active set and the waiters, and hands
+--            on its share
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local op = ARGV[1]
@@ -31,95 +36,103 @@ local function count_active(ttl, asker)
   return m
 end
 
--- the waiter of smallest margin (forgetting those that stopped asking), its entry, the runner-up's margin
-local function best_waiter(active)
-  local best, best_margin, best_entry, second, count = nil, nil, nil, nil, 0
+-- live holders (those whose lease ended are dropped): tokens held, the asker's entry, another holder
+local function holders()
+  local all = redis.call('HGETALL', KEYS[1])
+  local used, mine, any, soonest = 0, nil, nil, nil
+  for i = 1, #all, 2 do
+    local w = all[i]
+    local u, flag, tok, at = string.match(all[i + 1], '^([^|]+)|([^|]+)|([^|]+)|(.*)$')
+    u = tonumber(u)
+    if u == nil or u <= now then
+      redis.call('HDEL', KEYS[1], w) -- its holder died or hung, or a hand-off was not taken: lease over
+    else
+      used = used + tonumber(tok)
+      if w == worker then
+        mine = {flag = flag, tokens = tonumber(tok), at = tonumber(at)}
+      else
+        any = w
+      end
+      if soonest == nil or u < soonest then soonest = u end
+    end
+  end
+  return used, mine, any, soonest
+end
+
+-- the live waiters by margin (forgetting those that stopped asking)
+local function waiters_in_order(active)
+  local out = {}
   local all = redis.call('HGETALL', KEYS[2])
   for i = 1, #all, 2 do
     local w, entry = all[i], all[i + 1]
-    local dl, tt, exp, lease, fn = string.match(entry, '^([^|]+)|([^|]+)|([^|]+)|([^|]+)|(.*)$')
+    local dl, tt, exp, lease, tok, since, fn =
+      string.match(entry, '^([^|]+)|([^|]+)|([^|]+)|([^|]+)|([^|]+)|([^|]+)|(.*)$')
     exp = tonumber(exp)
     if exp == nil or exp <= now then
       redis.call('HDEL', KEYS[2], w)
     else
-      count = count + 1
-      local m = tonumber(dl) - now - active * tonumber(tt)
-      if best == nil or m < best_margin or (m == best_margin and w < best) then
-        if best ~= nil then second = best_margin end
-        best, best_margin, best_entry = w, m, {lease = tonumber(lease), fn = fn, expires = exp}
-      elseif second == nil or m < second then
-        second = m
-      end
+      out[#out + 1] = {worker = w, margin = tonumber(dl) - now - active * tonumber(tt), expires = exp,
+        lease = tonumber(lease), tokens = tonumber(tok), since = tonumber(since), fn = fn}
     end
   end
-  return best, best_margin, best_entry, second, count
+  table.sort(out, function(a, b)
+    if a.margin ~= b.margin then return a.margin < b.margin end
+    return a.worker < b.worker
+  end)
+  return out
 end
 
-local function grant(w, entry, margin, active, second, count, handoff)
-  -- handed on: the slot is the waiter's while it is still asking (until its waiter entry would expire)
-  local hold = handoff == '1' and math.max(1, entry.expires - now) or entry.lease
-  redis.call('HSET', KEYS[1], w, tostring(now + hold) .. '|' .. handoff)
-  redis.call('PEXPIRE', KEYS[1], 60000)
-  redis.call('HDEL', KEYS[2], w)
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', '1000', '*', 'worker', w, 'function', entry.fn,
-    'margin_ms', tostring(margin), 'active', tostring(active), 'waiters', tostring(count),
-    'runner_up_ms', second == nil and '' or tostring(second))
-  if handoff == '1' then
-    local wake = KEYS[5] .. w
-    redis.call('LPUSH', wake, '1')
-    redis.call('LTRIM', wake, 0, 0)
-    redis.call('PEXPIRE', wake, hold)
-  end
-end
-
--- live holders (those whose lease ended are dropped), and the asker's `handoff` flag if it holds one
-local function holders()
-  local all = redis.call('HGETALL', KEYS[1])
-  local n, mine, any = 0, nil, nil
-  for i = 1, #all, 2 do
-    local w = all[i]
-    local u, flag = string.match(all[i + 1], '^([^|]+)|(.*)$')
-    if tonumber(u) == nil or tonumber(u) <= now then
-      redis.call('HDEL', KEYS[1], w) -- its holder died or hung: the lease ended
+-- grant the waiters in line while they fit; returns true when `asker` was granted (its hold: its lease;
+-- another waiter's: until its waiter entry would expire, the token on its wake list tells it)
+local function admit(active, used, budget, asker)
+  local line = waiters_in_order(active)
+  local granted_asker = false
+  for i, e in ipairs(line) do
+    if used > 0 and used + e.tokens > budget then break end
+    used = used + e.tokens
+    local handoff = e.worker == asker and '0' or '1'
+    local hold = handoff == '1' and math.max(1, e.expires - now) or e.lease
+    redis.call('HSET', KEYS[1], e.worker, tostring(now + hold) .. '|' .. handoff .. '|' .. tostring(e.tokens)
+      .. '|' .. tostring(now))
+    redis.call('PEXPIRE', KEYS[1], 60000)
+    redis.call('HDEL', KEYS[2], e.worker)
+    local second = line[i + 1]
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', '5000', '*', 'event', 'grant', 'worker', e.worker,
+      'function', e.fn, 'margin_ms', tostring(e.margin), 'active', tostring(active),
+      'waiters', tostring(#line - i + 1), 'runner_up_ms', second == nil and '' or tostring(second.margin),
+      'tokens', tostring(e.tokens), 'used', tostring(used), 'waited_ms', tostring(now - e.since))
+    if handoff == '1' then
+      local wake = KEYS[5] .. e.worker
+      redis.call('LPUSH', wake, '1')
+      redis.call('LTRIM', wake, 0, 0)
+      redis.call('PEXPIRE', wake, hold)
     else
-      n = n + 1
-      if w == worker then mine = flag else any = w end
+      granted_asker = true
     end
   end
-  return n, mine, any
+  return granted_asker, line
 end
 
--- free slots go to the best waiters; returns the last one served
-local function hand_on(ttl, slots, n)
-  local active = count_active(ttl, nil)
-  local last = nil
-  while n < slots do
-    local best, margin, entry, second, count = best_waiter(active)
-    if best == nil then break end
-    grant(best, entry, margin, active, second, count, '1')
-    last = best
-    n = n + 1
-  end
-  return last
-end
-
-local function release(ttl, slots)
-  if redis.call('HEXISTS', KEYS[1], worker) == 1 then
-    redis.call('HDEL', KEYS[1], worker)
-    local n = holders()
-    hand_on(ttl, slots, n)
-    return 1
-  end
-  return 0
+local function release(ttl, budget, prefilled, step_end)
+  local entry = redis.call('HGET', KEYS[1], worker)
+  if not entry then return 0 end
+  redis.call('HDEL', KEYS[1], worker)
+  local at = tonumber(string.match(entry, '|([^|]*)$')) or now
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', '5000', '*', 'event', 'release', 'worker', worker,
+    'held_ms', tostring(now - at), 'prefilled', tostring(prefilled),
+    'late_ms', step_end > 0 and tostring(now - step_end) or '')
+  local used = holders()
+  admit(count_active(ttl, nil), used, budget, nil)
+  return 1
 end
 
 if op == 'release' then
-  return release(tonumber(ARGV[3]), tonumber(ARGV[4]))
+  return release(tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
 end
 if op == 'idle' then
   redis.call('ZREM', KEYS[3], worker)
   redis.call('HDEL', KEYS[2], worker)
-  release(tonumber(ARGV[3]), tonumber(ARGV[4]))
+  release(tonumber(ARGV[3]), tonumber(ARGV[4]), -1, 0)
   return 1
 end
 if op == 'active' then
@@ -138,37 +151,38 @@ local t_ms = tonumber(ARGV[5])
 local lease = tonumber(ARGV[6])
 local waiter_ttl = tonumber(ARGV[7])
 local active_ttl = tonumber(ARGV[8])
+local budget = tonumber(ARGV[9])
+local tokens = tonumber(ARGV[10])
 local active = count_active(active_ttl, worker)
 local own = deadline - now - active * t_ms
 
-local slots = tonumber(ARGV[9])
-
-local n, mine, any = holders()
-if mine == '1' then -- handed to this worker while it waited: take it
-  redis.call('HSET', KEYS[1], worker, tostring(now + lease) .. '|0')
+local used, mine, any, soonest = holders()
+if mine ~= nil and mine.flag == '1' then -- handed to this worker while it waited: take it
+  redis.call('HSET', KEYS[1], worker, tostring(now + lease) .. '|0|' .. tostring(tokens) .. '|'
+    .. tostring(mine.at))
   redis.call('HDEL', KEYS[2], worker)
   return {1, tostring(own), active, 0}
 end
-redis.call('HSET', KEYS[2], worker, ARGV[4] .. '|' .. ARGV[5] .. '|' .. tostring(now + waiter_ttl) .. '|'
-  .. tostring(lease) .. '|' .. fn)
-redis.call('PEXPIRE', KEYS[2], waiter_ttl * 10)
-if mine ~= nil then -- asking again after its own step: compete afresh (a long prefill does not keep it)
+if mine ~= nil then -- asking again without a release: compete afresh (a long prefill does not keep it)
   redis.call('HDEL', KEYS[1], worker)
-  n = n - 1
+  used = used - mine.tokens
 end
-if n >= slots then
-  return {0, tostring(own), active, any, 1}
+-- the waiter entry keeps the time it first asked (`since`: the grant records how long it waited)
+local since = now
+local prev = redis.call('HGET', KEYS[2], worker)
+if prev then
+  since = tonumber(string.match(prev, '^[^|]+|[^|]+|[^|]+|[^|]+|[^|]+|([^|]+)|')) or now
 end
-local last = nil
-while n < slots do
-  local best, margin, entry, second, count = best_waiter(active)
-  if best == nil then break end
-  if best == worker then
-    grant(worker, entry, margin, active, second, count, '0')
-    return {1, tostring(own), active, count}
-  end
-  grant(best, entry, margin, active, second, count, '1')
-  last = best
-  n = n + 1
+redis.call('HSET', KEYS[2], worker, ARGV[4] .. '|' .. ARGV[5] .. '|' .. tostring(now + waiter_ttl) .. '|'
+  .. tostring(lease) .. '|' .. tostring(tokens) .. '|' .. tostring(since) .. '|' .. fn)
+redis.call('PEXPIRE', KEYS[2], waiter_ttl * 10)
+local granted, line = admit(active, used, budget, worker)
+if granted then
+  return {1, tostring(own), active, #line}
 end
-return {0, tostring(own), active, last or any or '', 1}
+local other = any -- a holder, else the waiter first in line
+for _, e in ipairs(line) do
+  if other == nil and e.worker ~= worker then other = e.worker end
+end
+local retry = soonest and math.max(1, soonest - now) or 1
+return {0, tostring(own), active, other or '', retry}

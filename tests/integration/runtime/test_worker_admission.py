@@ -14,7 +14,7 @@ from lorafn.runtime.batching import BatchingConfig
 from lorafn.runtime.outputs import StreamDelta
 from lorafn.store import Keys, Store, streams
 from lorafn.store import admission as adm
-from lorafn.store.protocol import Done, Error, ReplyEvent, RequestBody
+from lorafn.store.protocol import Delta, Done, Error, ReplyEvent, RequestBody
 from tests.integration.gateway.harness import register, worker_thread
 
 GPU = "sim/0"
@@ -27,6 +27,7 @@ class PrefillEngine:
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    capacity: int | None = None  # requests its KV cache holds at once (the rest wait: no prefill possible)
     reqs: dict[str, list[int]] = field(default_factory=dict)  # rid -> [sent, max_tokens]
     steps: list[tuple[int, int]] = field(default_factory=list)
     last_step: tuple[int, int] = (0, 0)
@@ -43,6 +44,8 @@ class PrefillEngine:
     def step(self, allow_prefill: bool = True) -> list[StreamDelta]:
         prefill = [r for r, (sent, _) in self.reqs.items() if sent == 0] if allow_prefill else []
         decode = [r for r, (sent, _) in self.reqs.items() if sent > 0]
+        if self.capacity is not None:
+            prefill = prefill[: max(0, self.capacity - len(decode))]
         time.sleep(self.prefill_s if prefill else self.decode_s if decode else 0)
         self.last_step = (len(prefill), len(decode))
         self.steps.append(self.last_step)
@@ -172,3 +175,46 @@ def test_switched_off_the_worker_asks_nothing(redis_server: str) -> None:
         assert worker.batching.granted == worker.batching.refused == 0
         assert store.run(adm.grants(keys, GPU)) == []
         assert not store.client.exists(keys.gpu_active(GPU), keys.gpu_waiting(GPU))
+
+
+def test_a_worker_with_a_full_cache_does_not_hold_the_budget_across_its_decodes(redis_server: str) -> None:
+    """The H100 collapse: a worker whose waiting request cannot start (its KV cache is full) has the
+    oldest deadline, so it won every ask and held the slot through each of its decode steps while the
+    other functions' prefills waited. Now a granted step that prefilled nothing stops its asking until
+    a running request ends (or `blocked_recheck_ms`)."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, "t/full", [], spec=_spec(100), public=True)
+    register(store, keys, "t/other", [], spec=_spec(20_000), public=True)
+    full_engine = PrefillEngine(prefill_s=0.01, decode_s=0.01, capacity=1)
+    other_engine = PrefillEngine(prefill_s=0.01, decode_s=0.01)
+    cfg = {"batching": BatchingConfig(gpu=GPU, gpu_admission=True, batch_hold=False)}
+    with (
+        worker_thread(redis_server, prefix, "t/full", full_engine, **cfg),
+        worker_thread(redis_server, prefix, "t/other", other_engine, **cfg),
+    ):
+        _send(store, keys, "t/full", "full-1", max_tokens=80)  # ~0.8 s of decode steps
+        _wait(lambda: full_engine.steps)
+        _send(store, keys, "t/full", "full-2", max_tokens=2)  # waits for full-1's cache
+        time.sleep(0.2)
+        for i in range(3):
+            _send(store, keys, "t/other", f"other-{i}")
+            _wait(lambda i=i: _first_token(store, keys, f"other-{i}"), timeout=5)
+            # served while full-1 still decodes: the budget was not full's
+            assert "full-1" in full_engine.reqs, f"other-{i} waited for full-1 to end"
+        finals = {
+            rid: _final(store, keys, rid) for rid in ["full-1", "full-2", "other-0", "other-1", "other-2"]
+        }
+        assert all(isinstance(e, Done) for e in finals.values()), finals
+        releases = store.run(adm.releases(keys, GPU))
+        unused = [r for r in releases if r.prefilled == 0]
+        assert releases and len(unused) <= 6, unused  # one per end + a recheck each 250 ms (~80 decodes)
+        assert all(r.late_ms is not None and r.late_ms < 1000 for r in releases)
+        assert store.run(streams.pending(keys, "t/full", 0)) == []
+        assert store.run(streams.pending(keys, "t/other", 0)) == []
+
+
+def _first_token(store: Store, keys: Keys, rid: str) -> bool:
+    return any(
+        isinstance(e, Delta) and e.tokens for _, _, e in store.run(streams.read_replies(keys, rid, "0", None))
+    )

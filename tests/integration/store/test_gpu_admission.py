@@ -1,7 +1,8 @@
-"""The GPU's prefill slot in Redis (lua/gpu_admission.lua through lorafn.store.admission), on a real
-redis-server: the script decides as `lorafn.runtime.slo.pick` does, holds the slot for one worker until
-it releases it or its lease ends, forgets waiters that stopped asking, counts active batches, and
-records each grant. Latency profiles round-trip."""
+"""The GPU's prefill budget in Redis (lua/gpu_admission.lua through lorafn.store.admission), on a real
+redis-server: the script decides as `lorafn.runtime.slo.pick`/`admit` do (a budget of one token is one
+slot; a larger one runs prefills at once while their tokens fit, the first misfit stops the line),
+holds a share until it is released or its lease ends, forgets waiters that stopped asking, counts
+active batches, and records each grant and release. Latency profiles round-trip."""
 
 from __future__ import annotations
 
@@ -138,14 +139,80 @@ def test_profiles_round_trip(redis_server: str) -> None:
 def test_two_slots_let_two_prefills_run_and_hand_on_to_the_best_waiter(redis_server: str) -> None:
     store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
     now = _now_ms(store)
-    assert _ask(store, keys, "w-a", now + 9000, 10, slots=2).granted
-    assert _ask(store, keys, "w-b", now + 9000, 10, slots=2).granted  # the second slot
-    third = _ask(store, keys, "w-c", now + 5000, 10, slots=2)
+    assert _ask(store, keys, "w-a", now + 9000, 10, budget=2).granted
+    assert _ask(store, keys, "w-b", now + 9000, 10, budget=2).granted  # the second slot
+    third = _ask(store, keys, "w-c", now + 5000, 10, budget=2)
     assert not third.granted and third.other in {"w-a", "w-b"}
-    assert not _ask(store, keys, "w-d", now + 100, 10, slots=2).granted
-    assert store.run(adm.release(keys, GPU, "w-a", 5000, slots=2))  # to w-d: the smallest margin
-    assert _ask(store, keys, "w-d", now + 100, 10, slots=2).granted
-    assert not _ask(store, keys, "w-c", now + 5000, 10, slots=2).granted
-    store.run(adm.mark_idle(keys, GPU, "w-b", 5000, slots=2))
-    assert _ask(store, keys, "w-c", now + 5000, 10, slots=2).granted
+    assert not _ask(store, keys, "w-d", now + 100, 10, budget=2).granted
+    assert store.run(adm.release(keys, GPU, "w-a", 5000, budget=2))  # to w-d: the smallest margin
+    assert _ask(store, keys, "w-d", now + 100, 10, budget=2).granted
+    assert not _ask(store, keys, "w-c", now + 5000, 10, budget=2).granted
+    store.run(adm.mark_idle(keys, GPU, "w-b", 5000, budget=2))
+    assert _ask(store, keys, "w-c", now + 5000, 10, budget=2).granted
     assert [g.worker for g in store.run(adm.grants(keys, GPU))] == ["w-a", "w-b", "w-d", "w-c"]
+
+
+def test_token_shares_run_prefills_at_once_and_the_first_misfit_stops_the_line(redis_server: str) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    now = _now_ms(store)
+    assert _ask(store, keys, "w-a", now + 9000, 10, budget=1000, tokens=600).granted
+    assert _ask(store, keys, "w-b", now + 9000, 10, budget=1000, tokens=300).granted  # 900 of 1000 held
+    tight = _ask(store, keys, "w-c", now + 100, 10, budget=1000, tokens=500)
+    assert not tight.granted and tight.other in {"w-a", "w-b"}
+    small = _ask(store, keys, "w-d", now + 8000, 10, budget=1000, tokens=50)  # fits, but w-c is ahead
+    assert not small.granted
+    step_end = time.time() * 1000
+    assert store.run(adm.release(keys, GPU, "w-a", 5000, budget=1000, prefilled=2, step_end_ms=step_end))
+    # 600 freed: w-c (500) and then w-d (50) fit beside w-b's 300, in margin order
+    assert store.client.lrange(keys.gpu_wake(GPU, "w-c"), 0, -1) == ["1"]
+    assert store.client.lrange(keys.gpu_wake(GPU, "w-d"), 0, -1) == ["1"]
+    assert _ask(store, keys, "w-c", now + 100, 10, budget=1000, tokens=500).granted
+    assert _ask(store, keys, "w-d", now + 8000, 10, budget=1000, tokens=50).granted
+    assert not _ask(store, keys, "w-e", now, 10, budget=1000, tokens=200).granted  # 850 + 200 > 1000
+    grants = store.run(adm.grants(keys, GPU))
+    assert [(g.worker, g.tokens, g.used) for g in grants] == [
+        ("w-a", 600, 600), ("w-b", 300, 900), ("w-c", 500, 800), ("w-d", 50, 850),
+    ]  # fmt: skip
+    assert grants[2].waited_ms >= 0 and grants[2].runner_up_ms is not None
+    assert grants[2].margin_ms < grants[2].runner_up_ms
+    (rel,) = store.run(adm.releases(keys, GPU))
+    assert (rel.worker, rel.prefilled) == ("w-a", 2)
+    assert rel.held_ms >= 0 and rel.late_ms is not None and 0 <= rel.late_ms < 1000
+
+
+def test_a_share_larger_than_the_budget_runs_alone(redis_server: str) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    now = _now_ms(store)
+    assert _ask(store, keys, "w-big", now + 100, 10, budget=512, tokens=4000).granted  # nothing held
+    assert not _ask(store, keys, "w-small", now + 9000, 10, budget=512, tokens=1).granted
+    assert store.run(adm.release(keys, GPU, "w-big", 5000, budget=512))
+    assert _ask(store, keys, "w-small", now + 9000, 10, budget=512, tokens=1).granted
+    assert not _ask(store, keys, "w-big", now + 100, 10, budget=512, tokens=4000).granted  # 1 is held
+
+
+sized = st.tuples(st.integers(-500, 5000), st.integers(0, 400), st.integers(1, 1500))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(waiters=st.lists(sized, min_size=1, max_size=6), active=st.integers(0, 3), budget=st.integers(1, 2048))
+def test_the_script_admits_as_the_policy_does(
+    redis_server: str, waiters: list[tuple[int, int, int]], active: int, budget: int
+) -> None:
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    for i in range(active):
+        store.run(adm.mark_active(keys, GPU, f"busy-{i}", 60_000))
+    assert _ask(store, keys, "holder", 0, 0, budget=budget, tokens=budget).granted  # all of it
+    now = _now_ms(store)
+    ws = [slo.Waiter(f"w-{i}", now + slack, float(t), tok) for i, (slack, t, tok) in enumerate(waiters)]
+    for w in ws:
+        store.run(adm.mark_active(keys, GPU, w.worker, 60_000))  # all running: M is the same for each
+        assert not _ask(store, keys, w.worker, w.deadline_ms, w.t_ms, budget=budget, tokens=w.tokens).granted
+    store.run(adm.mark_idle(keys, GPU, "holder", 60_000, budget=budget))  # hands the budget on
+    expected = [w.worker for w in slo.admit(ws, now, active + len(ws), used_tokens=0, budget_tokens=budget)]
+    assert expected  # the first in line always gets it
+    granted = [
+        w.worker
+        for w in ws
+        if _ask(store, keys, w.worker, w.deadline_ms, w.t_ms, budget=budget, tokens=w.tokens).granted
+    ]
+    assert sorted(granted) == sorted(expected)

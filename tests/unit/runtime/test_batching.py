@@ -87,7 +87,7 @@ def test_admission_needs_a_device_id_and_the_switch() -> None:
     assert not _batching(gpu="").gated(Engine())
     assert not _batching(gpu_admission=False).gated(Engine())
     assert not _batching().gated(object())  # an engine that cannot hold its prefills back
-    assert _batching(gpu_admission=False).allow_prefill(Engine(), None) is True  # asks nothing
+    assert _batching(gpu_admission=False).allow_prefill(Engine(), {}) is True  # asks nothing
 
 
 def test_the_switch_reaches_the_serving_loop(monkeypatch: pytest.MonkeyPatch) -> None:
