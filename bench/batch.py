@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import sys
@@ -27,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lorafn.replay import trace  # noqa: E402
-from lorafn.replay.driver import DriveOptions, Target, drive  # noqa: E402
 from lorafn.replay.platform import ManagedPlatform, new_keys, prepare_adapters, prepare_model  # noqa: E402
 from lorafn.replay.stats import percentiles  # noqa: E402
 
@@ -118,33 +118,73 @@ async def run_online(
 
 
 class Other:
-    """Steady online traffic on another function while a phase runs; its TTFTs per phase."""
+    """Steady online traffic (Poisson arrivals at `rps`) on another function while a phase runs, in a
+    thread with its own event loop; the TTFT (first streamed text) of each request it sent."""
 
-    def __init__(self, target: Target, fn: str, rps: float, prompts: list[str]) -> None:
-        self.target, self.fn, self.rps, self.prompts = target, fn, rps, prompts
+    def __init__(self, url: str, key: str, fn: str, rps: float, prompts: list[str], max_tokens: int) -> None:
+        self.url, self.key, self.fn, self.rps, self.prompts, self.max_tokens = (
+            url,
+            key,
+            fn,
+            rps,
+            prompts,
+            max_tokens,
+        )
+        self.stop = threading.Event()
+        self.ttfts: list[float] = []
+        self.errors = 0
+        self.thread: threading.Thread | None = None
 
-    def during(self, seconds_hint: float) -> tuple[threading.Thread, dict[str, Any]]:
-        n = max(1, int(self.rps * seconds_hint))
-        plan = [
-            trace.PlannedRequest(i, i / self.rps, self.fn, self.prompts[i % len(self.prompts)], 64, 16)
-            for i in range(n)
-        ]
-        out: dict[str, Any] = {}
+    async def _one(self, client: Any, prompt: str) -> None:
+        start = time.perf_counter()
+        body = {
+            "model": self.fn,
+            "prompt": prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    self.errors += 1
+                    return
+                first = True
+                async for line in r.aiter_lines():  # read to the end: the answer is not cancelled
+                    if first and line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
+                        self.ttfts.append((time.perf_counter() - start) * 1000)
+                        first = False
+        except Exception:
+            self.errors += 1
 
-        def go() -> None:
-            done = asyncio.run(
-                drive(plan, self.target, DriveOptions(request_timeout_s=300, drain_timeout_s=300))
-            )
-            ok = [r for r in done.results if r.ok]
-            out.update(
-                percentiles(r.ttft_ms for r in ok),
-                requests=len(done.results),
-                errors=len(done.results) - len(ok),
-            )
+    async def _loop(self) -> None:
+        import random
 
-        t = threading.Thread(target=go, daemon=True)
-        t.start()
-        return t, out
+        import httpx
+
+        rng = random.Random(0)
+        tasks: list[asyncio.Task[None]] = []
+        headers = {"Authorization": f"Bearer {self.key}"}
+        async with httpx.AsyncClient(base_url=self.url, headers=headers, timeout=600) as client:
+            i = 0
+            while not self.stop.is_set():
+                tasks.append(asyncio.create_task(self._one(client, self.prompts[i % len(self.prompts)])))
+                i += 1
+                await asyncio.sleep(rng.expovariate(self.rps))
+            await asyncio.gather(*tasks)
+
+    def __enter__(self) -> Other:
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._loop()), daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        assert self.thread is not None
+        self.thread.join(timeout=600)
+
+    def figures(self) -> dict[str, Any]:
+        return {**percentiles(self.ttfts), "requests": len(self.ttfts) + self.errors, "errors": self.errors}
 
 
 def main() -> int:
@@ -157,6 +197,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=48, help="online phase: requests in flight")
     ap.add_argument("--other-rps", type=float, default=0.0, help="online traffic on a second function")
+    ap.add_argument(
+        "--baseline-s", type=float, default=20.0, help="the other function alone first, this long"
+    )
+    ap.add_argument("--order", default="online,batch", choices=["online,batch", "batch,online"])
     ap.add_argument("--data-dir", default=str(DATA))
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--workdir", default=None)
@@ -187,23 +231,32 @@ def main() -> int:
         state = platform.start(timeout_s=args.start_timeout_s)
         platform.apply(manifest(model_dir, args.dtype, functions, adapters, keys))
         platform.settle(functions, 1, want_standby=False, shared=True, timeout_s=args.start_timeout_s)
-        target = Target(state.gateway_url, keys, state.redis_url, state.key_prefix)
         fn, key = functions[0], keys[functions[0]]
         asyncio.run(run_online(state.gateway_url, key, fn, prompts[:4], 8, 4))  # warm-up
-        other = Other(target, functions[1], args.other_rps, prompts) if args.other_rps > 0 else None
-        for phase in ("online", "batch"):
-            hint = rows["online"]["makespan_s"] if rows else 60.0
-            thread, ttft = other.during(hint) if other else (None, {})
+        other_fn = functions[1] if args.other_rps > 0 else None
+        if other_fn is not None:
+            asyncio.run(run_online(state.gateway_url, keys[other_fn], other_fn, prompts[:2], 8, 2))
+
+        def other() -> Any:
+            if other_fn is None:
+                return contextlib.nullcontext(None)
+            return Other(state.gateway_url, keys[other_fn], other_fn, args.other_rps, prompts, 16)
+
+        if other_fn is not None:  # the other function alone: its TTFT without any load of ours
+            with other() as o:
+                time.sleep(args.baseline_s)
+            rows["quiet"] = {"other_ttft_ms": o.figures()}
+        for phase in args.order.split(","):
             print(f"{phase}: {len(prompts)} prompts ...", flush=True)
-            if phase == "batch":
-                rows[phase] = run_batch(state.gateway_url, key, fn, prompts, args.max_tokens)
-            else:
-                rows[phase] = asyncio.run(
-                    run_online(state.gateway_url, key, fn, prompts, args.max_tokens, args.concurrency)
-                )
-            if thread is not None:
-                thread.join(timeout=600)
-                rows[phase]["other_ttft_ms"] = ttft
+            with other() as o:
+                if phase == "batch":
+                    rows[phase] = run_batch(state.gateway_url, key, fn, prompts, args.max_tokens)
+                else:
+                    rows[phase] = asyncio.run(
+                        run_online(state.gateway_url, key, fn, prompts, args.max_tokens, args.concurrency)
+                    )
+            if o is not None:
+                rows[phase]["other_ttft_ms"] = o.figures()
     finally:
         platform.stop()
     print(
@@ -211,6 +264,12 @@ def main() -> int:
     )
     for phase, r in rows.items():
         o = r.get("other_ttft_ms") or {}
+        if phase == "quiet":
+            print(
+                f"{'quiet':10} {'-':>11} {'-':>8} {'-':>8} {'-':>7} "
+                f"{o.get('p50') or 0:>12.0f}/{o.get('p99') or 0:.0f}"
+            )
+            continue
         other_s = f"{o.get('p50') or 0:.0f}/{o.get('p99') or 0:.0f}" if o else "-"
         print(f"{phase:10} {r['makespan_s']:11.2f} {r['completed'] / r['makespan_s']:8.2f} "
               f"{r['completion_tokens'] / r['makespan_s']:8.1f} {r['failed']:7d} {other_s:>22}")  # fmt: skip

@@ -41,12 +41,14 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # the batch runner (docs/batch.md): active in one gateway of the deployment (a Redis lease)
-        runner = asyncio.create_task(BatchRunner(gw).run()) if settings.batch_runner else None
+        batch_runner = BatchRunner(gw)
+        runner = asyncio.create_task(batch_runner.run()) if settings.batch_runner else None
         yield
         if runner is not None:
             runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await runner
+            await batch_runner.release()
         await gw.store.close()
         await gw.health.close()
 

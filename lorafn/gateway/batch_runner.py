@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -152,6 +153,14 @@ class BatchRunner:
             except Exception:
                 log.exception("batch runner: tick failed")
                 await asyncio.sleep(1.0)
+
+    async def release(self) -> None:
+        """On shutdown: hand the lease over at once (what is in flight is in Redis; the next runner reads
+        the same reply streams)."""
+        if self.leader:
+            with contextlib.suppress(*UNAVAILABLE_ERRORS):
+                await self.gw.store.run(bs.release_runner_lease(self.keys, self.holder))
+            self.leader = False
 
     async def tick(self) -> None:
         s = self.settings

@@ -138,6 +138,17 @@ def acquire_runner_lease(keys: Keys, holder: str, ttl_ms: int) -> Op[bool]:
     )
 
 
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def release_runner_lease(keys: Keys, holder: str) -> Op[bool]:
+    """Give the lease up (a gateway that stops): another replica's runner takes over at its next tick."""
+    return Op(lambda pipe: pipe.eval(_RELEASE, 1, keys.batch_runner_lease(), holder), lambda r: bool(r[0]))
+
+
 def active_batch_ids(keys: Keys) -> Op[list[str]]:
     return Op(lambda pipe: pipe.smembers(keys.active_batches()), lambda r: sorted(r[0] or ()))
 

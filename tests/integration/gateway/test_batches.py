@@ -357,3 +357,31 @@ def test_no_worker_records_cold_start_demand_and_the_cli_waits_for_the_batch(env
         assert 'lorafn_batch_requests_total{outcome="completed"} 12.0' in metrics
         nokey = runner.invoke(app, ["batch", "get", batch_id, "--url", url, "--api-key", "sk-wrong-0000"])
         assert nokey.exit_code == 2 and "401" in nokey.output
+
+
+def test_a_new_runner_takes_over_a_batch_mid_way_and_writes_each_custom_id_once(env) -> None:
+    """The gateway running the batch runner stops mid-batch (its lease is handed over); another gateway's
+    runner rebuilds the state from Redis and the file store, reads the in-flight requests' reply streams
+    again, and the output still has every custom_id exactly once."""
+    redis_url, prefix, store, keys, tmp = env
+    n = 40
+    lines = [line(f"t{i}", {"model": FN, "prompt": f"take over {i}", "max_tokens": 6}) for i in range(n)]
+    opts = {"files_dir": tmp / "files", "batch_tick_s": 0.05, "batch_max_inflight_per_worker": 8}
+    with worker_thread(redis_url, prefix, FN, engine=RecordingEngine(step_s=0.03)) as _w:
+        with gateway(redis_url, prefix, **opts) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            batch_id = client.batches.create(
+                input_file_id=upload(client, lines), endpoint="/v1/completions", completion_window="24h"
+            ).id
+            deadline = time.monotonic() + 60
+            while client.batches.retrieve(batch_id).request_counts.completed < 5:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        # the first gateway is gone with requests in flight (they keep running on the worker)
+        assert store.run(bs.progress(keys, batch_id))[2], "nothing was in flight at the hand-over"
+        with gateway(redis_url, prefix, **opts) as url2:
+            client2 = openai.OpenAI(base_url=f"{url2}/v1", api_key=KEY, max_retries=0)
+            done = wait_final(client2, batch_id)
+            ids = [o["custom_id"] for o in jsonl(client2, done.output_file_id)]
+    assert done.status == "completed" and done.request_counts.completed == n
+    assert ids == [f"t{i}" for i in range(n)]
