@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -114,6 +115,8 @@ def run_one(
     slos: dict[str, int],
 ) -> dict[str, Any]:
     workdir = Path(args.workdir) / ("on" if admission else "off")
+    if workdir.exists():  # a repeat: a fresh platform each time
+        shutil.rmtree(workdir)
     settings = {"device": args.device, "devices": 1, "gpu_admission": admission, "warm_pool": False}
     if args.device_memory_mib:
         settings["device_memory_mib"] = args.device_memory_mib
@@ -144,17 +147,26 @@ def run_one(
         pending = sum(len(platform.store.run(streams.pending(platform.keys, fn, 0))) for fn in functions)
     finally:
         platform.stop()
-    results = done.results
-    per_fn = {
-        fn: figures([r for r in results if r.function == fn], slos[fn], done.duration_s) for fn in functions
-    }
-    overall = figures(results, {fn: float(s) for fn, s in slos.items()}, done.duration_s)
+    return {"results": done.results, "duration_s": done.duration_s, "grants": grants, "releases": releases,
+            "pending": pending}  # fmt: skip
+
+
+def summarize(
+    admission: bool, parts: list[dict[str, Any]], functions: list[str], slos: dict[str, int]
+) -> dict[str, Any]:
+    """The figures of one mode over its repeats (requests pooled, durations added)."""
+    results = [r for p in parts for r in p["results"]]
+    duration = sum(p["duration_s"] for p in parts)
+    grants = [g for p in parts for g in p["grants"]]
+    releases = [r for p in parts for r in p["releases"]]
+    per_fn = {fn: figures([r for r in results if r.function == fn], slos[fn], duration) for fn in functions}
+    overall = figures(results, {fn: float(s) for fn, s in slos.items()}, duration)
     contested = [g for g in grants if g.waiters > 1]
     return {
-        "admission": admission, "overall": overall, "functions": per_fn, "duration_s": done.duration_s,
-        "grants": len(grants), "contested_grants": len(contested), "slot": slot_figures(grants, releases),
-        "unanswered": sum(not r.ok for r in results), "pending_entries": pending,
-        "results": [r.to_json() for r in results],
+        "admission": admission, "overall": overall, "functions": per_fn, "duration_s": duration,
+        "repeats": len(parts), "grants": len(grants), "contested_grants": len(contested),
+        "slot": slot_figures(grants, releases), "unanswered": sum(not r.ok for r in results),
+        "pending_entries": sum(p["pending"] for p in parts), "results": [r.to_json() for r in results],
     }  # fmt: skip
 
 
@@ -241,6 +253,7 @@ def main() -> int:
         help="the device's prefill budget in prompt tokens (admission on; default: the workers' 2048)",
     )  # fmt: skip
     ap.add_argument("--warmup-rounds", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=1, help="replays per mode, alternating on/off, off/on")
     ap.add_argument("--device-memory-mib", type=int, default=None)
     ap.add_argument("--kv-mib", type=int, default=None, help="spec.resources.kvCacheMiB of every function")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
@@ -277,10 +290,15 @@ def main() -> int:
 
     runs: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
-    for name, admission in (("on", True), ("off", False)):
-        runs[name] = run_one(args, admission, model_dir, adapters, plan, functions, slos)
+    parts: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    for i in range(args.repeat):  # on, off, off, on, ...: a drift in the machine's load hits both alike
+        for name in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            parts[name].append(run_one(args, name == "on", model_dir, adapters, plan, functions, slos))
+    for name in ("on", "off"):
+        runs[name] = summarize(name == "on", parts[name], functions, slos)
     render(runs, functions, slos)
-    print(f"\n(both runs in {time.perf_counter() - t0:.0f} s; model {model_dir}, device {args.device})")
+    elapsed = time.perf_counter() - t0
+    print(f"\n({2 * args.repeat} runs in {elapsed:.0f} s; model {model_dir}, device {args.device})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "slos": slos, "runs": runs}, indent=1))

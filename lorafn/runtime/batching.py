@@ -58,7 +58,7 @@ class BatchingConfig:
     active_ttl_ms: float = 2000.0  # a worker that stopped marking itself active leaves M after this
     publish_every: int = 32  # store the fit every this many measured steps of a kind
     warmup_steps: int = 2  # first steps of each kind are not measured (kernels load, caches fill)
-    blocked_recheck_ms: float = 250.0  # a worker that could not prefill asks again after this at the latest
+    blocked_recheck_ms: float = 2000.0  # a worker that could not prefill asks again after this at the latest
 
     def __post_init__(self) -> None:
         if (

@@ -111,3 +111,51 @@ def test_lorafn_up_passes_its_switch_to_workers(tmp_path: Path, on: bool) -> Non
 
     platform = LocalPlatform(LocalConfig(state_dir=tmp_path, device="cpu", gpu_admission=on))
     assert platform.executor.worker_extra_env["LORAFN_GPU_ADMISSION"] == ("true" if on else "false")
+
+
+class _Out:
+    def __init__(self, n: int) -> None:
+        self.prompt_token_ids = list(range(n))
+
+
+class _Engine:
+    """What `Batching` reads of an engine: pending prefills, prompts, the step's token budget."""
+
+    class config:  # the engine's attribute (EngineConfig)
+        max_num_batched_tokens = 512
+
+    def __init__(self, prompts: dict[str, int]) -> None:
+        self.prompts = prompts
+        self.num_pending_prefills = len(prompts)
+
+    def get_output(self, rid: str) -> _Out | None:
+        return _Out(self.prompts[rid]) if rid in self.prompts else None
+
+
+def test_a_step_asks_for_its_prompt_tokens_within_the_step_budget() -> None:
+    b = _batching()
+    assert b.prefill_tokens(_Engine({"a": 100, "b": 50}), ["a", "b"]) == 150
+    assert b.prefill_tokens(_Engine({"a": 400, "b": 300}), ["a", "b"]) == 512  # one step's worth at most
+    assert b.prefill_tokens(_Engine({}), ["gone"]) == 1
+    assert b.prefill_tokens(object(), ["a"]) == b.config.prefill_tokens  # unknown: the whole budget
+
+
+def test_a_granted_step_that_prefilled_nothing_stops_the_asking_until_a_request_ends() -> None:
+    clock = Clock()
+    b = _batching(clock, blocked_recheck_ms=2000.0)  # no store: an ask would fail on None
+    engine = _Engine({"w": 300})
+    b._holds_slot = True  # the share was granted for this step
+    b.after_step((0, 2), 10.0, {"r1", "r2", "w"})  # two decodes ran, the waiting one could not start
+    assert len(b.pipeline_ops(busy=True)) >= 1  # the release (and the active mark)
+    waiting = {"w": time.time() * 1000}
+    for _ in range(5):  # decode steps: not one ask
+        assert b.allow_prefill(engine, waiting, {"r1", "r2", "w"}) is False
+    with pytest.raises(AttributeError):  # r1 ended: it asks again (here: no store to ask)
+        b.allow_prefill(engine, waiting, {"r2", "w"})
+    b._blocked, b._blocked_at = frozenset({"r1", "r2", "w"}), clock.t
+    clock.t += 2.5  # the recheck: it asks again even though nothing ended
+    with pytest.raises(AttributeError):
+        b.allow_prefill(engine, waiting, {"r1", "r2", "w"})
+    b._blocked, b._blocked_at = frozenset({"w"}), clock.t
+    with pytest.raises(AttributeError):  # nothing to decode: it must ask (nothing else would free it)
+        b.allow_prefill(engine, waiting, {"w"})
