@@ -199,6 +199,27 @@ async def create_file(request: Request) -> dict[str, Any]:
     return _file_object({**rec, "id": file_id, "function": owner})  # type: ignore[dict-item]
 
 
+@router.get("/v1/files", summary="This key's function's files, newest first")
+async def list_files(request: Request, limit: int = 100) -> dict[str, Any]:
+    gw = gateway_of(request)
+    owner = await _owner(gw, request)
+    if not 1 <= limit <= 10_000:
+        raise bad_request(f"limit: must be in [1, 10000] (got {limit})", "limit")
+    ids = await gw.store.run(bs.list_file_ids(gw.keys, owner, limit))
+    recs = [await gw.store.run(bs.get_file(gw.keys, i)) for i in ids]
+    return {"object": "list", "data": [_file_object(r) for r in recs if r], "has_more": False}
+
+
+@router.delete("/v1/files/{file_id}", summary="Delete a file (its record and its content)")
+async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
+    gw = gateway_of(request)
+    owner = await _owner(gw, request)
+    rec = await _owned_file(gw, owner, file_id)
+    await gw.store.run(bs.delete_file(gw.keys, owner, file_id))
+    await asyncio.to_thread(file_store(gw).delete, rec["path"])
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
 @router.get("/v1/files/{file_id}", summary="A file's object")
 async def retrieve_file(file_id: str, request: Request) -> dict[str, Any]:
     gw = gateway_of(request)

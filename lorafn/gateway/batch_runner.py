@@ -82,6 +82,7 @@ class Flight:
     rid: str
     attempt: int
     size: int  # predicted KV tokens
+    entry_id: str | None = None  # its request-stream entry (deleted on cancel, if no worker read it yet)
     cursor: str = "0"
     text: str = ""
     submitted: float = field(default_factory=time.monotonic)
@@ -195,9 +196,18 @@ class BatchRunner:
         order: list[str] = []
         try:
             text = await asyncio.to_thread(self.files.read, rec.get("requests_path", ""))
-        except OSError:
-            text = b""
+        except OSError as e:
+            # the file store lost them (an emptyDir of another pod, a deleted directory): the batch fails
             log.error("batch %s: its prepared requests %s are unreadable", batch_id, rec.get("requests_path"))
+            why = [{"code": "requests_unreadable", "message": f"the prepared requests are unreadable: {e}"}]
+            now = int(time.time())
+            await self.gw.store.run(
+                bs.finish_batch(
+                    self.keys, batch_id, {"status": bs.FAILED, "failed_at": now, "errors": json.dumps(why)}
+                )
+            )
+            self.metrics.finished.labels(bs.FAILED).inc()
+            return
         for raw in text.decode().splitlines():
             obj = json.loads(raw)
             p = Prepared(
@@ -225,6 +235,8 @@ class BatchRunner:
 
     def _forget(self, batch_id: str) -> None:
         self.states.pop(batch_id, None)
+        for key in [k for k in self._attempts if k[0] == batch_id]:
+            del self._attempts[key]
         for rid in [r for r, f in self.flights.items() if f.batch_id == batch_id]:
             del self.flights[rid]
 
@@ -401,7 +413,9 @@ class BatchRunner:
                 rid = f"b{secrets.token_hex(12)}"
                 batch.append((it.key, rid, state.requests[it.key].body, attempt))
                 self.flights[rid] = Flight(batch_id, it.key, rid, attempt, sizes[it.key])
-            await self.gw.store.run(bs.submit(self.keys, function, batch_id, batch))
+            entry_ids = await self.gw.store.run(bs.submit(self.keys, function, batch_id, batch))
+            for (_c, rid, _b, _a), entry_id in zip(batch, entry_ids, strict=False):
+                self.flights[rid].entry_id = entry_id
             slots -= len(wave)
             if free_tokens is not None:
                 free_tokens -= sum(sizes[it.key] for it in wave)
@@ -416,7 +430,7 @@ class BatchRunner:
             else ("batch_expired", "the batch's completion window ended before this request ran")
         )
         for flight in [f for f in self.flights.values() if f.batch_id == batch_id]:
-            await self.gw.store.run(cancel_request(self.keys, function, flight.rid, None))
+            await self.gw.store.run(cancel_request(self.keys, function, flight.rid, flight.entry_id))
             del self.flights[flight.rid]
             state.pending.append(flight.custom_id)
         for custom_id in state.pending:
