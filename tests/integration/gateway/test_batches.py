@@ -385,3 +385,43 @@ def test_a_new_runner_takes_over_a_batch_mid_way_and_writes_each_custom_id_once(
             ids = [o["custom_id"] for o in jsonl(client2, done.output_file_id)]
     assert done.status == "completed" and done.request_counts.completed == n
     assert ids == [f"t{i}" for i in range(n)]
+
+
+class _FailingEngine(RecordingEngine):
+    """Its engine step fails once some requests run: the worker ends them with `engine_error` and exits."""
+
+    def step(self):  # type: ignore[no-untyped-def]
+        if len(self.added) >= 3:
+            raise RuntimeError("injected engine failure")
+        return super().step()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected failure
+def test_requests_of_a_failed_engine_are_resubmitted_and_written_once(env) -> None:
+    """The worker's engine fails with batch requests running (`engine_error`, the worker exits): the runner
+    resubmits them under new request ids; another worker answers each once."""
+    redis_url, prefix, _store, _keys, tmp = env
+    failing, healthy = _FailingEngine(step_s=0.02), RecordingEngine(step_s=0.02)
+    n = 12
+    lines = [line(f"f{i}", {"model": FN, "prompt": f"retry {i}", "max_tokens": 4}) for i in range(n)]
+    with gateway(redis_url, prefix, files_dir=tmp / "files", batch_tick_s=0.05) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        with worker_thread(redis_url, prefix, FN, engine=failing):
+            batch_id = client.batches.create(
+                input_file_id=upload(client, lines), endpoint="/v1/completions", completion_window="24h"
+            ).id
+            deadline = time.monotonic() + 30
+            while len(failing.added) < 3:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.3)  # the failed step's engine_error events reach the runner
+        with worker_thread(redis_url, prefix, FN, engine=healthy):
+            done = wait_final(client, batch_id)
+        ids = [o["custom_id"] for o in jsonl(client, done.output_file_id)]
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (
+        n,
+        0,
+    )
+    assert sorted(ids) == sorted(f"f{i}" for i in range(n))
+    retried = set(failing.added)  # request ids the failed engine held: none of them answered
+    assert retried and len(healthy.added) == n and not retried & set(healthy.added)
