@@ -101,7 +101,7 @@ async def run_online(
 ) -> dict[str, Any]:
     import httpx
 
-    sem = asyncio.Semaphore(concurrency)
+    sem = asyncio.Semaphore(concurrency or len(prompts))  # 0: every prompt at once
     tokens, failed = 0, 0
     async with httpx.AsyncClient(
         base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600
@@ -203,7 +203,12 @@ def main() -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--limit", type=int, default=None, help="the first N GSM8K prompts (CPU: a subset)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=48, help="online phase: requests in flight")
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=48,
+        help="online phase: requests in flight (0: all at once); also the runner's in-flight cap per worker",
+    )
     ap.add_argument("--other-rps", type=float, default=0.0, help="online traffic on a second function")
     ap.add_argument(
         "--baseline-s", type=float, default=20.0, help="the other function alone first, this long"
@@ -234,7 +239,7 @@ def main() -> int:
     env = {
         "LORAFN_RATE_LIMIT_RPS": "0",
         "LORAFN_MAX_QUEUE": "0",
-        "LORAFN_BATCH_MAX_INFLIGHT_PER_WORKER": str(args.concurrency),
+        "LORAFN_BATCH_MAX_INFLIGHT_PER_WORKER": str(args.concurrency or 48),
     }
     platform = ManagedPlatform(work / "platform", settings, env=env)
     rows: dict[str, Any] = {}
@@ -246,7 +251,7 @@ def main() -> int:
         # warm-up: both paths once, at full concurrency (the first seconds of a worker are slower: its
         # latency profile, allocator and thread pools settle; the first phase must not pay for them)
         warm = prompts[: max(4, min(len(prompts), args.warmup))]
-        asyncio.run(run_online(state.gateway_url, key, fn, warm, args.max_tokens, args.concurrency))
+        asyncio.run(run_online(state.gateway_url, key, fn, warm, args.max_tokens, args.concurrency or 48))
         run_batch(state.gateway_url, key, fn, warm, args.max_tokens)
         other_fn = functions[1] if args.other_rps > 0 else None
         if other_fn is not None:
