@@ -14,8 +14,11 @@ It imports no Kubernetes client (only `lorafn.operator` does); everything goes t
   operator stops counting it at once and deletes no other pod to meet the lower count.
 - `starting()`: per count, desired minus the live workers of those pods (heartbeats; retiring ones left
   out), as placeholders the policy counts as starting.
-- `exits()`: always empty for now: a pod that failed is not reported (the operator replaces it; a
-  worker that cannot start reports `start_failed`/`bind_failed` on the lifecycle stream itself).
+- `exits()`: the worker containers that terminated with a non-zero code (or pods that failed without one),
+  as the operator reads them from the pods' phases and container statuses and reports them on the lifecycle
+  stream (`control.PodExit`; every reconcile reports what it sees, so each termination is counted once
+  here): a worker pod of a function that never served counts as a failed start of it (the driver backs
+  off further starts and names the reason in the status), as a dead child process does in `lorafn up`.
 
 Which count a worker belongs to: a pool (standby) pod's process heartbeats `standby` before anything
 can bind it, so every worker ever seen as standby is remembered as a pool worker (`<p>:pool_workers`,
@@ -98,6 +101,8 @@ class KubernetesExecutor:
         self._placeholders: dict[str, CountKey] = {}  # ids given to pods asked before this controller
         self._gpu_ids: set[str] = set()
         self._resident: dict[str, set[str]] = {}  # GPU id -> backbones loaded there
+        self._exits_cursor: str | None = None  # lifecycle events read for pod exits (None: from now on)
+        self._exits_seen: set[tuple[str, str]] = set()  # (pod, termination) already returned
 
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator]
@@ -316,5 +321,20 @@ class KubernetesExecutor:
         return pool
 
     def exits(self) -> list[Exit]:
-        """Not reported on Kubernetes yet (see the module docstring)."""
-        return []
+        """Worker pods whose container terminated since the last call (see the module docstring)."""
+        if self._exits_cursor is None:  # a restarted controller does not count old exits again
+            self._exits_cursor = self.store.run(control.last_event_id(self.keys))
+            return []
+        out = []
+        for entry_id, event in self.store.run(control.read_events(self.keys, self._exits_cursor)):
+            self._exits_cursor = entry_id
+            if event.get("kind") != control.POD_EXITED:
+                continue
+            pod = control.PodExit.from_event(event)
+            if not pod.worker_id or (pod.worker_id, pod.marker) in self._exits_seen:
+                continue
+            if len(self._exits_seen) > 100_000:  # bounded: an operator restart re-reports at most its pods
+                self._exits_seen.clear()
+            self._exits_seen.add((pod.worker_id, pod.marker))
+            out.append(Exit(pod.worker_id, pod.function or None, pod.code, pod.reason))
+        return out

@@ -133,6 +133,7 @@ def reconcile(
     if not slots:
         desired = 0
     existing = _fn_pods(k8s, config, ref)
+    reg.report_pod_exits(reducers.pod_exits(existing, str(ref)))  # failed starts: the controller backs off
     # Pods the controller stopped drain and end by themselves: not counted, and no other pod goes for them.
     retiring = reg.retiring()
     plan = reducers.plan_counted_pods(

@@ -14,6 +14,7 @@ from lorafn.operator.builders import (
     GPUSlot,
     SlotProblem,
 )
+from lorafn.store.control import PodExit
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 
@@ -57,6 +58,34 @@ def pod_ready(pod: dict[str, Any]) -> bool:
 def pod_finished(pod: dict[str, Any]) -> bool:
     """A pod that will not run again (restartPolicy Never): it is replaced, not waited for."""
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def pod_exits(pods: list[dict[str, Any]], function: str) -> list[PodExit]:
+    """Worker containers that terminated with a non-zero code (now or before their last restart), and pods
+    that failed without one (evicted): what the controller counts as failed starts (controller's
+    `KubernetesExecutor.exits`)."""
+    out = []
+    for pod in pods:
+        name = (pod.get("metadata") or {}).get("name") or ""
+        status = pod.get("status") or {}
+        seen = False
+        for cs in status.get("containerStatuses") or []:
+            for when in ("state", "lastState"):
+                term = (cs.get(when) or {}).get("terminated")
+                if not term:
+                    continue
+                seen = True
+                code = term.get("exitCode")
+                if isinstance(code, int) and code != 0:
+                    restarts = int(cs.get("restartCount") or 0) - (1 if when == "lastState" else 0)
+                    reason = term.get("reason") or "Error"
+                    if term.get("message"):
+                        reason += f": {str(term['message'])[:300]}"
+                    marker = f"{cs.get('name', '')}/{restarts}/{term.get('finishedAt') or ''}"
+                    out.append(PodExit(name, function, code, reason, marker))
+        if not seen and status.get("phase") == "Failed":
+            out.append(PodExit(name, function, None, status.get("reason") or "Failed", "pod"))
+    return out
 
 
 def pod_deleting(pod: dict[str, Any]) -> bool:

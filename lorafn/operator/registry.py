@@ -54,6 +54,7 @@ class Registry:
     def __init__(self, url: str, prefix: str = "lorafn") -> None:
         self.store = Store(url, socket_timeout_s=5.0)
         self.keys = Keys(prefix)
+        self._reported_exits: set[tuple[str, str]] = set()  # (pod, termination) told to the controller
 
     def close(self) -> None:
         self.store.close()
@@ -141,6 +142,13 @@ class Registry:
 
     def now_ms(self) -> int:
         return self.store.run(server_time_ms())
+
+    def report_pod_exits(self, exits: list[control.PodExit]) -> None:
+        """Tell the controller about terminated worker containers, each once per operator process."""
+        for e in exits:
+            if (e.worker_id, e.marker) not in self._reported_exits:
+                self.store.run(control.report_pod_exit(self.keys, e))
+                self._reported_exits.add((e.worker_id, e.marker))
 
 
 @dataclass(frozen=True)

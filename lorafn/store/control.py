@@ -3,11 +3,14 @@
 - Lease (`<p>:controller:lease`): one active controller per deployment; the holder renews it, another
   takes over when it expires.
 - Lifecycle stream (`<p>:lifecycle`): workers report `bound` (a standby took a function: how long it
-  took and how) and `bind_failed`; the local supervisor reports `start_failed` (a process died before
-  serving). The controller turns them into function status and start-failure backoff.
+  took, how, and whether its adapter was pre-loaded) and `bind_failed`; the local supervisor reports
+  `start_failed` (a process died before serving); on Kubernetes the operator reports `pod_exited` (a worker
+  pod's container terminated with a non-zero code: `PodExit`), which the Kubernetes executor turns into
+  worker exits. The controller turns them into function status and start-failure backoff.
 - Function status (`<p>:fn:<f>:status`): `wait_reason` (why no worker serves it right now; the gateway
-  tells waiting clients), `last_cold_start_ms`, `last_cold_path` (standby | fresh), `start_failures`,
-  `last_failure`, `last_failure_at_ms`.
+  tells waiting clients), `last_cold_start_ms`, `last_cold_path` (standby | fresh),
+  `last_cold_preloaded` (1: the standby had pre-loaded the adapter), `start_failures`, `last_failure`,
+  `last_failure_at_ms`.
 - Pool (`<p>:pool`): the standby workers wanted per GPU, backbone and adapter shape (the operator
   creates standby pods from it; `lorafn status` shows it).
 - GPU inventory (`<p>:gpus`): GPU id -> {node, total_bytes, backbones: {name: bytes}}.
@@ -24,7 +27,7 @@ from lorafn.store.client import Op
 from lorafn.store.keys import GROUP, Keys
 from lorafn.store.streams import stream_entries
 
-BOUND, BIND_FAILED, START_FAILED = "bound", "bind_failed", "start_failed"
+BOUND, BIND_FAILED, START_FAILED, POD_EXITED = "bound", "bind_failed", "start_failed", "pod_exited"
 PATH_STANDBY, PATH_FRESH = "standby", "fresh"
 
 _RENEW = """
@@ -52,6 +55,39 @@ def post_event(keys: Keys, kind: str, **fields: Any) -> Op[str]:
     """Append a lifecycle event (kept to the last 10 000)."""
     body = {"kind": kind, **{k: str(v) for k, v in fields.items()}}
     return Op(lambda pipe: pipe.xadd(keys.lifecycle(), body, maxlen=10_000, approximate=True), lambda r: r[0])
+
+
+@dataclass(frozen=True)
+class PodExit:
+    """A worker pod's container that terminated (what the operator sees in the pod's status).
+
+    ``worker_id``: the pod's name (its worker runs under it); ``function``: the function of a worker pod
+    ("" for a pool pod); ``code``: the exit code (None: the pod failed without one, e.g. evicted);
+    ``marker``: which termination (restart count and finish time): the same one is reported at every
+    reconcile, and counted once."""
+
+    worker_id: str
+    function: str
+    code: int | None
+    reason: str
+    marker: str
+
+    def fields(self) -> dict[str, Any]:
+        code = "" if self.code is None else self.code
+        return {"worker": self.worker_id, "function": self.function, "code": code, "reason": self.reason,
+                "marker": self.marker}  # fmt: skip
+
+    @classmethod
+    def from_event(cls, event: dict[str, str]) -> PodExit:
+        raw = event.get("code", "")
+        code = int(raw) if raw.lstrip("-").isdigit() else None
+        return cls(event.get("worker", ""), event.get("function", ""), code, event.get("reason", ""),
+                   event.get("marker", ""))  # fmt: skip
+
+
+def report_pod_exit(keys: Keys, exit: PodExit) -> Op[str]:
+    """The operator's report of a terminated worker container (a `pod_exited` lifecycle event)."""
+    return post_event(keys, POD_EXITED, **exit.fields())
 
 
 def read_events(keys: Keys, last_id: str, count: int = 1000) -> Op[list[tuple[str, dict[str, str]]]]:

@@ -133,6 +133,33 @@ async def test_demand_leads_to_a_worker_pod_and_status_comes_back(
     assert args[args.index("--function") + 1] == "team-a/fr" and args[args.index("--gpu") + 1] == GPU_ID
     assert store.run(control.desired_replicas(keys, ["team-a/fr"]))["team-a/fr"] == 1
 
+    # The worker's container crashes before serving (the kubelet's view, as the pod's status shows it): the
+    # operator reports it, the controller counts a failed start of the function (its backoff) and says why.
+    crashed = {
+        "phase": "Running",
+        "containerStatuses": [
+            {
+                "name": "worker", "restartCount": 1, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {
+                    "terminated": {"exitCode": 3, "reason": "Error", "finishedAt": "2026-11-23T14:00:00Z"}
+                },
+            }
+        ],
+    }  # fmt: skip
+    await cluster.patch(
+        f"/api/v1/namespaces/{NAMESPACE}/pods/{workers[0]['metadata']['name']}", {"status": crashed}
+    )
+    failed = await wait_for(
+        lambda: _when(
+            asyncio.sleep(0, store.run(control.statuses(keys, ["team-a/fr"]))["team-a/fr"]),
+            lambda st: st.get("start_failures") == "1",
+        ),
+        what="the crash counted as a failed start",
+    )
+    assert "exited with code 3" in failed["last_failure"], failed
+    await asyncio.sleep(1.5)  # reported at every reconcile, counted once
+    assert store.run(control.statuses(keys, ["team-a/fr"]))["team-a/fr"]["start_failures"] == "1"
+
     # A function that fits no GPU waits, and its status says why.
     admit(store, keys, "team-a/huge", "r2")
     huge = await wait_for(

@@ -211,3 +211,24 @@ def test_pool_counts_per_shape_within_warm_pool_bounds(world: Any) -> None:
     for _ in range(5):
         store.run(control.add_desired_standby(keys, "tiny", GPU_B, "q_proj:8", -1, 1, 3))
     assert store.run(control.desired_standby(keys, "tiny"))[(GPU_B, "q_proj:8")] == 0
+
+
+def test_exits_are_the_pod_terminations_the_operator_reports_each_counted_once(world: Any) -> None:
+    from lorafn.controller.driver import Exit
+
+    store, keys, executor, _clock = world
+    old = control.PodExit("fn-old-0", FN, 1, "Error", "worker/0/t0")
+    store.run(control.report_pod_exit(keys, old))
+    assert executor.exits() == []  # the first call starts from now: a restarted controller skips history
+    crash = control.PodExit("fn-french-0", FN, 137, "OOMKilled", "worker/0/t1")
+    evicted = control.PodExit("fn-french-1", FN, None, "Evicted", "pod")
+    for e in (crash, crash, evicted):  # every reconcile reports what it sees: the same one again
+        store.run(control.report_pod_exit(keys, e))
+    store.run(control.post_event(keys, control.BOUND, worker="w", function=FN, ms=1, path="standby"))
+    assert executor.exits() == [
+        Exit("fn-french-0", FN, 137, "OOMKilled"),
+        Exit("fn-french-1", FN, None, "Evicted"),
+    ]
+    store.run(control.report_pod_exit(keys, crash))
+    store.run(control.report_pod_exit(keys, control.PodExit("fn-french-0", FN, 1, "Error", "worker/1/t2")))
+    assert executor.exits() == [Exit("fn-french-0", FN, 1, "Error")]  # a new termination after a restart
