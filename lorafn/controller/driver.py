@@ -242,6 +242,7 @@ class Controller:
                     control.set_status(
                         self.keys, function,
                         last_cold_start_ms=event.get("ms", ""), last_cold_path=event.get("path", ""),
+                        last_cold_preloaded=event.get("preloaded", "0"),
                         last_cold_at_ms=int(time.time() * 1000), start_failures=0, wait_reason=None,
                     )
                 )  # fmt: skip

@@ -58,6 +58,7 @@ class Standby:
         self._started = time.time()
         # (function, adapter dir, file stamps) whose adapter the prepared buffers hold, or None
         self._preloaded: tuple[str, str, tuple[tuple[int, int], ...]] | None = None
+        self.bound_preloaded = False  # the bind found the function's adapter pre-loaded
 
     def stop(self, *_: Any) -> None:
         self._stopping = True
@@ -201,6 +202,7 @@ class Standby:
         if held is not None and held == (function, record.adapter_dir, _stamp(record.adapter_dir)):
             runner.prepared = False  # the buffers hold this function's adapter: they are its own now
             how = "pre-loaded"
+            self.bound_preloaded = True
         else:
             if held is not None and runner is not None and runner.lora is not None:
                 from lorafn.runtime.lora import clear_lora
@@ -304,6 +306,7 @@ def serve_standby(settings: Any) -> int:
             function=function,
             ms=round(ms, 1),
             path=control.PATH_STANDBY,
+            preloaded=int(standby.bound_preloaded),
         )
     )
     log.info("worker %s serving %s", worker_id, function)  # the same line a fresh worker logs
