@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -140,8 +141,12 @@ async def _owned_batch(gw: Gateway, owner: str, batch_id: str) -> dict[str, str]
     return rec
 
 
+_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
 def _plain_id(value: str) -> bool:
-    return 0 < len(value) <= 128 and all(c.isalnum() or c in "_.-" for c in value)
+    """An id the key schema can hold (ASCII only: str.isalnum() takes 'ÿ'); any other is simply unknown."""
+    return bool(_ID.fullmatch(value))
 
 
 def file_store(gw: Gateway) -> FileStore:
