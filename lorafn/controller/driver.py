@@ -78,6 +78,11 @@ class ControllerConfig:
     # bench's "before" row)
     fast_bind: bool = True
     preload_timeout_s: float = 30.0  # a preload not seen in the standby's heartbeat by then is sent again
+    # a new standby (the pool's refill) on a GPU where a standby was just bound starts this much later: its
+    # start and warm-up (forward passes, graph capture) would compete with the bound worker's first
+    # prefill (seen on CPU: a pre-loaded bind of 3 ms, then 3.9 s to the first token while two refills
+    # warmed up). Deferred at most this long in a row, so a stream of binds never starves the pool.
+    refill_delay_s: float = 2.0
 
 
 @dataclass
@@ -117,6 +122,8 @@ class Controller:
         self._demand_at: dict[str, int] = {}
         # standby id -> (function, sent at): preloads not yet seen in the standby's heartbeat
         self._preloads: dict[str, _PendingBind] = {}
+        self._bound_at: dict[str, float] = {}  # GPU -> when a bind was last sent there (monotonic)
+        self._deferred_since: dict[str, float] = {}  # GPU -> since when its refill waits
         self.last_plan: Plan | None = None
         self.last_snapshot: Snapshot | None = None
         self.metrics = ControllerMetrics()
@@ -308,6 +315,8 @@ class Controller:
                 )
                 self.executor.stop(action.worker_id)
             elif isinstance(action, Start):
+                if action.function is None and self._defer_refill(action.gpu):
+                    continue  # planned again next round
                 wid = self._new_worker_id(action)
                 what = (
                     f"for {action.function}"
@@ -354,11 +363,24 @@ class Controller:
             )
         )
 
+    def _defer_refill(self, gpu: str) -> bool:
+        """Whether a standby start on `gpu` waits (a bind there is younger than `refill_delay_s`)."""
+        now, delay = time.monotonic(), self.config.refill_delay_s
+        if now - self._bound_at.get(gpu, -1e18) >= delay:
+            self._deferred_since.pop(gpu, None)
+            return False
+        since = self._deferred_since.setdefault(gpu, now)
+        if now - since >= delay:
+            return False
+        log.info("controller: standby start on %s deferred: a worker there was just bound", gpu)
+        return True
+
     def _send_bind(self, action: Bind, fast: bool) -> None:
         entry_id = self.store.run(
             workers.send_control(self.keys, action.worker_id, "bind", function=action.function)
         )
         self._binds[action.worker_id] = _PendingBind(action.function, time.monotonic())
+        self._bound_at[action.gpu] = time.monotonic()
         self._preloads.pop(action.worker_id, None)
         self.metrics.binds.labels("fast" if fast else "round", "yes" if action.preloaded else "no").inc()
         # request -> bind command, both on Redis's clock (the control entry's id is its server time)

@@ -1,0 +1,124 @@
+"""The driver around a real redis-server: a ready standby is told to pre-load the function's adapter; demand
+is answered from the last snapshot (a bind to that standby, marked pre-loaded) before any new round; the
+round after it sends no second bind, and the pool's refill on that GPU waits while the bind is fresh."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lorafn.controller.driver import Controller, ControllerConfig
+from lorafn.controller.policy.actions import Start
+from lorafn.controller.policy.config import PolicyConfig
+from lorafn.controller.policy.model import GPU
+from lorafn.controller.snapshot import SizingConfig
+from lorafn.store import Keys, Store, streams, workers
+from lorafn.store.backbones import BackboneRecord, put_backbone
+from lorafn.store.protocol import RequestBody
+from lorafn.store.registry import FunctionRecord, put_function
+from tests.unit.operator._peft import write_adapter, write_backbone
+
+FN = "team/fa"
+MiB = 1 << 20
+
+
+class _Executor:
+    def __init__(self) -> None:
+        self.started: list[Start] = []
+
+    def gpus(self) -> list[GPU]:
+        return [GPU("g0", "n", 8 << 30, {"tiny": 0})]
+
+    def start(self, action: Start, worker_id: str) -> None:
+        self.started.append(action)
+
+    def stop(self, worker_id: str) -> None:
+        pass
+
+    def starting(self) -> list:
+        return []
+
+    def exits(self) -> list:
+        return []
+
+
+@pytest.fixture
+def world(redis_server: str, tmp_path: Path):
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    model = write_backbone(tmp_path / "tiny")
+    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    adapter = write_adapter(tmp_path / "fa")
+    bb_spec = {"model": {"uri": f"file://{model}"}, "warmPool": {"minStandby": 1, "maxStandby": 2}}
+    store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
+    spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}}
+    store.run(put_function(keys, FunctionRecord(FN, spec, str(model), str(adapter))))
+    executor = _Executor()
+    controller = Controller(
+        store, keys, executor, SizingConfig(worker_overhead_bytes=MiB, default_kv_bytes=MiB),
+        ControllerConfig(holder="me", policy=PolicyConfig(pool_min_age_s=3600), refill_delay_s=30.0),
+    )  # fmt: skip
+    yield store, keys, controller, executor
+    store.close()
+
+
+def _beat(store: Store, keys: Keys, wid: str, shape: str, preloaded: str = "") -> None:
+    fields = {
+        "state": "standby", "gpu": "g0", "backbone": "tiny", "shape": shape, "mem_bytes": 4 * MiB,
+        "started": int(time.time()) - 5, "preloaded": preloaded,
+    }  # fmt: skip
+    store.run(workers.heartbeat(keys, wid, None, 5000, fields))
+
+
+def _commands(store: Store, keys: Keys, wid: str) -> list[dict[str, str]]:
+    return [body for _id, body in store.run(workers.read_control(keys, wid, "0-0"))]
+
+
+def test_preload_then_a_fast_bind_from_the_snapshot(world) -> None:
+    store, keys, controller, executor = world
+    controller.round()
+    shape = controller.reader.sizes[FN].shape
+    _beat(store, keys, "s1", shape)
+    controller.round()
+    assert _commands(store, keys, "s1") == [{"cmd": "preload", "function": FN}]
+    controller.round()  # sent and not yet in its heartbeat: not sent again
+    assert len(_commands(store, keys, "s1")) == 1
+    _beat(store, keys, "s1", shape, preloaded=FN)  # the standby loaded it
+    controller.round()
+    starts_before = len(executor.started)
+
+    assert controller.wait_for_demand(0.01) == []
+    store.run(
+        streams.admit(
+            keys, FN, "r1", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
+            rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
+        )
+    )  # fmt: skip
+    store.run(streams.record_demand(keys, FN, "request"))
+    demand = controller.wait_for_demand(5.0)
+    assert [d.function for d in demand] == [FN]
+    binds = controller.answer_demand(demand)  # no round in between
+    assert [(b.worker_id, b.function, b.preloaded) for b in binds] == [("s1", FN, True)]
+    assert _commands(store, keys, "s1")[-1] == {"cmd": "bind", "function": FN}
+    reg = controller.metrics.registry
+    assert reg.get_sample_value("lorafn_controller_binds_total", {"path": "fast", "preloaded": "yes"}) == 1
+    assert reg.get_sample_value("lorafn_controller_demand_to_bind_seconds_count", {"path": "fast"}) == 1
+
+    controller.round()  # the bind is pending: no second one; the refill of the pool on g0 is deferred
+    assert [c["cmd"] for c in _commands(store, keys, "s1")] == ["preload", "bind"]
+    assert len(executor.started) == starts_before
+    assert any(t.count > 0 for t in controller.last_plan.pool)  # the pool still wants its standby
+
+
+def test_no_fast_bind_when_switched_off_or_before_a_round(world) -> None:
+    store, keys, controller, _ = world
+    from lorafn.controller.driver import Demand
+
+    assert controller.answer_demand([Demand(FN, 0)]) == []  # no snapshot yet
+    controller.config.fast_bind = False
+    controller.round()
+    _beat(store, keys, "s1", controller.reader.sizes[FN].shape)
+    controller.round()
+    assert controller.answer_demand([Demand(FN, 0)]) == []
