@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--targets", default="all-linear", help="all-linear or comma-separated projections")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--host-profile", action="store_true", help="cProfile the decode steps of lora+f")
     args = ap.parse_args(argv)
@@ -167,12 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     mc = ModelConfig.from_dir(args.model)
     work = Path(tempfile.mkdtemp(prefix="lorafn-prof-"))
     adapter = write_random_adapter(
-        mc, work / "adapter", rank=args.rank, lora_alpha=2 * args.rank, dtype=dtype
+        mc,
+        work / "adapter",
+        rank=args.rank,
+        lora_alpha=2 * args.rank,
+        dtype=dtype,
+        target_modules=args.targets if args.targets == "all-linear" else args.targets.split(","),
     )
     source = ResidentSource(args.model, device, dtype)
     bandwidth = copy_bandwidth(device)
     max_len = args.prompt_len + args.decode_tokens + 8
-    figures: dict = {"copy_bandwidth_Bps": bandwidth, "batches": batches}
+    figures: dict = {
+        "copy_bandwidth_Bps": bandwidth,
+        "batches": batches,
+        "rank": args.rank,
+        "targets": args.targets,
+    }
     variants = (
         ("base", None, False),
         ("lora", adapter, False),
@@ -215,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     floor_ms = figures["weight_bytes"] / bandwidth * 1e3
     figures["floor_ms"] = floor_ms
+    print(f"adapter: rank {args.rank}, {args.targets}")
     print(
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {figures['weight_bytes'] / 1e9:.2f} GB; "
         f"HBM floor {floor_ms:.2f} ms"
