@@ -148,10 +148,16 @@ def stop_platform(state_dir: Path, timeout_s: float = 60.0) -> int:
         raise ValueError(f"no local platform is running on state dir {state_dir}")
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
+    released = False
     while time.monotonic() < deadline:
-        if owner(state_dir) != pid or not _alive(pid):
+        if not _alive(pid):
             return pid
-        time.sleep(0.1)
+        # it unlocks once everything is stopped and exits a moment later: wait for that too, so that the
+        # caller never sees it alive after `down` (a test saw the pid alive right after the unlock)
+        released = released or owner(state_dir) != pid
+        time.sleep(0.05 if released else 0.1)
+    if released:
+        return pid
     raise TimeoutError(f"lorafn up (pid {pid}) is still stopping after {timeout_s:.0f} s")
 
 
