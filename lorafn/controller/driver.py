@@ -120,6 +120,7 @@ class Controller:
         self._exits: list[Exit] = []  # ended workers not yet learned from
         # function -> when its oldest unanswered demand was recorded (server ms): request -> bind latency
         self._demand_at: dict[str, int] = {}
+        self._unanswered: list[Demand] = []  # demand read inside a round that no standby took
         # standby id -> (function, sent at): preloads not yet seen in the standby's heartbeat
         self._preloads: dict[str, _PendingBind] = {}
         self._bound_at: dict[str, float] = {}  # GPU -> when a bind was last sent there (monotonic)
@@ -136,7 +137,11 @@ class Controller:
             return None
         t0 = time.perf_counter()
         self._learn()
+        # Demand recorded while a round runs is answered between its steps (one non-blocking read each),
+        # not after it: a round takes tens of ms (more on a busy host).
+        self._answer_recorded_demand()
         snapshot = self.reader.read(self.executor.gpus(), self.executor.starting())
+        self._answer_recorded_demand()  # before the pending binds patch this round's snapshot
         snapshot = self._with_pending_binds(snapshot)
         for w in snapshot.workers:  # demand of a function that has a worker is answered (or never needed one)
             if w.function:
@@ -144,6 +149,7 @@ class Controller:
         plan = decide(snapshot, self.config.policy)
         self._apply(plan)
         self.last_plan, self.last_snapshot = plan, snapshot
+        self._answer_recorded_demand()
         m = self.metrics
         m.pool_target.set(sum(t.count for t in plan.pool))
         m.pool_standby.set(sum(1 for w in snapshot.workers if w.state == "standby"))
@@ -166,16 +172,20 @@ class Controller:
                 log.warning("controller: Redis unreachable (%s); retrying", e)
                 time.sleep(self.config.interval_s)
 
-    def wait_for_demand(self, timeout_s: float) -> list[Demand]:
+    def wait_for_demand(self, timeout_s: float | None) -> list[Demand]:
         """Wait up to `timeout_s` for the gateway to record cold-start demand (a request that found no live
-        worker); what was recorded (empty on timeout). Redis errors are raised: the caller decides (the
-        Kubernetes loop logs and sleeps; `lorafn up`'s supervisor checks its Redis server)."""
+        worker); what was recorded (empty on timeout; None: do not wait). Demand read inside the last round
+        that no standby could take is returned at once (the next round must not wait an interval for it).
+        Redis errors are raised: the caller decides (the Kubernetes loop logs and sleeps; `lorafn up`'s
+        supervisor checks its Redis server)."""
+        if self._unanswered:
+            out, self._unanswered = self._unanswered, []
+            return out
         if self.demand_cursor is None:  # from now on (a stream id from Redis's clock, not "$",
             # so that demand recorded while a round runs still wakes the next wait)
             self.demand_cursor = f"{self.store.run(workers.server_time_ms())}-0"
-        entries = self.store.run(
-            streams.read_demand(self.keys, self.demand_cursor, max(1, int(timeout_s * 1000)))
-        )
+        block_ms = None if timeout_s is None else max(1, int(timeout_s * 1000))
+        entries = self.store.run(streams.read_demand(self.keys, self.demand_cursor, block_ms))
         out = []
         for entry_id, fields in entries:
             self.demand_cursor = entry_id
@@ -186,6 +196,16 @@ class Controller:
                     at_ms = int(fields.get("at") or at_ms)
                 out.append(Demand(function, at_ms))
         return out
+
+    def _answer_recorded_demand(self) -> None:
+        """Inside a round: answer demand recorded since the last read (no wait); what no standby took is
+        kept for the next `wait_for_demand`, which returns it at once."""
+        if not self.config.fast_bind or self.last_snapshot is None or self.demand_cursor is None:
+            return
+        demand = self.wait_for_demand(None)
+        if demand:
+            bound = {b.function for b in self.answer_demand(demand)}
+            self._unanswered.extend(d for d in demand if d.function not in bound)
 
     def answer_demand(self, demand: list[Demand]) -> list[Bind]:
         """Bind standbys to the functions of `demand` that have no live worker, from the last round's
@@ -200,12 +220,7 @@ class Controller:
         if not self.store.run(control.acquire_lease(self.keys, self.config.holder, ttl_ms)):
             self.last_snapshot = None  # another controller leads now: its view, not our old one
             return []
-        snapshot = self._with_pending_binds(self.last_snapshot)
-        stopped = set(self._stops_sent)
-        if stopped:  # a standby the last round stopped is not there to bind
-            snapshot = dataclasses.replace(
-                snapshot, workers=tuple(w for w in snapshot.workers if w.id not in stopped)
-            )
+        snapshot = self._with_pending_binds(self.last_snapshot)  # stopped ones count as draining
         binds = fast_binds(snapshot, {d.function for d in demand}, self.config.policy)
         for bind in binds:
             self._send_bind(bind, fast=True)
@@ -281,7 +296,10 @@ class Controller:
         for wid, pending in list(self._preloads.items()):
             if now - pending.sent_at > self.config.preload_timeout_s:
                 del self._preloads[wid]  # not seen in its heartbeat: the next plan may send it again
-        if not self._binds and not self._preloads:
+        for wid, sent_at in list(self._stops_sent.items()):
+            if now - sent_at > self.config.bind_timeout_s:  # still there: let the policy see it again
+                del self._stops_sent[wid]
+        if not self._binds and not self._preloads and not self._stops_sent:
             return snapshot
         patched = []
         for w in snapshot.workers:
@@ -292,6 +310,10 @@ class Controller:
                 )
             elif pending is not None and w.state == "bound":
                 del self._binds[w.id]  # its heartbeat says bound: confirmed
+            if w.id in self._stops_sent and w.state in ("standby", "bound"):
+                # told to stop, still heartbeating for a moment: its memory is held, but it is neither
+                # bound nor stopped again (a bind sent now would follow the stop and be lost)
+                w = dataclasses.replace(w, state="draining", running=0, preloaded=None)
             preload = self._preloads.get(w.id)
             if preload is not None and w.state == "standby":
                 if w.preloaded == preload.function:
@@ -313,6 +335,7 @@ class Controller:
                 self.store.run(
                     workers.send_control(self.keys, action.worker_id, "stop", reason=action.reason)
                 )
+                self._stops_sent[action.worker_id] = time.monotonic()
                 self.executor.stop(action.worker_id)
             elif isinstance(action, Start):
                 if action.function is None and self._defer_refill(action.gpu):

@@ -122,3 +122,48 @@ def test_no_fast_bind_when_switched_off_or_before_a_round(world) -> None:
     _beat(store, keys, "s1", controller.reader.sizes[FN].shape)
     controller.round()
     assert controller.answer_demand([Demand(FN, 0)]) == []
+
+
+def _demand(store: Store, keys: Keys, rid: str) -> None:
+    store.run(
+        streams.admit(
+            keys, FN, rid, RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
+            rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
+        )
+    )  # fmt: skip
+    store.run(streams.record_demand(keys, FN, "request", 1))
+
+
+def test_demand_recorded_while_a_round_runs_is_answered_inside_it(world) -> None:
+    store, keys, controller, _ = world
+    controller.round()
+    _beat(store, keys, "s1", controller.reader.sizes[FN].shape, preloaded=FN)
+    controller.round()
+    assert controller.wait_for_demand(0.01) == []  # the cursor is now
+    _demand(store, keys, "r1")
+    controller.round()  # no wait in between: the round's first step reads and answers it
+    reg = controller.metrics.registry
+    assert reg.get_sample_value("lorafn_controller_binds_total", {"path": "fast", "preloaded": "yes"}) == 1
+    assert reg.get_sample_value("lorafn_controller_binds_total", {"path": "round", "preloaded": "no"}) is None
+    assert [c["cmd"] for c in _commands(store, keys, "s1")] == ["bind"]
+
+
+def test_a_standby_told_to_stop_is_never_bound(world) -> None:
+    store, keys, controller, _ = world
+    controller.round()
+    shape = controller.reader.sizes[FN].shape
+    _beat(store, keys, "s1", shape)
+    _beat(store, keys, "s2", shape)
+    controller.config.policy = PolicyConfig(pool_min_age_s=0)  # the floor is 1: one of the two goes
+    controller.round()
+    stopped = [
+        wid for wid in ("s1", "s2") if {"cmd": "stop", "reason": "pool_shrink"} in _commands(store, keys, wid)
+    ]
+    assert len(stopped) == 1
+    kept = ({"s1", "s2"} - set(stopped)).pop()
+    controller.round()  # the stopped one still heartbeats as standby: not stopped twice
+    assert _commands(store, keys, stopped[0]).count({"cmd": "stop", "reason": "pool_shrink"}) == 1
+    assert controller.wait_for_demand(0.01) == []
+    _demand(store, keys, "r1")
+    binds = controller.answer_demand(controller.wait_for_demand(5.0))
+    assert [b.worker_id for b in binds] == [kept]
