@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 import sys
@@ -167,6 +168,8 @@ def summarize(
         "repeats": len(parts), "grants": len(grants), "contested_grants": len(contested),
         "slot": slot_figures(grants, releases), "unanswered": sum(not r.ok for r in results),
         "pending_entries": sum(p["pending"] for p in parts), "results": [r.to_json() for r in results],
+        "grant_log": [dataclasses.asdict(g) for g in grants],
+        "release_log": [dataclasses.asdict(r) for r in releases],
     }  # fmt: skip
 
 
@@ -250,7 +253,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--prefill-tokens", type=int, default=None,
-        help="the device's prefill budget in prompt tokens (admission on; default: the workers' 2048)",
+        help="the device's prefill budget in prompt tokens (admission on; default: the workers' 4096)",
     )  # fmt: skip
     ap.add_argument("--warmup-rounds", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=1, help="replays per mode, alternating on/off, off/on")

@@ -52,7 +52,7 @@ class BatchingConfig:
     backbone: str = ""
     gpu_model: str = "cpu"
     shape: str = ""
-    prefill_tokens: int = 2048  # the device's prefill budget: prompt tokens prefilled at once, all workers
+    prefill_tokens: int = 4096  # the device's prefill budget: prompt tokens prefilled at once (2 full steps)
     lease_ms: float = 2000.0  # the share of a worker that died frees itself after this
     poll_ms: float = 5.0  # a refused worker with no decode to run asks again after at most 20x this
     active_ttl_ms: float = 2000.0  # a worker that stopped marking itself active leaves M after this
@@ -107,6 +107,7 @@ class Batching:
         self._hold_until: float | None = None
         self._hold_target = 1
         self._holds_slot = False
+        self._pending_after = 0  # prefills still pending after the last step
         self._held_step: tuple[int, int] | None = None  # what the step that held the share ran
         self._step_end_ms = 0.0  # unix ms the step that held the share ended (the release record)
         self._blocked: frozenset[str] | None = None  # running requests when a granted step prefilled nothing
@@ -212,12 +213,15 @@ class Batching:
             self._blocked = None
             return True
         cfg = self.config
+        asking_for: Collection[str] = waiting
         if self._blocked is not None:
             decoding = len(waiting) < len(running)
             recheck = (self.clock() - self._blocked_at) * 1000 >= cfg.blocked_recheck_ms
             if decoding and self._blocked <= frozenset(running) and not recheck:
                 return False  # nothing freed the cache since: a grant would prefill nothing again
             self._blocked = None
+            if waiting:  # what one ended request's cache most likely lets start: the oldest waiting one
+                asking_for = [min(waiting, key=waiting.__getitem__)]
         fit = self.fit(slo.PREFILL)
         t_ms = fit.latency_ms(max(1, pending)) if fit else 0.0
         oldest = min(waiting.values()) if waiting else time.time() * 1000
@@ -229,12 +233,12 @@ class Batching:
                 self.keys, cfg.gpu, self.worker_id, self.function,
                 deadline_ms=deadline_ms, t_ms=t_ms, lease_ms=max(cfg.lease_ms, 4 * t_ms),
                 waiter_ttl_ms=max(250.0, 4 * step_ms, 8 * cfg.poll_ms), active_ttl_ms=cfg.active_ttl_ms,
-                budget=cfg.prefill_tokens, tokens=self.prefill_tokens(engine, waiting),
+                budget=cfg.prefill_tokens, tokens=self.prefill_tokens(engine, asking_for),
             )
         )  # fmt: skip
+        self._holds_slot = answer.granted  # a share kept from the last step was given up by this ask
         if answer.granted:
             self.granted += 1
-            self._holds_slot = True
             return True
         self.refused += 1
         return False
@@ -255,11 +259,15 @@ class Batching:
             total = min(total, step_budget)
         return max(1, total)
 
-    def after_step(self, step: tuple[int, int] | None, ms: float, running: Collection[str]) -> None:
-        """One engine step ran `step` = (prefill, decode) sequences in `ms`. A step that held the share
-        and prefilled nothing means the waiting requests cannot start until a running one ends."""
+    def after_step(
+        self, step: tuple[int, int] | None, ms: float, running: Collection[str], pending: int = 0
+    ) -> None:
+        """One engine step ran `step` = (prefill, decode) sequences in `ms`; `pending`: the prefills
+        still pending after it. A step that held the share and prefilled nothing means the waiting
+        requests cannot start until a running one ends."""
         if step is not None:
             self.observe(step, ms)
+        self._pending_after = pending
         if self._holds_slot:
             self._held_step = step
             self._step_end_ms = time.time() * 1000
@@ -281,7 +289,13 @@ class Batching:
         ops: list[Op[Any]] = []
         cfg = self.config
         if self.admission_on:
-            if self._holds_slot:
+            keep = self._held_step is not None and self._pending_after > 0 and self._blocked is None
+            if self._holds_slot and keep:
+                # more to prefill: the next step's ask gives the share up and competes afresh in one
+                # atomic call. A release here would hand it to a looser waiter in the round trip before
+                # that ask, and a tighter function then waited a whole long step of the looser one.
+                self._held_step = None
+            elif self._holds_slot:
                 prefilled = self._held_step[0] if self._held_step is not None else -1
                 ops.append(
                     store_admission.release(

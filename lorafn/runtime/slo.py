@@ -204,19 +204,29 @@ def pick(waiters: Iterable[Waiter], now_ms: float, active: int) -> Waiter | None
 
 
 def admit(
-    waiters: Iterable[Waiter], now_ms: float, active: int, used_tokens: int, budget_tokens: int
+    waiters: Iterable[Waiter],
+    now_ms: float,
+    active: int,
+    used_tokens: int,
+    budget_tokens: int,
+    wait_ms: float = 0.0,
 ) -> list[Waiter]:
     """The waiters granted now, in margin order, while their tokens fit in what the budget has left
-    (`budget_tokens − used_tokens`, used = what the running prefill steps hold). The first waiter that
-    does not fit stops the line: nobody behind it overtakes it, so it starts as soon as enough is freed
-    (no starvation). One larger than the whole budget runs alone, once nothing is held."""
+    (`budget_tokens − used_tokens`, used = what the running prefill steps hold), or while they cannot
+    afford to wait: a waiter whose margin is smaller than `wait_ms` (how long until the soonest running
+    prefill is expected to end) goes at once, over the budget (a share is never pre-empted, so without
+    this a tight function waited a whole long step of a looser one; the budget holds the loose ones
+    back, never the urgent). The first waiter that neither fits nor is urgent stops the line: nobody
+    behind it overtakes it, so it starts as soon as enough is freed (no starvation). One larger than the
+    whole budget runs alone, once nothing is held."""
     if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
         raise ValueError(f"budget_tokens must be an integer >= 1, got {budget_tokens!r}")
     if used_tokens < 0:
         raise ValueError(f"used_tokens must be >= 0, got {used_tokens!r}")
     granted: list[Waiter] = []
     for w in in_order(waiters, now_ms, active):
-        if used_tokens and used_tokens + w.tokens > budget_tokens:
+        urgent = margin_ms(w.deadline_ms, now_ms, active, w.t_ms) < wait_ms
+        if used_tokens and used_tokens + w.tokens > budget_tokens and not urgent:
             break
         granted.append(w)
         used_tokens += w.tokens

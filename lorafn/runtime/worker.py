@@ -401,7 +401,8 @@ class Worker:
             self._flush()
             raise
         step = getattr(self.engine, "last_step", None)
-        self.batching.after_step(step, (time.perf_counter() - started) * 1000, self.running)
+        pending = getattr(self.engine, "num_pending_prefills", 0)
+        self.batching.after_step(step, (time.perf_counter() - started) * 1000, self.running, pending)
         for delta in deltas:
             run = self.running.get(delta.request_id)
             if run is None:
@@ -626,9 +627,10 @@ class WorkerSettings(SharedSettings):
         default=True, description="fill or expire: an idle worker holds its first prefill for companions"
     )
     gpu_prefill_tokens: int = Field(
-        default=2048,
+        default=4096,
         ge=1,
-        description="the device's prefill budget (admission): prompt tokens its workers prefill at once",
+        description="the device's prefill budget (admission): prompt tokens its workers prefill at once "
+        "(two full engine steps: a tight function can always start beside one long step)",
     )
     log_level: str = "INFO"
 

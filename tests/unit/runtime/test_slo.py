@@ -225,12 +225,24 @@ def test_admit_grants_in_margin_order_while_tokens_fit_and_the_first_misfit_stop
     assert slo.admit([c, b, a], 1000, 1, used_tokens=0, budget_tokens=2048) == order  # all fit
     assert slo.admit(order, 1000, 1, used_tokens=0, budget_tokens=1024) == [a]  # b does not fit...
     assert slo.admit(order, 1000, 1, used_tokens=900, budget_tokens=1024) == []  # ...nor a: c waits too
-    big = slo.Waiter("w-big", deadline_ms=1000, t_ms=10, tokens=5000)
+    big = slo.Waiter("w-big", deadline_ms=1050, t_ms=10, tokens=5000)  # margin 40
     assert slo.admit([big, c], 1000, 1, used_tokens=0, budget_tokens=1024) == [big]  # alone, when free
     assert slo.admit([big, c], 1000, 1, used_tokens=1, budget_tokens=1024) == []
     assert slo.admit([], 1000, 1, used_tokens=0, budget_tokens=1) == []
     # a budget of one token is the single slot: one prefill at a time, smallest margin first
     assert slo.admit(order, 1000, 1, used_tokens=0, budget_tokens=1) == [a]
+
+
+def test_a_waiter_that_cannot_afford_the_wait_goes_over_the_budget() -> None:
+    """Shares are never pre-empted: a tight waiter whose margin is smaller than the expected wait for
+    the soonest running prefill goes at once; looser ones behind a misfit still wait."""
+    tight = slo.Waiter("w-tight", deadline_ms=1300, t_ms=10, tokens=500)  # margin 290 (M = 1)
+    loose = slo.Waiter("w-loose", deadline_ms=9000, t_ms=10, tokens=500)  # 7990
+    assert slo.admit([tight, loose], 1000, 1, 1000, 1024, wait_ms=100) == []  # 290 ms to spare > 100
+    assert slo.admit([tight, loose], 1000, 1, 1000, 1024, wait_ms=400) == [tight]  # it cannot wait 400
+    assert slo.admit([tight, loose], 1000, 1, 1000, 1024, wait_ms=9000) == [tight, loose]  # nor can loose
+    late = slo.Waiter("w-late", deadline_ms=900, t_ms=10, tokens=500)  # already past its deadline
+    assert slo.admit([late], 1000, 1, 1000, 1024) == [late]  # waiting cannot help it
 
 
 @pytest.mark.parametrize(
