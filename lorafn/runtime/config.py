@@ -53,8 +53,8 @@ class EngineConfig:
     # 256 saves ~200 MiB per worker process on an H100 (docs/benchmarks.md "Per-worker memory"), and a
     # kernel that needs more grows it at launch, so it is the default.
     cuda_stack_bytes: int | None = 256
-    # CUDA: steps of at most 16 rows (decodes) run the fused kernels of models/fused_decode.py (one skinny
-    # GEMM launch per projection group with the LoRA shrink in it, the expands in the elementwise kernels);
+    # CUDA: the fused kernels of models/fused_decode.py (LoRA expands inside the elementwise kernels; a
+    # step of at most 16 rows runs one skinny-GEMM launch per projection group with the LoRA shrink in it);
     # False keeps the cuBLAS + addmm path everywhere (the benchmarks' baseline)
     fused_decode: bool = True
     weight_source: WeightSource | None = field(default=None, repr=False)

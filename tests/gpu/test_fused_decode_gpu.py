@@ -1,7 +1,7 @@
 """The fused decode kernels (models/fused_decode.py) against the cuBLAS + addmm path they replace.
 
 - `seg_linear` equals F.linear for every segment, 1..16 rows, bf16 and fp32, every output element written;
-- a whole forward (prefill chunks of at most 16 tokens and decodes) gives the same logits and the same KV
+- a whole forward (prefill chunks of 16 tokens together and of 40, and decodes) gives the same logits and the same KV
   cache fused and unfused, for the base model, an all-linear adapter and one that targets some
   projections only (absent projections: rank 0 in the fused kernels);
 - greedy tokens of an fp32 engine are identical fused and unfused (the 7B fp32/bf16 checks against
@@ -71,7 +71,8 @@ def tiny_setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _steps(cfg: ModelConfig, dev: torch.device) -> list[ForwardBatch]:
-    """Two prompts of 7 and 9 tokens in one step (16 rows: the fused limit), then 3 decodes of both."""
+    """Two prompts of 7 and 9 tokens in one step (16 rows: the skinny-GEMM limit), a prompt of 40, then 3
+    decodes of the first two."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     steps = [
         ForwardBatch(
@@ -85,6 +86,18 @@ def _steps(cfg: ModelConfig, dev: torch.device) -> list[ForwardBatch]:
             torch.tensor([6, 15], device=dev),
         )
     ]
+    steps.append(  # a 40-token prompt (sequence 2, blocks 2-4): cuBLAS GEMMs with the fused expands
+        ForwardBatch(
+            torch.randint(5, cfg.vocab_size - 5, (40,), device=dev, generator=gen),
+            torch.arange(40, device=dev),
+            32 + torch.arange(40, device=dev),
+            0,
+            None,
+            None,
+            [PrefillSpan(0, 40, 0)],
+            torch.tensor([39], device=dev),
+        )
+    )
     for step in range(3):
         steps.append(
             ForwardBatch(

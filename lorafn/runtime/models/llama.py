@@ -223,7 +223,7 @@ class LlamaModel:
         """Returns logits [S, vocab] (float32) for the rows in batch.logits_indices."""
         cfg = self.cfg
         num_tokens = batch.input_ids.shape[0]
-        if self.fused is not None and num_tokens <= self.fused.MAX_TOKENS:
+        if self.fused is not None:
             return self._forward_fused(batch, kv_caches)
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lora_layers = self.lora.layers if self.lora is not None else None
@@ -269,10 +269,12 @@ class LlamaModel:
     def _forward_fused(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
-        """`forward` for a step of at most fused_decode.MAX_TOKENS rows, in the fused kernels (same math,
-        same roundings; see models/fused_decode.py). Per layer: norm, [A_qkv|Wq|Wk|Wv] GEMM, RoPE + q/k/v
-        expands + cache writes, attention, [A_o|Wo] GEMM, add + o expand + norm, [A_gu|Wg|Wu] GEMM,
-        SiLU·up + expands, [A_d|Wd] GEMM (its expand joins the next layer's add + norm)."""
+        """`forward` in the fused kernels of models/fused_decode.py (same math, same roundings). Per layer:
+        norm, q/k/v GEMMs + the group's LoRA shrink, RoPE + q/k/v expands + cache writes, attention, o GEMM +
+        shrink, add + o expand + norm, gate/up GEMMs + shrink, SiLU·up + expands, down GEMM + shrink (its
+        expand joins the next layer's add + norm). A step of at most fused_decode.MAX_TOKENS rows (decode)
+        runs each GEMM group as one skinny-GEMM launch; a larger one (prefill) through cuBLAS, and then the
+        fused expands save it 7 addmm, 2 RoPE and 2 index_copy launches per layer."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
         h = F.embedding(batch.input_ids, self.embed)
@@ -311,16 +313,24 @@ class LlamaModel:
         _h, x = ops.add_rms_norm(h, delta, self.norm, eps, lora=delta_lora)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        return fd.seg_linear(x, [self.lm_head])[0].float()
+        return _linear_many(fd, x, [self.lm_head])[0].float()
 
 
 def _group_gemm(fd, x: torch.Tensor, layer: dict, projs: tuple[str, ...], groups: dict[str, LoRAGroup]):
-    """One fused GEMM launch: the projections `projs` of x and, when the adapter targets them, the group's
-    shrink t = x·A_catᵀ. Returns (outputs in `projs` order, one Expand or None per projection / None)."""
+    """The projections `projs` of x and, when the adapter targets them, the group's shrink t = x·A_catᵀ
+    (one launch for a small step). Returns (outputs in `projs` order, one Expand or None per projection /
+    None)."""
     group = groups.get(projs[0])
     weights = [layer[p] for p in projs]
     if group is None:
-        return fd.seg_linear(x, weights), None
-    t, *outs = fd.seg_linear(x, [group.a_cat, *weights])
+        return _linear_many(fd, x, weights), None
+    t, *outs = _linear_many(fd, x, [group.a_cat, *weights])
     by_proj = {p: fd.Expand(t, off, rank, b_t) for p, off, rank, b_t in group.targets}
     return outs, tuple(by_proj.get(p) for p in projs)
+
+
+def _linear_many(fd, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[x·Wᵀ for each W]: one skinny-GEMM launch for at most fused_decode.MAX_TOKENS rows, else cuBLAS."""
+    if x.shape[0] <= fd.MAX_TOKENS:
+        return fd.seg_linear(x, weights)
+    return [F.linear(x, w) for w in weights]
