@@ -1,8 +1,8 @@
 """The fused decode kernels (models/fused_decode.py) against the cuBLAS + addmm path they replace.
 
 - `seg_linear` equals F.linear for every segment, 1..16 rows, bf16 and fp32, every output element written;
-- a whole forward (prefill chunks of 16 tokens together and of 40, and decodes) gives the same logits and the same KV
-  cache fused and unfused, for the base model, an all-linear adapter and one that targets some
+- a whole forward (prefill chunks of 16 tokens together and of 40, and decodes) gives the same logits and
+  the same KV cache fused and unfused, for the base model, an all-linear adapter and one that targets some
   projections only (absent projections: rank 0 in the fused kernels);
 - greedy tokens of an fp32 engine are identical fused and unfused (the 7B fp32/bf16 checks against
   transformers + peft in test_engine_gpu.py run the fused path too: it is the default).
