@@ -158,6 +158,34 @@ def lora_add_tile(acc, T, row, stride_t, off, rank, BT, out_features, cols, mask
 
 
 @triton.jit
+def _head_with_lora(
+    ROW,
+    T,
+    t,
+    stride_t,
+    off,
+    rank,
+    BT,
+    out_f,
+    cols,
+    mask,
+    HALF: tl.constexpr,
+    dt: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    R: tl.constexpr,
+):
+    """One head's two halves of a projection's output row (ROW: the row's start), its LoRA expand added
+    and rounded to the activation dtype as the unfused addmm_ does; float32 values."""
+    x1 = tl.load(ROW + cols, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ROW + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        x1 = lora_add_tile(x1, T, t, stride_t, off, rank, BT, out_f, cols, mask, R).to(dt).to(tl.float32)
+        x2 = lora_add_tile(x2, T, t, stride_t, off, rank, BT, out_f, cols + HALF, mask, R)
+        x2 = x2.to(dt).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
 def _rope_half_pair(x1, x2, c1, c2, s1, s2, dt: tl.constexpr):
     """RoPE of one head's two halves, each product and the sum rounded like the torch ops."""
     o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
@@ -216,18 +244,10 @@ def _rope_lora_kv_kernel(
     s1 = tl.load(SIN + pos * head_dim + offs, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(SIN + pos * head_dim + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     if h < num_heads:
+        out_f = num_heads * head_dim
         cols = h * head_dim + offs
-        x1 = tl.load(Q + t * stride_q + cols, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(Q + t * stride_q + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_LORA:
-            out_f = num_heads * head_dim
-            x1 = (
-                lora_add_tile(x1, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols, mask, R)
-                .to(dt)
-                .to(tl.float32)
-            )
-            x2 = lora_add_tile(x2, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols + HALF, mask, R)
-            x2 = x2.to(dt).to(tl.float32)
+        x1, x2 = _head_with_lora(Q + t * stride_q, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols, mask,
+                                 HALF, dt, HAS_LORA, R)  # fmt: skip
         o1, o2 = _rope_half_pair(x1, x2, c1, c2, s1, s2, dt)
         base = QO + t * (num_heads * head_dim) + h * head_dim
         tl.store(base + offs, o1, mask=mask)
@@ -236,25 +256,10 @@ def _rope_lora_kv_kernel(
         j = h - num_heads
         out_f = num_kv_heads * head_dim
         cols = j * head_dim + offs
-        k1 = tl.load(K + t * stride_k + cols, mask=mask, other=0.0).to(tl.float32)
-        k2 = tl.load(K + t * stride_k + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-        v1 = tl.load(V + t * stride_v + cols, mask=mask, other=0.0)
-        v2 = tl.load(V + t * stride_v + HALF + cols, mask=mask, other=0.0)
-        if HAS_LORA:
-            k1 = (
-                lora_add_tile(k1, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols, mask, R)
-                .to(dt)
-                .to(tl.float32)
-            )
-            k2 = lora_add_tile(k2, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols + HALF, mask, R)
-            k2 = k2.to(dt).to(tl.float32)
-            v1 = lora_add_tile(
-                v1.to(tl.float32), TV, t, stride_tv, off_v, rank_v, BV, out_f, cols, mask, R
-            ).to(dt)
-            v2 = lora_add_tile(
-                v2.to(tl.float32), TV, t, stride_tv, off_v, rank_v, BV, out_f, cols + HALF, mask, R
-            )
-            v2 = v2.to(dt)
+        k1, k2 = _head_with_lora(K + t * stride_k, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols, mask,
+                                 HALF, dt, HAS_LORA, R)  # fmt: skip
+        v1, v2 = _head_with_lora(V + t * stride_v, TV, t, stride_tv, off_v, rank_v, BV, out_f, cols, mask,
+                                 HALF, dt, HAS_LORA, R)  # fmt: skip
         o1, o2 = _rope_half_pair(k1, k2, c1, c2, s1, s2, dt)
         slot = tl.load(SLOTS + t).to(tl.int64)
         k_out = KO + t * out_f + j * head_dim
