@@ -36,7 +36,7 @@ from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide, fast_binds
 from lorafn.controller.policy.model import GPU, Snapshot, Worker
 from lorafn.controller.snapshot import SizingConfig, SnapshotReader
-from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, combine, control, streams, workers
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, combine, control, workers
 
 log = logging.getLogger("lorafn.controller")
 
@@ -121,6 +121,7 @@ class Controller:
         # function -> when its oldest unanswered demand was recorded (server ms): request -> bind latency
         self._demand_at: dict[str, int] = {}
         self._unanswered: list[Demand] = []  # demand read inside a round that no standby took
+        self._wake_cursor: str | None = None  # lifecycle events after this one end a wait
         # standby id -> (function, sent at): preloads not yet seen in the standby's heartbeat
         self._preloads: dict[str, _PendingBind] = {}
         self._bound_at: dict[str, float] = {}  # GPU -> when a bind was last sent there (monotonic)
@@ -174,18 +175,25 @@ class Controller:
 
     def wait_for_demand(self, timeout_s: float | None) -> list[Demand]:
         """Wait up to `timeout_s` for the gateway to record cold-start demand (a request that found no live
-        worker); what was recorded (empty on timeout; None: do not wait). Demand read inside the last round
-        that no standby could take is returned at once (the next round must not wait an interval for it).
-        Redis errors are raised: the caller decides (the Kubernetes loop logs and sleeps; `lorafn up`'s
-        supervisor checks its Redis server)."""
+        worker); what was recorded (empty on timeout; None: do not wait). A worker's lifecycle event (bound,
+        failed) also ends the wait, with nothing to answer: the round that follows puts it in the function's
+        status at once. Demand read inside the last round that no standby could take is returned at once
+        (the next round must not wait an interval for it). Redis errors are raised: the caller decides (the
+        Kubernetes loop logs and sleeps; `lorafn up`'s supervisor checks its Redis server)."""
         if self._unanswered:
             out, self._unanswered = self._unanswered, []
             return out
-        if self.demand_cursor is None:  # from now on (a stream id from Redis's clock, not "$",
-            # so that demand recorded while a round runs still wakes the next wait)
-            self.demand_cursor = f"{self.store.run(workers.server_time_ms())}-0"
+        if self.demand_cursor is None or self._wake_cursor is None:  # from now on (a stream id from
+            # Redis's clock, not "$", so that what is recorded while a round runs still wakes the next wait)
+            now = f"{self.store.run(workers.server_time_ms())}-0"
+            self.demand_cursor = self.demand_cursor or now
+            self._wake_cursor = now
         block_ms = None if timeout_s is None else max(1, int(timeout_s * 1000))
-        entries = self.store.run(streams.read_demand(self.keys, self.demand_cursor, block_ms))
+        entries, events = self.store.run(
+            control.read_demand_and_events(self.keys, self.demand_cursor, self._wake_cursor, block_ms)
+        )
+        if events:
+            self._wake_cursor = events[-1][0]
         out = []
         for entry_id, fields in entries:
             self.demand_cursor = entry_id

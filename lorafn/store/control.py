@@ -97,6 +97,29 @@ def read_events(keys: Keys, last_id: str, count: int = 1000) -> Op[list[tuple[st
     )
 
 
+def read_demand_and_events(
+    keys: Keys, demand_after: str, events_after: str, block_ms: int | None, count: int = 100
+) -> Op[tuple[list[tuple[str, dict[str, str]]], list[tuple[str, dict[str, str]]]]]:
+    """What wakes the controller between rounds: demand entries after `demand_after` and lifecycle events
+    after `events_after` (a worker bound or failed: its status should not wait an interval), waiting up to
+    `block_ms` for the first of either (None: no wait). Returns (demand entries, events)."""
+
+    def parse(r: list[Any]) -> tuple[list[tuple[str, dict[str, str]]], list[tuple[str, dict[str, str]]]]:
+        demand: list[tuple[str, dict[str, str]]] = []
+        events: list[tuple[str, dict[str, str]]] = []
+        if r[0]:
+            for name, entries in r[0].items() if isinstance(r[0], dict) else r[0]:
+                (demand if name == keys.demand() else events).extend(stream_entries({name: entries}))
+        return demand, events
+
+    return Op(
+        lambda pipe: pipe.xread(
+            {keys.demand(): demand_after, keys.lifecycle(): events_after}, count=count, block=block_ms
+        ),
+        parse,
+    )
+
+
 def last_event_id(keys: Keys) -> Op[str]:
     """The id to read new events from (`0-0` when the stream is empty)."""
     return Op(

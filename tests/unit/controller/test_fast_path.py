@@ -167,3 +167,34 @@ def test_a_standby_told_to_stop_is_never_bound(world) -> None:
     _demand(store, keys, "r1")
     binds = controller.answer_demand(controller.wait_for_demand(5.0))
     assert [b.worker_id for b in binds] == [kept]
+
+
+def test_a_lifecycle_event_ends_the_wait_so_the_status_is_written_at_once(world) -> None:
+    import threading
+
+    from lorafn.store import control
+
+    store, keys, controller, _ = world
+    controller.round()
+    assert controller.wait_for_demand(0.01) == []
+    timer = threading.Timer(
+        0.2,
+        lambda: store.run(
+            control.post_event(
+                keys, control.BOUND, worker="w1", function=FN, ms=3, path="standby", preloaded=1
+            )
+        ),
+    )
+    timer.start()
+    t0 = time.monotonic()
+    assert controller.wait_for_demand(30.0) == []  # nothing to answer, but awake
+    assert time.monotonic() - t0 < 20
+    timer.join()
+    controller.round()
+    status = store.run(control.statuses(keys, [FN]))[FN]
+    assert (status["last_cold_path"], status["last_cold_preloaded"], status["last_cold_start_ms"]) == (
+        "standby", "1", "3",
+    )  # fmt: skip
+    t0 = time.monotonic()
+    assert controller.wait_for_demand(0.3) == []  # that event does not wake it again
+    assert time.monotonic() - t0 >= 0.25
