@@ -204,10 +204,12 @@ class Standby:
             how = "pre-loaded"
             self.bound_preloaded = True
         else:
-            if held is not None and runner is not None and runner.lora is not None:
+            if runner is not None and getattr(runner, "prepared", False) and runner.lora is not None:
                 from lorafn.runtime.lora import clear_lora
 
-                clear_lora(runner.lora)  # another function's adapter: nothing of it may stay
+                # another function's pre-loaded adapter (or part of one, if its copy failed): nothing of it
+                # may stay, whether the new adapter is copied over the buffers or replaces them
+                clear_lora(runner.lora)
             how = self.engine.bind_adapter(record.adapter_dir)
         t_done = time.perf_counter()
         ms = (t_done - t0) * 1000

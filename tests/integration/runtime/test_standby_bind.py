@@ -68,3 +68,96 @@ def test_warm_up_leaves_the_standby_clean(tiny_model_dir: Path, tmp_path: Path) 
     assert standby.scheduler.block_manager.num_free_blocks == 8  # every block back
     standby.bind_adapter(adapter)
     assert [o.token_ids for o in standby.generate(PROMPTS[:1], GREEDY)] == want[:1]
+
+
+@pytest.mark.parametrize(
+    ("other_targets", "other_r", "how"),
+    [
+        (["q_proj"], 2, "copied"),  # fits the buffers: copied over them (v_proj's buffers must end all zero)
+        ("all-linear", 8, "loaded"),  # does not fit: loaded fresh, the old buffers zeroed first
+    ],
+)
+def test_a_standby_that_preloaded_one_function_serves_another_exactly(
+    tiny_model_dir: Path, tmp_path: Path, redis_server: str, other_targets, other_r: int, how: str
+) -> None:
+    """Isolation: a standby that pre-loaded F's adapter (and never served F) bound to G answers exactly what
+    a fresh engine with G's adapter answers, and nothing of F's adapter stays in its buffers."""
+    import uuid
+    from types import SimpleNamespace
+
+    import torch
+
+    from lorafn.runtime.standby import Standby
+    from lorafn.store import Keys, Store
+    from lorafn.store.registry import FunctionRecord, put_function
+
+    f_dir = write_peft_adapter(
+        tiny_model_dir, tmp_path / "f", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+    )
+    g_dir = write_peft_adapter(
+        tiny_model_dir,
+        tmp_path / "g",
+        r=other_r,
+        lora_alpha=2 * other_r,
+        target_modules=other_targets,
+        seed=3,
+    )
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    for name, adapter in (("t/f", f_dir), ("t/g", g_dir)):
+        spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}}
+        store.run(put_function(keys, FunctionRecord(name, spec, str(tiny_model_dir), str(adapter))))
+    settings = SimpleNamespace(backbone="tiny", gpu="cpu/0", heartbeat_s=1.0, heartbeat_ttl_s=5.0, shape=None)
+    engine = Engine(EngineConfig(model=tiny_model_dir, lora_shape="q_proj:4,v_proj:4", num_kv_blocks=64))
+    standby = Standby(store, keys, settings, engine, "w-iso")
+    assert standby.preload("t/f") >= 0
+    with_f = _tokens(engine)  # (the test looks; the standby itself never runs F's requests)
+    assert with_f == _tokens(Engine(EngineConfig(model=tiny_model_dir, adapter=f_dir, num_kv_blocks=64)))
+    old = engine.runner.lora
+    _record, _ms = standby.bind("t/g")
+    assert not standby.bound_preloaded
+    want = _tokens(Engine(EngineConfig(model=tiny_model_dir, adapter=g_dir, num_kv_blocks=64)))
+    assert _tokens(engine) == want and want != with_f
+    for groups in old.layers:  # whichever way G came in, F's values are gone from these tensors
+        for g in groups.values():
+            if how == "loaded":
+                assert not torch.any(g.a_cat)
+            for proj, _off, _r, b in g.targets:
+                if how == "loaded" or proj == "v_proj":
+                    assert not torch.any(b), proj
+    store.close()
+
+
+def test_a_preloaded_bind_is_registration_only_and_a_changed_adapter_is_loaded_again(
+    tiny_model_dir: Path, tmp_path: Path, redis_server: str
+) -> None:
+    import uuid
+    from types import SimpleNamespace
+
+    from lorafn.runtime.standby import Standby
+    from lorafn.store import Keys, Store
+    from lorafn.store.registry import FunctionRecord, put_function
+
+    f_dir = write_peft_adapter(
+        tiny_model_dir, tmp_path / "f", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+    )
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    spec = {"backbone": "tiny", "adapter": {"uri": f"file://{f_dir}"}}
+    store.run(put_function(keys, FunctionRecord("t/f", spec, str(tiny_model_dir), str(f_dir))))
+    settings = SimpleNamespace(backbone="tiny", gpu="cpu/0", heartbeat_s=1.0, heartbeat_ttl_s=5.0, shape=None)
+    want = _tokens(Engine(EngineConfig(model=tiny_model_dir, adapter=f_dir, num_kv_blocks=64)))
+    for changed in (False, True):
+        engine = Engine(EngineConfig(model=tiny_model_dir, lora_shape="q_proj:4,v_proj:4", num_kv_blocks=64))
+        standby = Standby(store, keys, settings, engine, f"w-{changed}")
+        standby.preload("t/f")
+        assert standby.fields("standby")["preloaded"] == "t/f"
+        if changed:  # the tenant replaced its adapter after the pre-load: the bind must not use the old copy
+            import os
+
+            cfg = f_dir / "adapter_config.json"
+            os.utime(cfg, ns=(cfg.stat().st_atime_ns, cfg.stat().st_mtime_ns + 10**9))
+        standby.bind("t/f")
+        assert standby.bound_preloaded is (not changed)
+        assert _tokens(engine) == want
+    with pytest.raises(ValueError, match="not registered"):
+        Standby(store, keys, settings, engine, "w-x").preload("t/missing")
+    store.close()
