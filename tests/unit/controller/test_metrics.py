@@ -122,3 +122,36 @@ def test_an_exit_is_not_lost_when_redis_fails_while_learning_it(
     monkeypatch.setattr(control, "add_status_count", real)
     controller.round()  # both exits were taken from the executor before the error: learned now
     assert store.run(control.statuses(keys, ["a/b"]))["a/b"]["start_failures"] == "2"
+
+
+def test_offloads_are_counted_by_cause_and_victim(controller: Controller) -> None:
+    from lorafn.controller.policy.actions import Plan, Stop
+
+    controller.round()
+    controller._apply(
+        Plan(
+            [
+                Stop("w1", "offload", "g0", "standby of r16 makes room for a/b", "cold_start", "standby"),
+                Stop(
+                    "w2",
+                    "offload",
+                    "g0",
+                    "idle bound worker of c/d makes room for a/b",
+                    "scale_up",
+                    "idle_bound",
+                ),
+                Stop("w3", "keep_alive", "g0", "idle 60 s"),
+            ]
+        )
+    )
+    assert (
+        _sample(controller, "lorafn_controller_offloads_total", {"cause": "cold_start", "victim": "standby"})
+        == 1
+    )
+    assert (
+        _sample(controller, "lorafn_controller_offloads_total", {"cause": "scale_up", "victim": "idle_bound"})
+        == 1
+    )
+    assert _sample(controller, "lorafn_controller_stops_total", {"reason": "offload"}) == 2
+    assert _sample(controller, "lorafn_controller_stops_total", {"reason": "keep_alive"}) == 1
+    assert b"lorafn_controller_offloads_total" in generate_latest(controller.metrics.registry)
