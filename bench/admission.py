@@ -4,16 +4,21 @@ N functions on one backbone and one device, each with its own TTFT SLO (cycled f
 (minReplicas 1) before the traffic starts, so cold starts stay out of the comparison. The same bursty
 arrivals (the Azure LLM code trace, scaled to --rate over --duration-s, GSM8K prompts) are replayed
 open-loop over HTTP twice: once with cross-function admission (`gpu_admission: true`: the workers of the
-device take turns for prefills by deadline margin) and once without. Printed per function and overall:
-TTFT p50/p99, TPOT p50/p99, SLO violations (an error or a first token later than the function's SLO),
-throughput (completion tokens/s), and the slot's grants.
+device share a prefill token budget, waiters served by deadline margin) and once without. Printed per
+function and overall: TTFT p50/p99, TPOT p50/p99, SLO violations (an error or a first token later than
+the function's SLO), throughput (completion tokens/s), and the budget's grants.
 
     # CPU (tiny preset; minutes; ratios only on a shared 2-core machine)
-    python bench/admission.py --preset tiny --device cpu --workdir /tmp/adm
-    # H100: 6 functions on one llama-2-7b (random weights of the real shape), r16 adapters
-    python bench/admission.py --preset llama-2-7b --device cuda --dtype bfloat16 --functions 6 \
-        --slos 300,1000,3000 --rate 12 --duration-s 60 --max-prompt-tokens 1024 --max-tokens 128 \
-        --data-dir .data --workdir /tmp/adm --json $OUT/admission.json
+    python bench/admission.py --preset tiny --device cpu --slos 300,2000,8000 --rate 4 --duration-s 30 \
+        --max-prompt-tokens 128 --max-tokens 16 --repeat 2 --workdir /tmp/adm
+    # H100: 8 functions on one llama-2-7b (random weights of the real shape; --preset llama-2-7b writes
+    # one), r16 adapters, KV 2 GiB each, the code trace from 600 s; .data = a copy of ../shared/data
+    python bench/admission.py --model /tmp/llama-2-7b --device cuda --dtype bfloat16 --functions 8 \
+        --slos 300,1000,3000 --rate 6 --duration-s 45 --trace-start-s 600 --max-prompt-tokens 1024 \
+        --max-tokens 128 --kv-mib 2048 --data-dir .data --workdir /tmp/adm --json $OUT/admission.json
+
+Also printed: what the budget cost (grant waits, hold times, granted steps that prefilled nothing, how
+late releases came after their steps) from the records the Lua script keeps, and what was lost.
 """
 
 from __future__ import annotations
