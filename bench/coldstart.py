@@ -191,22 +191,34 @@ class Platform:
     def status(self, function: str) -> dict[str, str]:
         return self.redis.hgetall(f"lorafn:fn:{function}:status")
 
-    def request_to_bind_ms(self, function: str) -> float | None:
-        """From the gateway's demand record for `function` to the controller's bind command to the worker
-        now serving it, both on Redis's clock (the control entry's id is its server time, ms)."""
+    def cold_timeline(self, function: str) -> dict[str, float]:
+        """Where the first request of `function` spent its time, on Redis's clock (entry ids are server
+        time): demand record -> the controller's bind command -> the worker's `accepted` reply -> the first
+        text delta (`request_to_bind_ms`, `bind_to_accepted_ms`, `accepted_to_first_delta_ms`)."""
         from lorafn.store import Keys
 
-        keys = Keys("lorafn")
+        keys, out = Keys("lorafn"), {}
         demand = [
             int(f["at"]) for _id, f in self.redis.xrange(keys.demand()) if f.get("function") == function
         ]
-        for wid, h in self.workers().items():
+        wid, bind_ms = None, None
+        for w, h in self.workers().items():
             if h.get("function") != function:
                 continue
-            for entry_id, body in self.redis.xrange(keys.control(wid)):
-                if body.get("cmd") == "bind" and body.get("function") == function and demand:
-                    return float(int(entry_id.split("-")[0]) - min(demand))
-        return None
+            for entry_id, body in self.redis.xrange(keys.control(w)):
+                if body.get("cmd") == "bind" and body.get("function") == function:
+                    wid, bind_ms = w, int(entry_id.split("-")[0])
+        if not demand or bind_ms is None:
+            return out
+        out["request_to_bind_ms"] = float(bind_ms - min(demand))
+        for key in self.redis.scan_iter(f"{keys.prefix}:reply:*"):
+            events = [(int(i.split("-")[0]), " ".join(f.values())) for i, f in self.redis.xrange(key)]
+            if events and str(wid) in events[0][1] and '"accepted"' in events[0][1]:
+                first = next((t for t, e in events if '"delta"' in e), None)
+                out["bind_to_accepted_ms"] = float(events[0][0] - bind_ms)
+                if first is not None:
+                    out["accepted_to_first_delta_ms"] = float(first - events[0][0])
+        return out
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -282,10 +294,13 @@ def main() -> None:
             t = ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
             rows["standby"] = {
                 "ttft_ms": t,
-                "request_to_bind_ms": platform.request_to_bind_ms("bench/warmfn"),
+                **platform.cold_timeline("bench/warmfn"),
                 **platform.status("bench/warmfn"),
             }
             print("standby", rows["standby"], flush=True)
+            # the pool's refill warms up after the bind (forward passes, graphs): let it finish, or it runs
+            # beside the warm requests and inflates them
+            platform.wait_standby("pooled", validate_adapter(adapters[0], model).shape_key)
             warm = [
                 ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
                 for _ in range(args.repeats)
@@ -322,6 +337,13 @@ def main() -> None:
         print(
             f"{name:<10}{r['ttft_ms']:>12.1f}{r['ttft_ms'] / w:>9.2f}{ctl:>15}"
             f"{'' if to_bind is None else f'{to_bind:.0f} ms':>15}  {how}"
+        )
+    if "standby" in rows:
+        st = rows["standby"]
+        parts = ("request_to_bind_ms", "bind_to_accepted_ms", "accepted_to_first_delta_ms")
+        print(
+            "standby timeline (Redis clock): "
+            + ", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} {st[k]:.0f} ms" for k in parts if k in st)
         )
     print("target (issue 10): standby cold start <= 1.15 x warm TTFT")
     if "density" in rows:
