@@ -79,6 +79,11 @@ def test_a_preloaded_standby_serves_the_first_request_like_a_fresh_worker(
             base_url=f"{state['gateway_url']}/v1", api_key="key-a", max_retries=0, timeout=120
         )
         got = client.completions.create(model="t/fa", prompt=PROMPT, max_tokens=8, temperature=0)
+        # the controller writes the cold start into the status on the round after the bound event: the
+        # answer can come back first (seen in CI)
+        _wait(
+            "the cold start in the status", lambda: r.hget("lorafn:fn:t/fa:status", "last_cold_path"), 30, up
+        )
         status = r.hgetall("lorafn:fn:t/fa:status")
         assert status.get("last_cold_path") == "standby", status
         bound = {w: h for w, h in _workers(r).items() if h.get("function") == "t/fa"}
