@@ -283,7 +283,9 @@ def max_rank(expands: tuple[Expand | None, ...] | Expand | None) -> int:
     return max((e.rank for e in expands or () if e is not None), default=0)
 
 
-def _lora_args(expand: Expand | None, like: torch.Tensor) -> tuple:
+def lora_args(expand: Expand | None, like: torch.Tensor) -> tuple:
+    """(t, b_t, t's row stride, offset, rank): a kernel's expand arguments; without an expand, `like` as
+    both pointers and rank 0 (every load of a rank-0 expand is masked off: nothing is read)."""
     if expand is None:
         return like, like, 0, 0, 0
     return expand.t, expand.b_t, expand.t.stride(0), expand.offset, expand.rank
@@ -312,9 +314,9 @@ def rope_lora_kv(
     ko = torch.empty(tokens, num_kv_heads, head_dim, device=q.device, dtype=q.dtype)
     vo = torch.empty_like(ko)
     eq, ek, ev = lora if lora is not None else (None, None, None)
-    tq, bq, stq, oq, rq = _lora_args(eq, q)
-    tk, bk, stk, ok, rk = _lora_args(ek, q)
-    tv, bv, stv, ov, rv = _lora_args(ev, q)
+    tq, bq, stq, oq, rq = lora_args(eq, q)
+    tk, bk, stk, ok, rk = lora_args(ek, q)
+    tv, bv, stv, ov, rv = lora_args(ev, q)
     half = head_dim // 2
     _rope_lora_kv_kernel[(tokens, num_heads + num_kv_heads)](
         q,
@@ -400,8 +402,8 @@ def silu_mul_lora(
     tokens, n = gate.shape
     out = torch.empty(tokens, n, device=gate.device, dtype=gate.dtype)
     eg, eu = lora if lora is not None else (None, None)
-    tg, bg, stg, og, rg = _lora_args(eg, gate)
-    tu, bu, stu, ou, ru = _lora_args(eu, gate)
+    tg, bg, stg, og, rg = lora_args(eg, gate)
+    tu, bu, stu, ou, ru = lora_args(eu, gate)
     block = 1024 if lora is None else 256  # with expands: more programs, each reading fewer B rows
     _silu_mul_lora_kernel[(tokens, triton.cdiv(n, block))](
         gate,

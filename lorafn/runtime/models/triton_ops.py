@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafn.runtime.models.fused_decode import Expand, lora_add_tile
+from lorafn.runtime.models.fused_decode import Expand, lora_add_tile, lora_args
 
 
 @triton.jit
@@ -89,9 +89,7 @@ def add_rms_norm(
     res = torch.empty_like(h)
     out = torch.empty_like(h)
     n = h.shape[-1]
-    t, b_t, stride_t, off, rank = (
-        (lora.t, lora.b_t, lora.t.stride(0), lora.offset, lora.rank) if lora else (h, h, 0, 0, 0)
-    )
+    t, b_t, stride_t, off, rank = lora_args(lora, h)
     _add_rms_norm_kernel[(h.shape[0],)](
         h,
         delta,
