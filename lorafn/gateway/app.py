@@ -43,7 +43,15 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
         # the batch runner (docs/batch.md): active in one gateway of the deployment (a Redis lease)
         batch_runner = BatchRunner(gw)
         runner = asyncio.create_task(batch_runner.run()) if settings.batch_runner else None
+        # tokenizers and the key salt loaded before a function's first request needs them
+        warm = None
+        if settings.keep_warm_s:
+            warm = asyncio.create_task(gw.admitter.keep_warm(settings.keep_warm_s))
         yield
+        if warm is not None:
+            warm.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await warm
         if runner is not None:
             runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -18,6 +18,8 @@ def serve(
     key_prefix: str = typer.Option(None, "--key-prefix", help="env LORAFN_KEY_PREFIX (default lorafn)"),
 ) -> None:
     """Serve the HTTP API until SIGINT/SIGTERM."""
+    import logging
+
     import uvicorn
 
     from lorafn.gateway.app import create_app
@@ -26,4 +28,9 @@ def serve(
 
     overrides = {k: v for k, v in locals().items() if v is not None and k not in ("uvicorn",)}
     settings = GatewaySettings(**{k: v for k, v in overrides.items() if k in GatewaySettings.model_fields})
+    # the gateway's own lines (one per request, warnings) at the configured level; uvicorn's loggers
+    # keep their own handlers
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     uvicorn.Server(uvicorn_config(create_app(settings), settings)).run()

@@ -49,6 +49,15 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.phases = Histogram(
+            "lorafn_gateway_request_phase_seconds",
+            "an invocation's stages: admission (received -> enqueued: auth, tokenizing, admit), accept "
+            "(enqueued -> a worker's accepted), first_delta (accepted -> its first token); start: "
+            "cold (no live worker at admission) or warm",
+            ["phase", "start"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.errors = Counter(
             "lorafn_gateway_errors",
             "error answers by error code (also mid-stream errors)",

@@ -35,6 +35,15 @@ log = logging.getLogger("lorafn.gateway")
 # how often a non-streamed request checks whether its client is still there
 DISCONNECT_POLL_S = 0.2
 
+# a request's stage marks (Job.marks), in the order they happen
+MARKS = ("authorized", "prepared", "enqueued", "accepted", "first_delta", "first_text", "done")
+# the histogram's phases: (name, from mark, to mark)
+PHASES = (
+    ("admission", "received", "enqueued"),
+    ("accept", "enqueued", "accepted"),
+    ("first_delta", "accepted", "first_delta"),
+)
+
 
 def client_gone() -> APIError:
     return APIError(
@@ -166,6 +175,9 @@ class Relay:
                     continue
                 if isinstance(event, Accepted):
                     accepted = True
+                    job.marks.setdefault("accepted", time.monotonic())
+                elif isinstance(event, Delta) and event.tokens:
+                    job.marks.setdefault("first_delta", time.monotonic())
                 yield event
                 if isinstance(event, Done | Error):
                     return
@@ -181,6 +193,7 @@ class Relay:
         sent = ""  # text given to the caller
         replay: str | None = None  # text of the restarted attempt, while it is still behind `sent`
         ended = False  # the worker ended the request (done/error): nothing to clean up
+        outcome = "gone"  # for the request's log line: the finish reason, or the error's code
         try:
             async for event in self.events(job):
                 if isinstance(event, Restart) and not streaming:
@@ -193,7 +206,7 @@ class Relay:
                     if replay is None:
                         if text:
                             if job.first_text_at is None:
-                                job.first_text_at = time.monotonic()
+                                job.first_text_at = job.marks["first_text"] = time.monotonic()
                                 self.metrics.ttft.labels(self.metrics.function(job.function)).observe(
                                     job.first_text_at - job.t0
                                 )
@@ -212,18 +225,48 @@ class Relay:
                     yield rest, None
                 elif isinstance(event, Done):
                     ended = True
+                    outcome = event.finish_reason
                     if replay is not None and replay != sent:
+                        outcome = "restart_diverged"
                         raise self._diverged()
+                    job.marks["done"] = time.monotonic()
                     yield "", event
                     return
                 elif isinstance(event, Error):
                     ended = True
+                    outcome = event.code
                     raise self._worker_error(event)
         except UNAVAILABLE_ERRORS:
+            outcome = "redis_unavailable"
             raise redis_unavailable() from None
+        except APIError as e:
+            outcome = e.code or str(e.status)
+            raise
         finally:
+            self.finished(job, outcome)
             if not ended:  # the client went away, a timeout, a divergence: drop the entry and replies
                 await self.cancel(job)
+
+    def finished(self, job: Job, outcome: str) -> None:
+        """The request's stage times: a log line (key=value, ms since it was received; benchmarks parse
+        it) and the phase histograms. Only for requests that came through the routes (`received`)."""
+        marks = job.marks
+        received = marks.get("received")
+        if received is None:
+            return
+        start = "cold" if job.cold else "warm"
+        for phase, begin, end in PHASES:
+            if begin in marks and end in marks:
+                self.metrics.phases.labels(phase, start).observe(max(0.0, marks[end] - marks[begin]))
+        if not self.settings.request_log:
+            return
+        stages = " ".join(
+            f"{name}_ms={(marks[name] - received) * 1000:.1f}" for name in MARKS if name in marks
+        )
+        log.info(
+            "request rid=%s function=%s start=%s outcome=%s %s restarts=%d",
+            job.request_id, job.function, start, outcome, stages, job.restarts,
+        )  # fmt: skip
 
     async def collect(self, job: Job) -> tuple[str, Done]:
         """The whole answer of a non-streamed request and its `Done` event."""

@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import secrets
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -102,8 +103,11 @@ async def _run(
     prompt: str | list[int] | None,
     messages: list[schemas.ChatMessage] | None,
     kind: Kind,
+    received: float,
 ) -> Response:
-    """The one path of every invocation, once the function is authorized and the body validated."""
+    """The one path of every invocation, once the function is authorized and the body validated.
+    `received`: when the route began (time.monotonic()), the first of the request's stage marks."""
+    marks = {"received": received, "authorized": time.monotonic()}
     # tokenizing and the chat template are CPU work: in a thread, so the event loop keeps serving
     body, num_prompt = await asyncio.to_thread(
         functools.partial(
@@ -117,7 +121,8 @@ async def _run(
             max_bytes_per_token=gw.settings.max_prompt_bytes_per_token,
         )
     )
-    job = await gw.admitter.submit(info, body, num_prompt)
+    marks["prepared"] = time.monotonic()
+    job = await gw.admitter.submit(info, body, num_prompt, marks)
     if req.stream:
         # the native form always reports usage; OpenAI clients ask for it with stream_options
         include_usage = kind == "invoke" or bool(req.stream_options and req.stream_options.include_usage)
@@ -134,11 +139,12 @@ async def _run(
     summary="OpenAI completions (stream: true for server-sent events)",
 )
 async def completions(request: Request) -> Response:
+    received = time.monotonic()
     gw = gateway_of(request)
     body = await _json_body(request)
     info = await gw.admitter.authorize(bearer(request.headers.get("authorization")), _function_of(body))
     req = _validate(schemas.CompletionRequest, body)
-    return await _run(request, gw, info, req, req.prompt, None, "completion")
+    return await _run(request, gw, info, req, req.prompt, None, "completion", received)
 
 
 @router.post(
@@ -148,11 +154,12 @@ async def completions(request: Request) -> Response:
     summary="OpenAI chat completions (the backbone's chat template)",
 )
 async def chat_completions(request: Request) -> Response:
+    received = time.monotonic()
     gw = gateway_of(request)
     body = await _json_body(request)
     info = await gw.admitter.authorize(bearer(request.headers.get("authorization")), _function_of(body))
     req = _validate(schemas.ChatCompletionRequest, body)
-    return await _run(request, gw, info, req, None, req.messages, "chat")
+    return await _run(request, gw, info, req, None, req.messages, "chat", received)
 
 
 @router.post(
@@ -162,6 +169,7 @@ async def chat_completions(request: Request) -> Response:
     summary="Native invocation: text, usage and timing (cold start or warm)",
 )
 async def invoke(namespace: str, name: str, request: Request) -> Response:
+    received = time.monotonic()
     gw = gateway_of(request)
     try:
         function = str(FunctionRef(namespace=namespace, name=name))
@@ -169,7 +177,7 @@ async def invoke(namespace: str, name: str, request: Request) -> Response:
         raise bad_request(f"path: {e.errors()[0]['msg'].removeprefix('Value error, ')}", "path") from None
     info = await gw.admitter.authorize(bearer(request.headers.get("authorization")), function)
     req = _validate(schemas.InvokeRequest, await _json_body(request))
-    return await _run(request, gw, info, req, req.prompt, req.messages, "invoke")
+    return await _run(request, gw, info, req, req.prompt, req.messages, "invoke", received)
 
 
 @router.get("/v1/models", response_model=schemas.ModelList, summary="Functions this key may invoke")

@@ -58,6 +58,17 @@ class GatewaySettings(SharedSettings):
         description="label /metrics by function name (it needs no key: off, names are not listed)",
     )
     log_level: str = "info"
+    request_log: bool = Field(
+        default=True,
+        description="log one line per invocation: received -> authorized -> enqueued -> accepted -> first "
+        "delta -> done (ms)",
+    )
+    keep_warm_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="how often registered backbones' tokenizers are loaded ahead of their first request; "
+        "0: never (a function's first request loads it)",
+    )
 
     # offline batches (the OpenAI Files and Batch API; docs/batch.md)
     files_dir: Path | None = Field(

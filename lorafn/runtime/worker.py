@@ -101,6 +101,8 @@ class ServingConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     # fields read again at every heartbeat (the worker's memory, which grows with use)
     live_fields: Callable[[], dict[str, Any]] | None = None
+    # one INFO line per finished request with where its time went (`request_timing`)
+    request_log: bool = True
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -123,6 +125,31 @@ class _Running:
     entry_id: str
     completion_tokens: int = 0
     arrival_ms: float = 0.0  # when the gateway enqueued it (the entry id's server time)
+    # where the request's time went (`request_timing`): unix ms for what compares with the entry id
+    # (Redis's clock), the loop's clock for the durations inside this worker
+    read_ms: float = 0.0  # unix ms the worker read it
+    read_at: float = 0.0
+    first_step_at: float | None = None  # the first engine step that could prefill it began
+    first_token_at: float | None = None  # the step that gave its first token ended
+    first_sent_ms: float | None = None  # unix ms its first delta went out (the pipeline after that step)
+    steps: int = 0  # engine steps until its first token (> 1: chunked, or admission ran decodes only)
+    first_of_worker: bool = False  # the first request this worker took (a cold start's request)
+
+
+def request_timing(run: _Running, done_ms: float) -> dict[str, float]:
+    """Where one finished request spent its time, in ms: `queued` (enqueued -> read by the worker),
+    `held` (read -> the first engine step that could prefill it: fill or expire, GPU admission),
+    `prefill` (that step's start -> its first token), `first_token` (enqueued -> its first delta sent),
+    `total` (enqueued -> done). Pure; a stage the request never reached is left out."""
+    out = {"queued": max(0.0, run.read_ms - run.arrival_ms)}
+    if run.first_step_at is not None:
+        out["held"] = max(0.0, (run.first_step_at - run.read_at) * 1000)
+        if run.first_token_at is not None:
+            out["prefill"] = max(0.0, (run.first_token_at - run.first_step_at) * 1000)
+    if run.first_sent_ms is not None:
+        out["first_token"] = max(0.0, run.first_sent_ms - run.arrival_ms)
+    out["total"] = max(0.0, done_ms - run.arrival_ms)
+    return out
 
 
 def entry_ms(entry_id: str) -> float:
@@ -155,6 +182,9 @@ class Worker:
         self._last_busy = clock()
         self._progress_at = clock()  # the loop's last iteration: the heartbeat thread reads it
         self.served = 0
+        self._taken = 0  # requests admitted (the first one is the cold start's)
+        self._first_out: list[_Running] = []  # first deltas queued in `_events`, not yet sent
+        self._done_out: list[tuple[_Running, str, int, int]] = []  # finished, logged once sent
         self.batching = Batching(store, keys, self.worker_id, self.function, config.batching, clock=clock)
 
     # -- public ---------------------------------------------------------------------------------
@@ -235,6 +265,8 @@ class Worker:
                         self.running.clear()
                         self._events.clear()
                         self._acks.clear()
+                        self._first_out.clear()
+                        self._done_out.clear()
                     if self._draining:
                         return 0
                     time.sleep(min(2.0, 0.1 + (self.clock() - outage_since) / 4))
@@ -338,6 +370,27 @@ class Worker:
 
     def _sent(self) -> None:
         self._events, self._acks, self._counters = [], [], {}
+        if self._first_out or self._done_out:
+            now_ms = time.time() * 1000
+            for run in self._first_out:
+                run.first_sent_ms = now_ms
+            self._first_out = []
+            for run, reason, prompt, completion in self._done_out:
+                self._log_request(run, reason, prompt, completion, now_ms)
+            self._done_out = []
+
+    def _log_request(self, run: _Running, reason: str, prompt: int, completion: int, done_ms: float) -> None:
+        """One line per finished request (key=value: benchmarks parse it; see `request_timing`)."""
+        if not self.config.request_log:
+            return
+        timing = request_timing(run, done_ms)
+        log.info(
+            "request rid=%s function=%s finish=%s %s steps=%d prompt_tokens=%d completion_tokens=%d "
+            "first_of_worker=%d",
+            run.request_id, self.function, reason,
+            " ".join(f"{k}_ms={v:.1f}" for k, v in timing.items()),
+            run.steps, prompt, completion, int(run.first_of_worker),
+        )  # fmt: skip
 
     def _flush(self) -> None:
         ops = self._pending_ops()
@@ -381,6 +434,12 @@ class Worker:
                 self._read(block_ms=None)
                 return
         started = time.perf_counter()
+        step_at = self.clock()
+        for run in self.running.values():
+            if run.first_token_at is None:
+                run.steps += 1
+                if run.first_step_at is None and allow_prefill:
+                    run.first_step_at = step_at
         try:
             deltas = self.engine.step() if allow_prefill else self.engine.step(allow_prefill=False)
             if not allow_prefill and not deltas:  # its decodes were recomputes (preempted): wait too
@@ -403,11 +462,15 @@ class Worker:
         step = getattr(self.engine, "last_step", None)
         pending = getattr(self.engine, "num_pending_prefills", 0)
         self.batching.after_step(step, (time.perf_counter() - started) * 1000, self.running, pending)
+        step_end = self.clock()
         for delta in deltas:
             run = self.running.get(delta.request_id)
             if run is None:
                 continue
             num_tokens = len(delta.token_ids)
+            if num_tokens and run.first_token_at is None:
+                run.first_token_at = step_end
+                self._first_out.append(run)
             if delta.text or num_tokens:
                 run.completion_tokens += num_tokens
                 self._events.append((run.request_id, Delta(text=delta.text, tokens=num_tokens)))
@@ -423,6 +486,7 @@ class Worker:
                 )
                 self._counters["prompt_tokens"] = self._counters.get("prompt_tokens", 0) + delta.prompt_tokens
                 self._counters["completion_tokens"] = self._counters.get("completion_tokens", 0) + completion
+                self._done_out.append((run, delta.finish_reason or "stop", delta.prompt_tokens, completion))
                 del self.running[run.request_id]
                 self.served += 1
         self._read(block_ms=None)
@@ -467,7 +531,9 @@ class Worker:
             return
         if rid in self.running:
             return
-        run = _Running(rid, entry_id, arrival_ms=entry_ms(entry_id))
+        run = _Running(
+            rid, entry_id, arrival_ms=entry_ms(entry_id), read_ms=time.time() * 1000, read_at=self.clock()
+        )
         try:
             deadline = int(fields.get("deadline") or 0)
         except ValueError:
@@ -495,6 +561,8 @@ class Worker:
         except ValueError as e:
             self._end(run, Error(code="invalid_request", message=str(e)))
             return
+        run.first_of_worker = self._taken == 0
+        self._taken += 1
         self.running[rid] = run
 
     def _claim_dead(self) -> None:
@@ -631,6 +699,10 @@ class WorkerSettings(SharedSettings):
         ge=1,
         description="the device's prefill budget (admission): prompt tokens its workers prefill at once "
         "(two full engine steps: a tight function can always start beside one long step)",
+    )
+    request_log: bool = Field(
+        default=True,
+        description="log one line per finished request: queued, held, prefill and first-token ms",
     )
     log_level: str = "INFO"
 
@@ -772,6 +844,7 @@ def serving_config(
             shape=fields.get("shape", ""),
         ),
         live_fields=lambda: placement_fields(settings, engine),
+        request_log=settings.request_log,
     )
 
 
