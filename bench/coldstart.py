@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -81,21 +82,44 @@ def prompt_of(tokens: int) -> str:
     return " ".join(words[i % len(words)] for i in range(tokens))
 
 
-def ttft_ms(base_url: str, key: str, function: str, prompt: str, max_tokens: int, timeout: float) -> float:
+def ttft_ms(
+    base_url: str, key: str, function: str, prompt: str, max_tokens: int, timeout: float
+) -> tuple[float, str]:
+    """(the client's TTFT in ms, the request id the gateway gave it: its log lines carry it)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key=key, timeout=timeout, max_retries=0)
     t0 = time.perf_counter()
     first = None
+    rid = ""
     stream = client.completions.create(
         model=function, prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0
     )
     for chunk in stream:
+        rid = rid or chunk.id.removeprefix("cmpl-")
         if first is None and chunk.choices and chunk.choices[0].text:
             first = time.perf_counter()
     if first is None:
         raise RuntimeError(f"{function}: no text")
-    return (first - t0) * 1000
+    return (first - t0) * 1000, rid
+
+
+def request_stages(logs: Path, rid: str) -> dict[str, float]:
+    """One request's stages from the processes' own lines (`request rid=... key=value`): the gateway's
+    (`gw_<stage>_ms`, ms since it received the request) and the worker's (`wk_<stage>_ms`: queued, held,
+    prefill, first_token, total; `wk_first_of_worker`)."""
+    out: dict[str, float] = {}
+    for path in sorted(logs.glob("*.log")):
+        prefix = "gw_" if path.name.startswith("gateway") else "wk_" if path.name.startswith("worker") else ""
+        if not prefix:
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if f"request rid={rid} " not in line:
+                continue
+            for key, value in re.findall(r"(\w+)=(\S+)", line):
+                if key.endswith("_ms") or key == "first_of_worker":
+                    out[prefix + key] = float(value)
+    return out
 
 
 def no_share_ms(model: Path, adapter: Path, device: str, prompt: str) -> float:
@@ -174,6 +198,29 @@ class Platform:
                     return
             time.sleep(0.5)
         raise RuntimeError(f"no standby of {backbone} prepared for {shape} came up in {timeout_s} s")
+
+    def wait_pool_settled(self, backbone: str, timeout_s: float = 300, quiet_s: float = 2.0) -> None:
+        """Until the backbone's standbys are as many as the controller's pool target and nothing new has
+        started for `quiet_s`: a standby still warming up (forwards, graphs) runs beside the warm requests
+        and inflates them (on the 2-core CPU VM the warm rows read 0.6-1.2 s beside a 3 s warm-up)."""
+        deadline = time.monotonic() + timeout_s
+        logs = self.state_dir / "logs"
+        seen, stable_since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            pool = self.redis.hgetall("lorafn:pool")  # `<gpu>|<backbone>|<shape>` -> standbys wanted
+            target = sum(int(v) for k, v in pool.items() if k.split("|")[1:2] == [backbone])
+            ready = sum(
+                1
+                for h in self.workers().values()
+                if h.get("state") == "standby" and h.get("backbone") == backbone
+            )
+            started = len(list(logs.glob("worker_*.log")))
+            if started != seen:
+                seen, stable_since = started, time.monotonic()
+            if ready >= target and time.monotonic() - stable_since >= quiet_s:
+                return
+            time.sleep(0.25)
+        print(f"the pool of {backbone} did not settle within {timeout_s} s; measuring anyway", flush=True)
 
     def wait_preloaded(self, function: str, timeout_s: float = 60) -> bool:
         """Until a standby heartbeats that it holds `function`'s adapter (the controller's pre-loading)."""
@@ -291,9 +338,10 @@ def main() -> None:
         url = platform.state["gateway_url"]
         rows: dict[str, dict[str, Any]] = {}
         if not args.density_only:
-            t = ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
+            t, rid = ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
             rows["standby"] = {
                 "ttft_ms": t,
+                "rid": rid,
                 **platform.cold_timeline("bench/warmfn"),
                 **platform.status("bench/warmfn"),
             }
@@ -301,19 +349,28 @@ def main() -> None:
             # the pool's refill warms up after the bind (forward passes, graphs): let it finish, or it runs
             # beside the warm requests and inflates them
             platform.wait_standby("pooled", validate_adapter(adapters[0], model).shape_key)
+            platform.wait_pool_settled("pooled")
             warm = [
                 ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
                 for _ in range(args.repeats)
             ]
-            rows["warm"] = {"ttft_ms": statistics.median(warm), "all_ms": warm}
+            median = sorted(warm)[len(warm) // 2]
+            rows["warm"] = {
+                "ttft_ms": statistics.median(t for t, _ in warm),
+                "all_ms": [t for t, _ in warm],
+                "rid": median[1],
+            }
             print("warm", rows["warm"], flush=True)
-            t = ttft_ms(url, "k-fresh", "bench/freshfn", prompt, args.max_tokens, 600)
-            rows["fresh"] = {"ttft_ms": t, **platform.status("bench/freshfn")}
+            t, rid = ttft_ms(url, "k-fresh", "bench/freshfn", prompt, args.max_tokens, 600)
+            rows["fresh"] = {"ttft_ms": t, "rid": rid, **platform.status("bench/freshfn")}
             print("fresh", rows["fresh"], flush=True)
         if args.density:
             rows["density"] = density(platform, workdir, adapters[2], args, prompt)
     finally:
         platform.stop()
+    for row in rows.values():  # the processes' own lines, complete once they stopped
+        if row.get("rid"):
+            row.update(request_stages(platform.state_dir / "logs", row["rid"]))
     if not args.skip_no_share and not args.density_only:
         rows["no-share"] = {"ttft_ms": no_share_ms(model, adapters[0], args.device, prompt)}
     results["rows"] = rows
@@ -345,6 +402,7 @@ def main() -> None:
             "standby timeline (Redis clock): "
             + ", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} {st[k]:.0f} ms" for k in parts if k in st)
         )
+    print(stage_table(rows))
     print("target (issue 10): standby cold start <= 1.15 x warm TTFT")
     if "density" in rows:
         d = rows["density"]
@@ -357,6 +415,31 @@ def main() -> None:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+
+
+GATEWAY_STAGES = ("authorized", "prepared", "enqueued", "accepted", "first_delta", "first_text", "done")
+WORKER_STAGES = ("queued", "held", "prefill", "first_token")
+
+
+def stage_table(rows: dict[str, dict[str, Any]]) -> str:
+    """Each row's request as its processes logged it: the gateway's stages (ms since it received the
+    request) and the worker's (queued = enqueued -> read, held = read -> first step, prefill = that step
+    -> first token, first token = enqueued -> first delta sent); the client's TTFT beside them."""
+    names = [n for n in ("warm", "standby", "fresh") if n in rows and "gw_done_ms" in rows[n]]
+    if not names:
+        return "(no per-request lines found in the logs)"
+    cols = [f"gw {s}" for s in GATEWAY_STAGES] + [f"wk {s}" for s in WORKER_STAGES]
+    lines = [
+        "per-request stages (ms; gateway: since received; worker: see bench docstring)",
+        f"{'path':<10}{'client':>8}" + "".join(f"{c:>15}" for c in cols),
+    ]
+    for n in names:
+        r = rows[n]
+        vals = [r.get(f"gw_{s}_ms") for s in GATEWAY_STAGES] + [r.get(f"wk_{s}_ms") for s in WORKER_STAGES]
+        lines.append(
+            f"{n:<10}{r['ttft_ms']:>8.1f}" + "".join(f"{'' if v is None else f'{v:.1f}':>15}" for v in vals)
+        )
+    return "\n".join(lines)
 
 
 def density(

@@ -683,6 +683,15 @@ class WorkerSettings(SharedSettings):
         description="CUDA per-thread stack limit in bytes (~200 MiB less per H100 context than the "
         "driver's 1024; a kernel that needs more grows it)",
     )
+    cublas_workspace_kib: int | None = Field(
+        default=1024,
+        ge=0,
+        description="cuBLAS (and cuBLASLt) workspace per stream in KiB, set before the worker's first "
+        "cuBLAS call (CUBLAS_WORKSPACE_CONFIG, CUBLASLT_WORKSPACE_SIZE; either variable already in the "
+        "environment wins). torch's default on an H100 is 32 MiB for each library and stream (~160 MiB of a "
+        "worker, docs/benchmarks.md); decode steps run Triton kernels, so cuBLAS runs only prefill GEMMs, "
+        "where split-K matters little. None: torch's default",
+    )
     spawned_at_ms: int | None = Field(
         default=None, description="unix ms when the process was asked for (a fresh cold start's clock)"
     )
@@ -716,6 +725,9 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
 
         # CPU threads matter little to a GPU worker, and many workers on one host oversubscribe it
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+        # before the first cuBLAS call: torch reads these once, when it makes the first workspace
+        for name, value in cublas_workspace_env(settings.cublas_workspace_kib).items():
+            os.environ.setdefault(name, value)
 
     model = settings.model or (record.model_dir if record else "")
     adapter = settings.adapter or (record.adapter_dir if record else "") or None
@@ -742,6 +754,16 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
             cuda_stack_bytes=settings.cuda_stack_bytes,
         )
     )
+
+
+def cublas_workspace_env(kib: int | None) -> dict[str, str]:
+    """The environment that gives cuBLAS and cuBLASLt a `kib` KiB workspace each (per handle and stream,
+    as torch allocates them); {} for None (torch's default). Pure."""
+    if kib is None:
+        return {}
+    if isinstance(kib, bool) or not isinstance(kib, int) or kib < 0:
+        raise ValueError(f"cublas_workspace_kib: must be an integer >= 0 or None, got {kib!r}")
+    return {"CUBLAS_WORKSPACE_CONFIG": f":{kib}:1", "CUBLASLT_WORKSPACE_SIZE": str(kib)}
 
 
 def _load_factory(path: str) -> Any:

@@ -51,3 +51,19 @@ def test_serve_without_a_function_is_one_clear_error(monkeypatch: pytest.MonkeyP
     res = CliRunner().invoke(app, ["worker", "serve", "--redis-url", "redis://x:1/0"])
     assert res.exit_code == 2
     assert "--function (or LORAFN_FUNCTION) is required" in res.output
+
+
+def test_gpu_workers_get_a_small_cublas_workspace_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert WorkerSettings().cublas_workspace_kib == 1024
+    assert worker.cublas_workspace_env(1024) == {
+        "CUBLAS_WORKSPACE_CONFIG": ":1024:1",
+        "CUBLASLT_WORKSPACE_SIZE": "1024",
+    }
+    assert worker.cublas_workspace_env(None) == {}  # torch's own default
+    monkeypatch.setenv("LORAFN_CUBLAS_WORKSPACE_KIB", "0")
+    assert (
+        worker.cublas_workspace_env(WorkerSettings().cublas_workspace_kib)["CUBLAS_WORKSPACE_CONFIG"]
+        == ":0:1"
+    )
+    with pytest.raises(ValueError, match="cublas_workspace_kib"):
+        worker.cublas_workspace_env(-1)
