@@ -14,6 +14,8 @@ Variants (environment or driver limits set before CUDA starts; each is a candida
   small-stack       cuCtxSetLimit(STACK_SIZE=256) right after the context exists (local memory
                     reserved per resident thread shrinks; kernels needing more grow it on launch)
   small-cublas-ws   CUBLAS_WORKSPACE_CONFIG=:0:0 and CUBLASLT_WORKSPACE_SIZE=0 (no split-K workspace)
+  cublas-ws-1mib    the worker's default workspace (WorkerSettings.cublas_workspace_kib = 1024 KiB)
+  worker-default    what a GPU worker starts with now: stack 256 B + the 1 MiB cuBLAS workspace
   expandable        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (no rounding to 2 MiB blocks)
   all-savings       small-stack + small-cublas-ws + expandable
 """
@@ -26,8 +28,15 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lorafn.runtime.worker import WorkerSettings, cublas_workspace_env
 
 MiB = 1 << 20
+# the environment a GPU worker sets before its first cuBLAS call (lorafn.runtime.worker.default_engine)
+WORKER_CUBLAS = cublas_workspace_env(WorkerSettings.model_fields["cublas_workspace_kib"].default)
 
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
@@ -35,6 +44,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "small-stack": {"LORAFN_BENCH_STACK": "256"},
     "small-cublas-ws": {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"},
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "cublas-ws-1mib": WORKER_CUBLAS,
+    "worker-default": {"LORAFN_BENCH_STACK": "256", **WORKER_CUBLAS},
     "all-savings": {
         "LORAFN_BENCH_STACK": "256",
         "CUBLAS_WORKSPACE_CONFIG": ":0:0",
