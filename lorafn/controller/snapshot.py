@@ -134,6 +134,18 @@ class SnapshotReader:
             lora = lora_bytes(parse_shape_key(shape), cfg, backbone.dtype)
         return self.overhead_bytes + self.sizing.default_kv_bytes + lora
 
+    def standby_kv_bytes(self, mem_bytes: int, shape: str | None, backbone: str) -> int:
+        """The KV budget of a standby granted `mem_bytes`: the planner sizes a standby to take the largest
+        cold function of its shape (planner.standby_bytes), so its KV cache is the grant less the overhead
+        and the shape's LoRA buffers, never below the default, in whole MiB (what `--kv-budget-mib`
+        carries; rounded up, so that the standby holds every function it was sized for)."""
+        record = self.backbone_records.get(backbone)
+        default = self.sizing.default_kv_bytes
+        if record is None:
+            return default
+        rest = self.standby_bytes(shape, record) - default
+        return _whole_mib(max(default, mem_bytes - rest))
+
     # -- the snapshot ----------------------------------------------------------------------------
     def read(self, gpus: list[GPU], starting: list[Worker], costs: Costs | None = None) -> Snapshot:
         """One round's view. `gpus`: the inventory (the caller knows its devices); `starting`: workers
@@ -154,7 +166,7 @@ class SnapshotReader:
                 combine(*(stats.arrivals(keys, f, now_s, ARRIVAL_WINDOW_S) for f in fn_names)),
             )
         )
-        live_workers, overhead_reports = self.live_workers({g.id for g in gpus})
+        live_workers, overhead_reports, kv_reports = self.live_workers({g.id for g in gpus})
         self.overhead_bytes = learned_overhead(overhead_reports, self.sizing.worker_overhead_bytes)
         self.problems = {}
         self.sizes = {}
@@ -230,7 +242,13 @@ class SnapshotReader:
         live = []
         for w in live_workers:
             size = self.sizes.get(w.function or "")
-            estimate = size.mem_bytes if size is not None else costs.standby_bytes_for(w.shape)
+            if size is not None:
+                estimate = size.mem_bytes
+            else:
+                # a standby granted a larger KV budget than the default (sized for the largest cold function
+                # of its shape) counts it, or it would never look big enough to take that function
+                kv = _whole_mib(kv_reports.get(w.id, 0))
+                estimate = costs.standby_bytes_for(w.shape) + max(0, kv - self.sizing.default_kv_bytes)
             live.append(dataclasses.replace(w, mem_bytes=max(w.mem_bytes, estimate)))
         seen = {w.id for w in live}
         all_workers = live + [w for w in starting if w.id not in seen]
@@ -239,10 +257,10 @@ class SnapshotReader:
             functions=tuple(functions), costs=costs,
         )  # fmt: skip
 
-    def live_workers(self, gpu_ids: set[str]) -> tuple[list[Worker], list[int]]:
+    def live_workers(self, gpu_ids: set[str]) -> tuple[list[Worker], list[int], dict[str, int]]:
         """Workers whose heartbeat is fresh, as the policy sees them (those on unknown GPUs are left out),
-        and the overheads the GPU workers among them report (whole process by the driver's count, minus
-        their KV cache and LoRA tensors: `learned_overhead`'s input)."""
+        the overheads the GPU workers among them report (whole process by the driver's count, minus
+        their KV cache and LoRA tensors: `learned_overhead`'s input), and each one's KV cache bytes."""
         store, keys = self.store, self.keys
         ids = store.run(workers.worker_ids(keys))
         info = store.run(workers.worker_info(keys, ids)) if ids else {}
@@ -250,6 +268,7 @@ class SnapshotReader:
         ttl_ms = self.heartbeat_ttl_s * 1000
         out = []
         overhead_reports: list[int] = []
+        kv_reports: dict[str, int] = {}
         for wid, h in sorted(info.items()):
             if now_ms - int(h.get("heartbeat") or now_ms) > ttl_ms:
                 continue
@@ -268,6 +287,8 @@ class SnapshotReader:
                         - int(h.get("kv_bytes") or 0)
                         - int(h.get("lora_bytes") or 0)
                     )
+            with contextlib.suppress(ValueError):
+                kv_reports[wid] = int(h.get("kv_bytes") or 0)
             if policy_state == "standby":
                 function = None
             elif policy_state == "bound" and not function:
@@ -290,7 +311,11 @@ class SnapshotReader:
                     preloaded=(h.get("preloaded") or None) if policy_state == "standby" else None,
                 )
             )
-        return out, overhead_reports
+        return out, overhead_reports, kv_reports
+
+
+def _whole_mib(n: int) -> int:
+    return -(-int(n) // MiB) * MiB
 
 
 def default_sizing(device: str) -> SizingConfig:

@@ -230,8 +230,13 @@ class LocalPlatform:
 
     def _kv_budget(self, action: Start) -> int:
         assert self.controller is not None
-        size = self.controller.reader.sizes.get(action.function or "")
-        return size.kv_bytes if size is not None else self.sizing.default_kv_bytes
+        reader = self.controller.reader
+        size = reader.sizes.get(action.function or "")
+        if size is not None:
+            return size.kv_bytes
+        # a standby: its KV is what its grant holds beyond the rest (the planner sized it for the largest
+        # cold function of its shape; with the default KV it could never take a function of a larger budget)
+        return reader.standby_kv_bytes(action.mem_bytes, action.shape, action.backbone)
 
     def sync_backbones(self) -> None:
         """Start a backbone server for each registered backbone and device that has none."""

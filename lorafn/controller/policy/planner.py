@@ -150,8 +150,17 @@ class PoolProblem:
     info: Mapping[tuple, tuple[str, str | None, int]]  # item key -> (backbone, shape, bytes)
 
 
-def standby_bytes(costs: Costs, cold: ColdDemand, key: Key) -> int:
-    return max(costs.standby_bytes_for(key[1]), cold.max_mem.get(key, 0))
+def standby_bytes(snapshot: Snapshot, cold: ColdDemand, key: Key) -> int:
+    """A standby kept for ``key`` = (backbone, shape): big enough for every registered function of that
+    shape (with a KV budget above the default a function could never take a default-sized standby: found
+    on the H100 replay, where every cold start spawned a process), and for the cold ones of any shape
+    when ``key``'s shape is None."""
+    backbone, shape = key
+    registered = max(
+        (f.mem_bytes for f in snapshot.functions if f.backbone == backbone and shape in (None, f.shape)),
+        default=0,
+    )
+    return max(snapshot.costs.standby_bytes_for(shape), cold.max_mem.get(key, 0), registered)
 
 
 def pool_problem(
@@ -185,7 +194,7 @@ def pool_problem(
         for shape in shapes:
             key = (b.name, shape)
             saving = costs.bind_saving_s(prepared=True)
-            size = standby_bytes(costs, cold, key)
+            size = standby_bytes(snapshot, cold, key)
             current = sorted(
                 (w for w in incumbents.get(key, ()) if w.mem_bytes >= size and w.gpu in gpus), key=_keep_order
             )
@@ -240,7 +249,6 @@ def plan_pool(
         keep.update(w.id for w in fitting[:n])
 
     # The floor: min_standby_per_gpu per backbone and GPU, existing standbys first (no churn).
-    costs = snapshot.costs
     by_place: dict[tuple[str, str], list[Worker]] = defaultdict(list)
     for w in pool:
         by_place[(w.gpu, w.backbone)].append(w)
@@ -270,7 +278,7 @@ def plan_pool(
             # 1. standbys already prepared for the popular shape; 2. new ones of that shape where there is
             # room; 3. only then other standbys (an agnostic one left from before any function existed is
             # replaced once, when room allows: each later bind saves the load and capture it would cost).
-            size = costs.standby_bytes_for(popular)
+            size = standby_bytes(snapshot, cold, (b.name, popular))
             # without functions there is no popular shape: any standby is as good (keep what exists)
             prepared = [w for w in spare if popular is None or w.shape == popular]
             others = [w for w in spare if w not in prepared]

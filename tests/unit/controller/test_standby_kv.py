@@ -1,0 +1,118 @@
+"""A standby kept for functions with a KV budget above the default must be able to take them.
+
+Found on the H100 trace replay: every function asked for `kvCacheMiB: 2048`, the pool's standbys were
+started with the default KV budget (256 MiB), so none was ever big enough and every cold start spawned a
+fresh process (0 standby paths in 240 requests). Real Redis; heartbeats written as workers write them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lorafn.controller.driver import Controller, ControllerConfig
+from lorafn.controller.policy.actions import Start
+from lorafn.controller.policy.config import PolicyConfig
+from lorafn.controller.policy.model import GPU
+from lorafn.controller.snapshot import SizingConfig
+from lorafn.store import Keys, Store, streams, workers
+from lorafn.store.backbones import BackboneRecord, put_backbone
+from lorafn.store.protocol import RequestBody
+from lorafn.store.registry import FunctionRecord, put_function
+from tests.unit.operator._peft import write_adapter, write_backbone
+
+FN = "team/big"
+MiB = 1 << 20
+KV_MIB = 96  # the function's budget; the default is 8 MiB
+
+
+class _Executor:
+    def __init__(self) -> None:
+        self.started: list[Start] = []
+
+    def gpus(self) -> list[GPU]:
+        return [GPU("g0", "n", 8 << 30, {"tiny": 0})]
+
+    def start(self, action: Start, worker_id: str) -> None:
+        self.started.append(action)
+
+    def stop(self, worker_id: str) -> None:
+        pass
+
+    def starting(self) -> list:
+        return []
+
+    def exits(self) -> list:
+        return []
+
+
+@pytest.fixture
+def world(redis_server: str, tmp_path: Path):
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    model = write_backbone(tmp_path / "tiny")
+    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    adapter = write_adapter(tmp_path / "big")
+    bb_spec = {"model": {"uri": f"file://{model}"}, "warmPool": {"minStandby": 1, "maxStandby": 2}}
+    store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
+    spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}, "resources": {"kvCacheMiB": KV_MIB}}
+    store.run(put_function(keys, FunctionRecord(FN, spec, str(model), str(adapter))))
+    executor = _Executor()
+    controller = Controller(
+        store, keys, executor, SizingConfig(worker_overhead_bytes=4 * MiB, default_kv_bytes=8 * MiB),
+        ControllerConfig(holder="me", policy=PolicyConfig(pool_min_age_s=3600)),
+    )  # fmt: skip
+    yield store, keys, controller, executor
+    store.close()
+
+
+def test_a_standby_sized_for_a_large_kv_budget_gets_it_and_is_bound(world) -> None:
+    store, keys, controller, executor = world
+    controller.round()
+    size = controller.reader.sizes[FN]
+    assert size.kv_bytes == KV_MIB * MiB
+    pool_starts = [a for a in executor.started if a.function is None]
+    assert pool_starts, "the warm pool asked for no standby"
+    start = pool_starts[0]
+    assert start.mem_bytes >= size.mem_bytes  # the planner sized it for the function
+    # what the executor passes as --kv-budget-mib: the function's KV, not the default
+    kv = controller.reader.standby_kv_bytes(start.mem_bytes, start.shape, start.backbone)
+    assert kv >= KV_MIB * MiB
+
+    # the standby comes up and reports what it allocated (a CPU worker: no driver figure, its allocator's)
+    fields = {
+        "state": "standby", "gpu": "g0", "backbone": "tiny", "shape": size.shape,
+        "started": int(time.time()) - 5,
+        "mem_bytes": kv + 2 * MiB, "kv_bytes": kv, "lora_bytes": size.lora_bytes,
+    }  # fmt: skip
+    store.run(workers.heartbeat(keys, "s1", None, 5000, fields))
+    store.run(
+        streams.admit(
+            keys, FN, "r1", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
+            rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
+        )
+    )  # fmt: skip
+    store.run(streams.record_demand(keys, FN, "request", 1))
+    before = len(executor.started)
+    controller.round()
+    sent = [c for _id, c in store.run(workers.read_control(keys, "s1", "0-0")) if c.get("cmd") == "bind"]
+    assert sent == [{"cmd": "bind", "function": FN}]
+    assert not [a for a in executor.started[before:] if a.function == FN]  # no fresh start for it
+
+
+def test_a_standby_with_the_default_kv_is_not_bound_to_a_function_it_cannot_hold(world) -> None:
+    store, keys, controller, _executor = world
+    controller.round()
+    size = controller.reader.sizes[FN]
+    fields = {
+        "state": "standby", "gpu": "g0", "backbone": "tiny", "shape": size.shape,
+        "started": int(time.time()) - 5,
+        "mem_bytes": 10 * MiB, "kv_bytes": 8 * MiB, "lora_bytes": size.lora_bytes,
+    }  # fmt: skip
+    store.run(workers.heartbeat(keys, "small", None, 5000, fields))
+    store.run(streams.record_demand(keys, FN, "request", 1))
+    controller.round()
+    sent = [c for _id, c in store.run(workers.read_control(keys, "small", "0-0")) if c.get("cmd") == "bind"]
+    assert sent == []
