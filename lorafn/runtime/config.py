@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafn.api.settings import default_cache_dir
+from lorafn.runtime.kv_offload import OffloadConfig
 
 if TYPE_CHECKING:
     from lorafn.runtime.weights import WeightSource
@@ -57,6 +58,8 @@ class EngineConfig:
     # step of at most 16 rows runs one skinny-GEMM launch per projection group with the LoRA shrink in it);
     # False keeps the cuBLAS + addmm path everywhere (the benchmarks' baseline)
     fused_decode: bool = True
+    # KV offload to host memory for preempted sequences (kv_offload.py: swap or recompute, host budget)
+    kv_offload: OffloadConfig = field(default_factory=OffloadConfig)
     weight_source: WeightSource | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

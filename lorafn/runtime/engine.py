@@ -12,6 +12,12 @@ Data flow of one `step()`:
      sync per step to read the tokens.
   4. `Scheduler.update()` advances the sequences; each new token goes through the request's
      detokenizer + stop checker, which yields the text delta and maybe a finish reason.
+
+A step whose plan preempts by swap or re-admits a swapped sequence first copies those KV blocks to host
+memory / back (`KVCache.swap_out` / `swap_in`, swap-outs first), before the forward; the host copies live
+in `_host_kv` until swapped in or until their request ends. The swap-or-recompute choice is the
+scheduler's `OffloadPolicy` (kv_offload.py), whose per-token prefill cost the engine measures here from
+its own prefill steps.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from lorafn.api.tokenizer import TextTokenizer
 from lorafn.runtime.block_manager import blocks_for_tokens
 from lorafn.runtime.config import EngineConfig, ModelConfig
 from lorafn.runtime.detokenizer import IncrementalOutput
+from lorafn.runtime.kv_cache import block_bytes
+from lorafn.runtime.kv_offload import OffloadPolicy
 from lorafn.runtime.model_runner import ModelRunner, resolve_dtype
 from lorafn.runtime.outputs import RequestOutput, StreamDelta
 from lorafn.runtime.sampling import make_generator, sample
@@ -73,6 +81,8 @@ class Engine:
         self.eos_token_ids = sorted(eos)
 
         self.runner = ModelRunner(config, mc, self.device, self.dtype, self.max_model_len)
+        self.offload = OffloadPolicy(config.kv_offload, block_bytes(mc, config.block_size, self.dtype))
+        self._host_kv: dict[str, torch.Tensor] = {}  # seq_id -> its swapped-out KV (KVCache.swap_out)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -81,7 +91,8 @@ class Engine:
                 num_blocks=self.runner.num_blocks,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_model_len=self.max_model_len,
-            )
+            ),
+            self.offload,
         )
         self.runner.capture_graphs(blocks_for_tokens(self.scheduler.max_model_len, config.block_size))
         self._requests: dict[str, _Request] = {}
@@ -145,6 +156,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def kv_offload_stats(self) -> dict[str, int]:
+        """Swaps out/in, their bytes, recomputes since start, host bytes held now (heartbeat fields)."""
+        return {
+            **self.offload.stats.as_fields(),
+            "kv_host_bytes": self.offload.host_blocks_used * self.offload.block_bytes,
+        }
+
     @property
     def num_pending_prefills(self) -> int:
         """Requests with prompt tokens still to compute (the worker's GPU admission asks for these)."""
@@ -200,14 +218,24 @@ class Engine:
             req = self._requests.pop(seq.seq_id, None)
             if req is not None:
                 deltas.append(self._finish(req, "length", req.incremental.finish("length").text))
+        kv = self.runner.kv_cache
+        for seq_id, blocks in out.swap_out:  # all swap-outs before any swap-in: blocks may be reused
+            self._host_kv[seq_id] = kv.swap_out(blocks)
+        for seq_id, blocks in out.swap_in:
+            kv.swap_in(self._host_kv.pop(seq_id), blocks)
         if out.is_empty:
             return deltas
+        started = time.perf_counter()
         sampling, logits = self.runner.execute(out)
         sampled: dict[str, int] = {}
         if sampling:
             reqs = [self._requests[c.seq_id] for c in sampling]
             tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs]).tolist()
             sampled = {c.seq_id: t for c, t in zip(sampling, tokens, strict=True)}
+            # .tolist() waited for the device: the step's time is real. A prefill-heavy step teaches the
+            # recompute cost per token (decodes ride along in it and count as tokens too)
+            if out.num_batched_tokens - out.num_decodes >= self.offload.config.min_measured_tokens:
+                self.offload.observe_prefill(out.num_batched_tokens, time.perf_counter() - started)
         now = time.perf_counter()
         for seq in self.scheduler.update(out, sampled):
             req = self._requests[seq.seq_id]
@@ -234,6 +262,7 @@ class Engine:
         self, req: _Request, reason: str, text: str, token_ids: list[int] | None = None
     ) -> StreamDelta:
         out = req.output
+        self._host_kv.pop(out.request_id, None)  # swapped out and ended (aborted): drop the copy
         out.text += text
         out.finish_reason = reason
         out.finish_time = time.perf_counter()

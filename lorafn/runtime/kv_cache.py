@@ -71,6 +71,33 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    # --- KV offload (kv_offload.py): a preempted sequence's blocks to host memory and back ---------------
+    # Both copies are enqueued on the current stream before the step's forward (non-blocking from/to pinned
+    # memory on CUDA), so they are ordered with it: a block swapped out is read before the forward
+    # overwrites it, and a swap-in lands before the forward reads it. One layer at a time, so the device
+    # temporary of the gather is 1/num_layers of the sequence's KV, not all of it.
+
+    def swap_out(self, blocks: list[int]) -> torch.Tensor:
+        """Copy ``blocks`` to host memory: [num_layers, 2, len(blocks), block_size, kv_heads, head_dim]."""
+        device = self.data.device
+        index = torch.tensor(blocks, dtype=torch.int64, device=device)
+        num_layers, _, _, *rest = self.data.shape
+        host = torch.empty(
+            (num_layers, 2, len(blocks), *rest), dtype=self.data.dtype, pin_memory=device.type == "cuda"
+        )
+        for layer in range(num_layers):
+            host[layer].copy_(self.data[layer].index_select(1, index), non_blocking=True)
+        return host
+
+    def swap_in(self, host: torch.Tensor, blocks: list[int]) -> None:
+        """Copy a `swap_out` result back into ``blocks`` (the same count, any ids)."""
+        if host.shape[2] != len(blocks):
+            raise ValueError(f"blocks: {len(blocks)} given for a host copy of {host.shape[2]} blocks")
+        device = self.data.device
+        index = torch.tensor(blocks, dtype=torch.int64, device=device)
+        for layer in range(host.shape[0]):
+            self.data[layer].index_copy_(1, index, host[layer].to(device, non_blocking=True))
+
 
 # --- KV-init materialization -------------------------------------------------------------------------
 

@@ -12,12 +12,20 @@ Priority is the *rank* ``(params.priority, arrival)``: the request class first (
 offline batch request, docs/batch.md), then the arrival order (``Sequence.arrival``, lower = older).
 So waiting online requests are admitted before any batch request, and batch requests only fill the
 slots, token budget and blocks online ones leave. When KV blocks run out, a sequence may preempt
-(by recompute) only running sequences of a larger rank, largest first (an online request preempts
-batch requests, never the reverse); preempted sequences go back to the waiting queue in rank order,
+only running sequences of a larger rank, largest first (an online request preempts batch requests,
+never the reverse); preempted sequences go back to the waiting queue in rank order,
 so they are re-admitted before anything of larger rank. The unfinished sequence of smallest rank is
 therefore never preempted, always fits (``max_model_len`` is capped to the cache size) and advances
 every step: no deadlock, no starvation among online requests (batch requests wait for online ones).
 See docs/scheduler.md for the policy, the reasons and a worked example.
+
+A preempted sequence is recomputed (its KV dropped, prefilled again at re-admission) or, with an
+`OffloadPolicy` (kv_offload.py, Vasuki) that predicts the copy faster than the prefill and has host
+budget left, swapped: ``SchedulerOutput.swap_out`` lists the blocks to copy to host memory *before* the
+step runs (they are free again in this very step), and at re-admission ``swap_in`` lists the new blocks
+to copy the KV back into (also before the step); the sequence then goes on where it stopped (a decode,
+or the rest of its prefill) instead of prefilling everything again. The engine runs all swap-outs, then
+all swap-ins, then the forward.
 
 The engine drives it::
 
@@ -34,7 +42,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from lorafn.runtime.block_manager import BlockManager
+from lorafn.runtime.block_manager import BlockManager, blocks_for_tokens
+from lorafn.runtime.kv_offload import OffloadPolicy
 from lorafn.runtime.sequence import Sequence, SequenceStatus
 
 
@@ -128,6 +137,9 @@ class SchedulerOutput:
     ``preempted``: ids of sequences preempted in this step (their KV is gone; they will be
     prefilled again). ``finished``: sequences the scheduler itself finished in this step (only the
     safety net for ``max_model_len`` when the caller did not finish them; reason "length").
+    ``swap_out`` / ``swap_in``: (seq_id, block ids) whose KV the engine copies to host memory / back from
+    it before the forward, swap-outs first (a block swapped out may be a swap-in's target in one step).
+    A swap-in's blocks hold positions ``0 .. len(blocks) * block_size - 1`` of the sequence, in order.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -135,6 +147,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_decodes: int = 0
     finished: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -144,8 +158,9 @@ class SchedulerOutput:
 class Scheduler:
     """Iteration-level scheduler over a paged KV cache (see the module docstring)."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, offload: OffloadPolicy | None = None) -> None:
         self.config = config
+        self.offload = offload  # None: every preemption recomputes
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         capacity = self.block_manager.capacity_tokens
         self.max_model_len = min(config.max_model_len or capacity, capacity)
@@ -167,7 +182,7 @@ class Scheduler:
                 f"prompt_token_ids of {seq.seq_id!r} has {seq.num_tokens} tokens, more than "
                 f"max_model_len {self.max_model_len}"
             )
-        if seq.block_table or seq.status is not SequenceStatus.WAITING:
+        if seq.block_table or seq.status is not SequenceStatus.WAITING or seq.swapped_tokens:
             raise ValueError(f"sequence {seq.seq_id!r} is not new (status {seq.status.value}, blocks held)")
         seq.num_computed_tokens = 0
         seq.finish_reason = None
@@ -191,6 +206,9 @@ class Scheduler:
         else:
             self._waiting.remove(seq)
         self.block_manager.free(seq)
+        if seq.swapped_tokens and self.offload is not None:  # its host copy is dropped by the engine
+            self.offload.give(blocks_for_tokens(seq.swapped_tokens, self.config.block_size), swapped_in=False)
+        seq.swapped_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         return seq
@@ -252,6 +270,8 @@ class Scheduler:
         admitted: list[ScheduledChunk] = []
         scheduled: dict[str, tuple[ScheduledChunk, list[ScheduledChunk]]] = {}
         preempted_now: set[str] = set()
+        swapped_in_now: set[str] = set()
+        offload = self.offload
         # Blocks the sequences sampling in this step will need for their next decode (one-step
         # lookahead): a new request is admitted only if it leaves them free, so it is not
         # admitted just to be preempted by the next decode that crosses a block boundary.
@@ -267,6 +287,18 @@ class Scheduler:
                 group.remove(chunk)
                 budget += chunk.num_tokens
             self._running.remove(victim)
+            computed = victim.num_computed_tokens
+            num_blocks = blocks_for_tokens(computed, block_size)
+            if victim.seq_id in swapped_in_now:
+                # admission runs in rank order and preempts only larger ranks: never the case
+                raise RuntimeError(f"{victim.seq_id!r} preempted in the step that swaps it in")
+            if offload is not None and computed and offload.should_swap(computed, num_blocks):
+                # copied out before the step runs, so the freed blocks may be reused in this step
+                out.swap_out.append((victim.seq_id, victim.block_table[:num_blocks]))
+                offload.take(num_blocks)
+                victim.swapped_tokens = computed
+            elif offload is not None and computed:
+                offload.recomputed()
             self.block_manager.free(victim)
             victim.num_computed_tokens = 0
             victim.status = SequenceStatus.WAITING
@@ -340,7 +372,7 @@ class Scheduler:
             seq = self._waiting[0]
             if seq.seq_id in preempted_now:  # no ping-pong within one step
                 break
-            num_tokens = seq.num_uncomputed_tokens
+            num_tokens = seq.num_tokens - seq.swapped_tokens  # what is left to compute once swapped in
             if cfg.enable_chunked_prefill:
                 num_tokens = min(num_tokens, budget)
             elif num_tokens > budget and (self._running or num_tokens <= cfg.max_num_batched_tokens):
@@ -357,7 +389,16 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             keys = [rank(s) for s in self._running]
             self._running.insert(bisect.bisect(keys, rank(seq)), seq)
-            add_chunk(admitted, seq, num_tokens)
+            group = admitted
+            if seq.swapped_tokens:  # its KV comes back from host memory: it goes on where it stopped
+                entry = (seq.seq_id, seq.block_table[: blocks_for_tokens(seq.swapped_tokens, block_size)])
+                out.swap_in.append(entry)
+                swapped_in_now.add(seq.seq_id)
+                offload.give(len(entry[1]), swapped_in=True)  # type: ignore[union-attr]
+                seq.num_computed_tokens, seq.swapped_tokens = seq.swapped_tokens, 0
+                # keep the step's chunk order (decodes, partial prefills, new): a decode joins the decodes
+                group = decodes if seq.num_uncomputed_tokens == 1 else prefills
+            add_chunk(group, seq, num_tokens)
 
         out.chunks = decodes + prefills + admitted
         out.num_decodes = len(decodes)

@@ -5,10 +5,11 @@ have their KV in the cache (positions ``0 .. num_computed_tokens - 1``), in the 
 ``block_table``. The slot of position ``p`` is
 ``block_table[p // block_size] * block_size + p % block_size``.
 
-Preemption is by recompute: the blocks are freed and ``num_computed_tokens`` drops to 0; the
-tokens already generated are kept (and never emitted again) and the whole ``prompt + output`` is
-prefilled again when the sequence is re-admitted; the last chunk of that prefill samples the next
-new token.
+Preemption is by recompute or by swap. Recompute: the blocks are freed and ``num_computed_tokens``
+drops to 0; the tokens already generated are kept (and never emitted again) and the whole ``prompt +
+output`` is prefilled again when the sequence is re-admitted; the last chunk of that prefill samples the
+next new token. Swap: the computed KV is copied to host memory first (``swapped_tokens``) and back into
+new blocks at re-admission, where the sequence goes on from ``num_computed_tokens = swapped_tokens``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = -1  # set by Scheduler.add: a strictly increasing admission priority (lower = older)
     num_preemptions: int = 0
+    # Preempted by swap (kv_offload.py): positions 0 .. swapped_tokens - 1 have their KV in host memory
+    # (the engine holds the copy); 0 = none. Set only while WAITING; admission copies it back into blocks.
+    swapped_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

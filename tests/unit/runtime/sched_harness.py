@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lorafn.runtime.block_manager import slot_mapping
+from lorafn.runtime.kv_offload import OffloadPolicy
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lorafn.runtime.sequence import Sequence, SequenceStatus
@@ -60,10 +61,26 @@ class RunResult:
 
 
 class FakeEngine:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, offload: OffloadPolicy | None = None) -> None:
         self.config = config
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, offload)
         self.cache: list[tuple[str, int, int] | None] = [None] * (config.num_blocks * config.block_size)
+        # swapped-out KV: seq_id -> the slots' entries of its swapped blocks, in position order
+        self.host: dict[str, list[tuple[str, int, int] | None]] = {}
+        self.num_swaps_in = 0
+
+    def run_swaps(self, out: SchedulerOutput) -> None:
+        """Swap-outs first (their blocks may be a swap-in's targets in the same step), then swap-ins."""
+        bs = self.config.block_size
+        for seq_id, blocks in out.swap_out:
+            assert seq_id not in self.host, f"{seq_id} swapped out twice"
+            self.host[seq_id] = [self.cache[b * bs + i] for b in blocks for i in range(bs)]
+        for seq_id, blocks in out.swap_in:
+            saved = self.host.pop(seq_id)
+            assert len(saved) == len(blocks) * bs
+            for j, entry in enumerate(saved):
+                self.cache[blocks[j // bs] * bs + j % bs] = entry
+            self.num_swaps_in += 1
 
     def check_step(self, out: SchedulerOutput, decode_ready: list[Sequence]) -> None:
         cfg, sched = self.config, self.scheduler
@@ -77,7 +94,8 @@ class FakeEngine:
         assert len(chunks) <= cfg.max_num_seqs
         assert sched.num_running <= cfg.max_num_seqs
         assert len({c.seq_id for c in chunks}) == len(chunks), "a sequence twice in one step"
-        # Order: decodes, then partial prefills (start > 0), then new/readmitted (start == 0).
+        # Order: decodes, then partial prefills (start > 0), then new/readmitted (start == 0); a
+        # sequence swapped back in goes on as a decode or a partial prefill.
         kinds = [0 if c.is_decode else (1 if c.start > 0 else 2) for c in chunks]
         assert kinds == sorted(kinds), f"chunk order {kinds}"
         assert out.num_decodes == kinds.count(0)
@@ -105,6 +123,14 @@ class FakeEngine:
         sched.block_manager.check_invariants(sched.running)
         for seq in sched.waiting:
             assert not seq.block_table and seq.num_computed_tokens == 0
+        swapped = {s.seq_id for s in sched.waiting if s.swapped_tokens}
+        assert not swapped & {sid for sid, _ in out.swap_in}
+        if sched.offload is None:
+            assert not out.swap_out and not out.swap_in and not swapped
+        else:
+            held = sum(-(-s.swapped_tokens // cfg.block_size) for s in sched.waiting)
+            assert sched.offload.host_blocks_used == held, "host block account"
+            assert held <= sched.offload.num_host_blocks
 
     def run_chunks(self, out: SchedulerOutput) -> dict[str, int]:
         bs = self.config.block_size
@@ -152,6 +178,7 @@ class FakeEngine:
             if sched.has_unfinished():  # progress: a step with work always schedules something
                 assert out.chunks, "empty step while requests wait"
             self.check_step(out, decode_ready)
+            self.run_swaps(out)
             sampled = self.run_chunks(out)
             for seq in sched.update(out, sampled):
                 token = seq.output_token_ids[-1]
@@ -161,6 +188,8 @@ class FakeEngine:
                     sched.finish(seq.seq_id, "length")
             sched.block_manager.check_invariants(sched.running)
         assert sched.block_manager.num_free_blocks == self.config.num_blocks, "blocks leaked"
+        if sched.offload is not None:
+            assert sched.offload.host_blocks_used == 0, "host blocks leaked"
         for seq_id, seq in seqs.items():
             assert seq.is_finished and not seq.block_table
             result.outputs[seq_id] = list(seq.output_token_ids)
