@@ -677,6 +677,11 @@ class WorkerSettings(SharedSettings):
         ge=1,
         description="KV-cache budget granted by the controller (never the GPU's free memory)",
     )
+    host_kv_mib: int = Field(
+        default=2048,
+        ge=0,
+        description="host memory for the swapped-out KV of preempted requests (docs/batch.md; 0: recompute)",
+    )
     cuda_stack_bytes: int | None = Field(
         default=256,
         ge=16,
@@ -719,6 +724,7 @@ class WorkerSettings(SharedSettings):
 def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
     """The real engine: `lorafn.runtime.Engine` on the function's backbone and adapter."""
     from lorafn.runtime import Engine, EngineConfig
+    from lorafn.runtime.kv_offload import OffloadConfig
 
     if settings.device.startswith("cuda"):
         import torch
@@ -752,6 +758,7 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
             kv_cache_memory_bytes=settings.kv_budget_mib << 20 if settings.kv_budget_mib else None,
             lora_shape=settings.shape if settings.standby else None,
             cuda_stack_bytes=settings.cuda_stack_bytes,
+            kv_offload=OffloadConfig(host_budget_bytes=settings.host_kv_mib << 20),
         )
     )
 
@@ -825,6 +832,9 @@ def placement_fields(settings: WorkerSettings, engine: Any) -> dict[str, Any]:
     shape = getattr(engine, "lora_shape_key", None)
     if shape:
         fields["shape"] = shape
+    offload = getattr(engine, "kv_offload_stats", None)
+    if callable(offload):  # KV swaps out/in, bytes, recomputes (docs/batch.md)
+        fields.update(offload())
     mem = getattr(engine, "reserved_bytes", None)
     if callable(mem):
         fields["mem_bytes"] = int(mem())
