@@ -24,7 +24,7 @@ from lorafn.api.adapters import AdapterProblem, validate_adapter
 from lorafn.api.sizing import MiB, kv_budget_bytes, kv_bytes_per_token, lora_bytes, parse_shape_key
 from lorafn.api.specs import BackboneSpec
 from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker
-from lorafn.store import Keys, Store, combine, control, stats, workers
+from lorafn.store import Keys, Store, batches, combine, control, stats, workers
 from lorafn.store.backbones import BackboneRecord, get_backbone, list_backbones
 from lorafn.store.registry import FunctionRecord, get_function, list_functions
 
@@ -159,11 +159,12 @@ class SnapshotReader:
         self.backbone_records = {r.name: r for r in bb_records if r is not None}
         now_s = time.time()
         fn_names = sorted(self.records)
-        depths, status, arrivals = store.run(
+        depths, status, arrivals, backlogs = store.run(
             combine(
                 control.queue_depths(keys, fn_names),
                 control.statuses(keys, fn_names),
                 combine(*(stats.arrivals(keys, f, now_s, ARRIVAL_WINDOW_S) for f in fn_names)),
+                batches.backlogs(keys),  # the batch runner's unsubmitted requests (docs/batch.md)
             )
         )
         live_workers, overhead_reports, kv_reports = self.live_workers({g.id for g in gpus})
@@ -202,6 +203,7 @@ class SnapshotReader:
                     last_failure_s=max(0.0, now_s - failed_at / 1000) if failed_at else None,
                     last_failure=st.get("last_failure", ""),
                     lora_bytes=size.lora_bytes,
+                    batch_backlog=backlogs.get(name, 0),
                 )
             )
         backbones = []

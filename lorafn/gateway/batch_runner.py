@@ -11,6 +11,8 @@ Each tick (`batch_tick_s`):
 3. per function with pending batch work: pack the next wave into what its live workers' KV budgets and
    `batch_max_inflight_per_worker` leave free, and submit it at batch priority without deadline; with no
    live worker, record cold-start demand exactly as an online request does (and queue one wave);
+   what is left unsubmitted per function is written as its backlog (`store.batches.set_backlog`), which the
+   controller counts as demand for more workers (bound from the warm pool, up to maxReplicas);
 4. cancel (`cancelling`) or expire (past `expires_at`) batches: stop submitting, cancel what runs,
    record the rest as cancelled; write the output and error files of finished batches.
 """
@@ -140,6 +142,7 @@ class BatchRunner:
         self.leader = False
         self._per_token: dict[str, int | None] = {}
         self._attempts: dict[tuple[str, str], int] = {}  # (batch, custom_id) -> last attempt submitted
+        self._backlog_written = False
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -163,9 +166,13 @@ class BatchRunner:
                 await self.gw.store.run(bs.release_runner_lease(self.keys, self.holder))
             self.leader = False
 
+    def _lease_ms(self) -> int:
+        """The runner lease's expiry (and the backlog's): ten ticks, at least 5 s."""
+        return int(max(5.0, 10 * self.settings.batch_tick_s) * 1000)
+
     async def tick(self) -> None:
         s = self.settings
-        ttl_ms = int(max(5.0, 10 * s.batch_tick_s) * 1000)
+        ttl_ms = self._lease_ms()
         leader = await self.gw.store.run(bs.acquire_runner_lease(self.keys, self.holder, ttl_ms))
         if not leader:
             if self.leader:  # lost the lease: forget everything (the new holder reads it from Redis)
@@ -340,6 +347,7 @@ class BatchRunner:
     async def _advance(self) -> None:
         now = time.time()
         by_function: dict[str, list[str]] = {}
+        active_now: set[str] = set()  # in progress, with requests left to submit
         for batch_id, state in list(self.states.items()):
             rec = await self.gw.store.run(bs.get_batch(self.keys, batch_id))
             if not rec:
@@ -358,8 +366,18 @@ class BatchRunner:
                 continue
             if state.pending:
                 by_function.setdefault(rec.get("function", ""), []).append(batch_id)
+                active_now.add(batch_id)
         for function, batch_ids in by_function.items():
             await self._submit(function, batch_ids)
+        # what is left unsubmitted is demand the controller sees (more workers from the warm pool, up to
+        # maxReplicas; they go back by keep-alive once the backlog is gone); it expires with the lease
+        backlog: collections.Counter[str] = collections.Counter()
+        for batch_id, state in self.states.items():
+            if batch_id in active_now:
+                backlog[state.record.get("function", "")] += len(state.pending)
+        if backlog or self._backlog_written:  # an idle runner writes nothing
+            await self.gw.store.run(bs.set_backlog(self.keys, dict(backlog), self._lease_ms()))
+            self._backlog_written = bool(backlog)
         counts = collections.Counter(s.record.get("status", "") for s in self.states.values())
         for state in bs.STATES:
             self.metrics.batches.labels(state).set(counts.get(state, 0))

@@ -149,6 +149,28 @@ def release_runner_lease(keys: Keys, holder: str) -> Op[bool]:
     return Op(lambda pipe: pipe.eval(_RELEASE, 1, keys.batch_runner_lease(), holder), lambda r: bool(r[0]))
 
 
+def set_backlog(keys: Keys, counts: dict[str, int], ttl_ms: int) -> Op[None]:
+    """The runner's backlog per function (pending, not yet submitted requests; zeros left out), replacing
+    the previous one; it expires after ``ttl_ms`` unless the next tick writes it again."""
+
+    def build(pipe: Any) -> None:
+        pipe.delete(keys.batch_backlog())
+        left = {f: str(int(n)) for f, n in counts.items() if n > 0}
+        if left:
+            pipe.hset(keys.batch_backlog(), mapping=left)
+            pipe.pexpire(keys.batch_backlog(), int(ttl_ms))
+
+    return Op(build, lambda r: None)
+
+
+def backlogs(keys: Keys) -> Op[dict[str, int]]:
+    """function -> its batch backlog (functions without one are absent)."""
+    return Op(
+        lambda pipe: pipe.hgetall(keys.batch_backlog()),
+        lambda r: {str(f): int(n) for f, n in (r[0] or {}).items()},
+    )
+
+
 def active_batch_ids(keys: Keys) -> Op[list[str]]:
     return Op(lambda pipe: pipe.smembers(keys.active_batches()), lambda r: sorted(r[0] or ()))
 

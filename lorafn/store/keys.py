@@ -239,6 +239,12 @@ class Keys:
         """hash: custom_id -> `<request id>|<attempt>` of the requests submitted and not yet answered."""
         return f"{self.batch(batch_id)}:inflight"
 
+    def batch_backlog(self) -> str:
+        """hash with expiry: function -> batch requests the runner holds but has not submitted yet (its
+        backlog); rewritten whole by the active runner every tick, gone soon after it stops. The controller
+        reads it as demand for more workers (docs/batch.md)."""
+        return f"{self.prefix}:batches:backlog"
+
     def batch_runner_lease(self) -> str:
         """string with expiry: the gateway process whose batch runner is active (SET NX PX, renewed)."""
         return f"{self.prefix}:batch_runner:lease"

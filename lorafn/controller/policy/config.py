@@ -21,6 +21,12 @@ class PolicyConfig:
     - ``pool_min_age_s``: a surplus standby younger than this (its age known) is kept while memory allows,
       not stopped: it was started for a reason moments ago, and stopping it wastes that start (seen as
       standbys started and stopped within a second when cold demand flickered between rounds).
+    - ``batch_backlog_per_worker``: a function with an offline batch backlog (``Function.batch_backlog``:
+      requests its live workers had no room for) wants one more worker per this many of them (up to
+      ``max_replicas``) and gets them by binding
+      ready standbys only: never a fresh start, an offload or a claim on a warming standby (those are for
+      online demand); they return through keep-alive once the backlog is gone. The batch runner's in-flight
+      cap per worker (48) is the natural value.
     - ``offloading``: stop standby or idle bound workers to make room for a cold start; off, a function
       that does not fit waits for memory to free up by itself (the "no offloading" ablation).
     """
@@ -34,6 +40,7 @@ class PolicyConfig:
     warm_pool: bool = True
     offloading: bool = True
     pool_min_age_s: float = 30.0
+    batch_backlog_per_worker: float = 48.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_utilization <= 1.0:
@@ -49,6 +56,8 @@ class PolicyConfig:
             raise ValueError(
                 f"min_standby_probability must be in (0, 1], got {self.min_standby_probability!r}"
             )
+        if not self.batch_backlog_per_worker > 0:
+            raise ValueError(f"batch_backlog_per_worker must be > 0, got {self.batch_backlog_per_worker!r}")
         if not self.pool_min_age_s >= 0:
             raise ValueError(f"pool_min_age_s must be >= 0, got {self.pool_min_age_s!r}")
         if self.refill_s is not None and not self.refill_s > 0:

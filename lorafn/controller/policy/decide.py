@@ -19,6 +19,10 @@ Order of work (each step sees the memory the previous ones granted or freed):
    c. else offload (offload.py) on the GPU where it loses the least value, then Start there (each
       Stop names its cause: a cold start, the min_replicas floor, or a scale-up under a burst);
    d. else Wait with the reason (the GPUs' memory numbers).
+   Last, offline batch backlog (``Function.batch_backlog``, docs/batch.md): a function with n live workers
+   wants ``n + floor(backlog / batch_backlog_per_worker)`` (up to ``max_replicas``) and binds ready
+   standbys for those it lacks (3a only: idle capacity; no start, offload or Wait). Its workers go back by
+   keep-alive once the backlog is gone (step 2 keeps an idle one while a backlog is left).
 4. **Warm pool** (planner.py) with the memory left.
 5. **Pre-loading** (preload.py): which function's adapter each ready standby the plan keeps should hold.
 
@@ -28,6 +32,7 @@ binds from its last snapshot within milliseconds of a request, and the full roun
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -102,7 +107,12 @@ class _Round:
                 n = self.live_count(name)
                 if n > fn.max_replicas:
                     self.stop(w, "scale_down", f"{n} workers > maxReplicas {fn.max_replicas}")
-                elif fn.queued == 0 and w.idle_s >= fn.keep_alive_s and n > fn.min_replicas:
+                elif (
+                    fn.queued == 0
+                    and fn.batch_backlog == 0
+                    and w.idle_s >= fn.keep_alive_s
+                    and n > fn.min_replicas
+                ):
                     self.stop(w, "keep_alive", f"idle {w.idle_s:.0f} s >= keepAlive {fn.keep_alive_s:.0f} s")
         for w in self.snapshot.workers:
             if is_pool_worker(w) and w.gpu not in self.where.get(w.backbone, ()):
@@ -154,6 +164,26 @@ class _Round:
             for _ in range(need):
                 if not self.acquire(fn, cause):
                     break
+        self.batch_demand()
+
+    def batch_demand(self) -> None:
+        """Offline batch backlog: more workers from ready standbys only, after all online demand."""
+        for fn in sorted(self.snapshot.functions, key=lambda f: (-f.batch_backlog, f.name)):
+            n = self.live_count(fn.name)
+            if fn.batch_backlog == 0 or n == 0:  # n == 0: the runner's cold-start demand is online demand
+                continue
+            if backoff_remaining_s(fn, self.config.backoff_base_s, self.config.backoff_cap_s) > 0:
+                continue
+            # the backlog is what the live workers had no room for: one more worker per full wave of it
+            want = min(
+                fn.max_replicas, n + math.floor(fn.batch_backlog / self.config.batch_backlog_per_worker)
+            )
+            gpus = set(self.where.get(fn.backbone, ()))
+            for _ in range(want - n):
+                standby = self.pick_standby(fn, gpus)
+                if standby is None:
+                    break
+                self.bind(fn, standby)
 
     def acquire(self, fn: Function, cause: OffloadCause = "cold_start") -> bool:
         """One more worker for ``fn``: bind, else start, else offload and start, else Wait."""

@@ -110,7 +110,8 @@ class Function:
     ``oldest_wait_s``: how long the oldest has waited. ``start_failures``: consecutive failed
     starts, ``last_failure_s``: seconds since the last one, ``last_failure``: its message.
     ``lora_bytes``: its adapter's tensors (part of ``mem_bytes``; what pre-loading it into a standby
-    occupies there; 0 = unknown).
+    occupies there; 0 = unknown). ``batch_backlog``: offline batch requests the batch runner holds but has
+    not submitted yet (docs/batch.md): demand for more workers from the warm pool, never urgent.
     """
 
     name: str
@@ -128,6 +129,7 @@ class Function:
     last_failure_s: float | None = None
     last_failure: str = ""
     lora_bytes: int = 0
+    batch_backlog: int = 0
 
     def __post_init__(self) -> None:
         owner = f"Function {self.name}"
@@ -135,7 +137,7 @@ class Function:
             raise ValueError("Function.name must be a non-empty string")
         _check_bytes(owner, "mem_bytes", self.mem_bytes)
         _check_bytes(owner, "lora_bytes", self.lora_bytes)
-        for name in ("min_replicas", "queued", "start_failures"):
+        for name in ("min_replicas", "queued", "start_failures", "batch_backlog"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 raise ValueError(f"{owner}.{name} must be an integer >= 0, got {value!r}")

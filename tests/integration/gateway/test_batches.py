@@ -425,3 +425,35 @@ def test_requests_of_a_failed_engine_are_resubmitted_and_written_once(env) -> No
     assert sorted(ids) == sorted(f"f{i}" for i in range(n))
     retried = set(failing.added)  # request ids the failed engine held: none of them answered
     assert retried and len(healthy.added) == n and not retried & set(healthy.added)
+
+
+def test_the_runner_publishes_its_backlog_as_demand_and_clears_it_when_done(env) -> None:
+    """What the live workers had no room for is written per function for the controller (more workers from
+    the warm pool, docs/batch.md); when all is submitted the record goes; it expires with the runner."""
+    redis_url, prefix, store, keys, tmp = env
+    engine = RecordingEngine(step_s=0.05)
+    with (
+        gateway(
+            redis_url, prefix, files_dir=tmp / "files", batch_tick_s=0.05, batch_max_inflight_per_worker=2
+        ) as url,
+        worker_thread(redis_url, prefix, FN, engine=engine),
+    ):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        lines = [line(f"r{i}", {"model": FN, "prompt": f"p {i}", "max_tokens": 2}) for i in range(30)]
+        batch = client.batches.create(
+            input_file_id=upload(client, lines), endpoint="/v1/completions", completion_window="24h"
+        )
+        seen: list[int] = []
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).status not in bs.FINAL_STATES:
+            assert time.monotonic() < deadline
+            seen.append(store.run(bs.backlogs(keys)).get(FN, 0))
+            time.sleep(0.02)
+        assert max(seen) >= 20  # one worker, 2 in flight: most of the 30 wait in the runner
+        assert max(seen) <= 30 - 2
+        assert store.run(bs.backlogs(keys)) == {}  # nothing left: no demand
+    # a runner that stops publishing leaves no stale demand behind (the record expires)
+    store.run(bs.set_backlog(keys, {FN: 100, OTHER: 0}, ttl_ms=200))
+    assert store.run(bs.backlogs(keys)) == {FN: 100}  # zeros are left out
+    time.sleep(0.4)
+    assert store.run(bs.backlogs(keys)) == {}
