@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -224,8 +225,13 @@ class Batching:
                 asking_for = [min(waiting, key=waiting.__getitem__)]
         fit = self.fit(slo.PREFILL)
         t_ms = fit.latency_ms(max(1, pending)) if fit else 0.0
-        oldest = min(waiting.values()) if waiting else time.time() * 1000
+        # offline batch requests (priority 1) have no deadline (docs/batch.md): only online ones set it
+        priority = getattr(engine, "priority_of", None)
+        online = [t for r, t in waiting.items() if not callable(priority) or not priority(r)]
+        oldest = min(online) if online else time.time() * 1000
         deadline_ms = oldest + (cfg.ttft_ms or 1000.0)
+        if getattr(engine, "num_pending_online_prefills", pending) == 0:
+            deadline_ms = math.inf  # never urgent, behind every online waiter
         decode = self.fit(slo.DECODE)
         step_ms = decode.latency_ms(1) if decode else 0.0
         answer = self.store.run(

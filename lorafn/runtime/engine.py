@@ -168,6 +168,16 @@ class Engine:
         """Requests with prompt tokens still to compute (the worker's GPU admission asks for these)."""
         return self.scheduler.num_pending_prefills
 
+    @property
+    def num_pending_online_prefills(self) -> int:
+        """Pending prefills of online requests: with none, the GPU admission asks without a deadline."""
+        return self.scheduler.num_pending_online_prefills
+
+    def priority_of(self, request_id: str) -> int | None:
+        """The request's class (0 online, 1 offline batch), None for an unknown request."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.seq.params.priority
+
     def get_output(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
         return None if req is None else req.output

@@ -251,6 +251,14 @@ class Scheduler:
         prefills. The worker asks its GPU's prefill slot while there are any (lorafn.runtime.slo)."""
         return len(self._waiting) + sum(1 for s in self._running if s.num_uncomputed_tokens > 1)
 
+    @property
+    def num_pending_online_prefills(self) -> int:
+        """The pending prefills of online requests (priority 0). None: only offline batch requests wait to
+        be prefilled, and the worker asks the GPU's prefill budget without a deadline (docs/batch.md)."""
+        return sum(1 for s in self._waiting if rank(s)[0] == 0) + sum(
+            1 for s in self._running if s.num_uncomputed_tokens > 1 and rank(s)[0] == 0
+        )
+
     def schedule(self, allow_prefill: bool = True) -> SchedulerOutput:
         """Plan the next step (see the module docstring for the order and the rules).
 

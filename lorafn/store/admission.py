@@ -18,6 +18,7 @@ the workers that measured it and read by a new worker as its prior.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,10 +104,14 @@ def ask(
     tokens: int = 1,
 ) -> Op[SlotAnswer]:
     """Ask for `tokens` of the GPU's prefill `budget` for the step this worker wants to run (module doc).
-    The defaults (1 of 1) make the budget one slot: a mutex."""
+    The defaults (1 of 1) make the budget one slot: a mutex. `deadline_ms` +inf: no deadline (only offline
+    batch requests to prefill): the margin is +inf, never urgent, behind every waiter with a deadline."""
     check_id(worker, "worker id")
+    if math.isnan(deadline_ms) or deadline_ms == -math.inf:
+        raise ValueError(f"deadline_ms must be a time (unix ms) or +inf, got {deadline_ms!r}")
+    deadline = "none" if deadline_ms == math.inf else f"{deadline_ms:.1f}"
     args = [
-        "ask", worker, function, f"{deadline_ms:.1f}", f"{max(0.0, t_ms):.3f}", _ms(lease_ms, "lease_ms"),
+        "ask", worker, function, deadline, f"{max(0.0, t_ms):.3f}", _ms(lease_ms, "lease_ms"),
         max(1, _ms(waiter_ttl_ms, "waiter_ttl_ms")), max(1, _ms(active_ttl_ms, "active_ttl_ms")),
         _tokens(budget, "budget"), _tokens(tokens, "tokens"),
     ]  # fmt: skip

@@ -15,7 +15,8 @@
 --       `release` entries: worker, held_ms, prefilled = sequences its step prefilled, late_ms = from the
 --       step's end to the release), 5 wake-list key prefix (+ worker id: the list a waiter blocks on)
 -- ARGV: 1 op, 2 worker id, then per op:
---   ask:     3 function, 4 deadline (unix ms), 5 t (ms), 6 lease (ms), 7 waiter ttl (ms), 8 active ttl (ms),
+--   ask:     3 function, 4 deadline (unix ms; `none`: only offline batch requests to prefill, no deadline:
+--            margin +inf, so it is never urgent and goes behind every waiter with a deadline), 5 t (ms), 6 lease (ms), 7 waiter ttl (ms), 8 active ttl (ms),
 --            9 budget (tokens), 10 tokens
 --            -> {1, margin, M, waiters}  granted (its share is held until released or the lease ends)
 --            A worker that kept its share after a step (it has more to prefill) gives it up here and
@@ -68,6 +69,11 @@ local function holders()
 end
 
 -- the live waiters by margin (forgetting those that stopped asking)
+local function deadline_of(s)
+  if s == 'none' then return math.huge end
+  return tonumber(s)
+end
+
 local function waiters_in_order(active)
   local out = {}
   local all = redis.call('HGETALL', KEYS[2])
@@ -79,7 +85,7 @@ local function waiters_in_order(active)
     if exp == nil or exp <= now then
       redis.call('HDEL', KEYS[2], w)
     else
-      out[#out + 1] = {worker = w, margin = tonumber(dl) - now - active * tonumber(tt), expires = exp, t = tt,
+      out[#out + 1] = {worker = w, margin = deadline_of(dl) - now - active * tonumber(tt), expires = exp, t = tt,
         lease = tonumber(lease), tokens = tonumber(tok), since = tonumber(since), fn = fn}
     end
   end
@@ -154,7 +160,7 @@ if op ~= 'ask' then
 end
 
 local fn = ARGV[3]
-local deadline = tonumber(ARGV[4])
+local deadline = deadline_of(ARGV[4])
 local t_ms = tonumber(ARGV[5])
 local lease = tonumber(ARGV[6])
 local waiter_ttl = tonumber(ARGV[7])

@@ -233,3 +233,30 @@ def test_a_waiter_that_cannot_afford_the_wait_goes_over_the_budget(redis_server:
     grants = store.run(adm.grants(keys, GPU))
     assert [(g.worker, g.used) for g in grants] == [("w-long", 1000), ("w-tight", 1100)]
     assert not _ask(store, keys, "w-loose", now + 30_000, 10, budget=1000, tokens=100).granted
+
+
+def test_a_worker_with_only_batch_prefills_has_no_deadline(redis_server: str) -> None:
+    """Offline batch requests (docs/batch.md) ask with deadline +inf: behind every online waiter however
+    loose its deadline, never urgent (no grant over the budget), and the script agrees with `slo.admit`."""
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    inf = float("inf")
+    now = _now_ms(store)
+    assert _ask(store, keys, "w-long", now + 60_000, 2000, budget=1000, tokens=1000).granted  # ~2 s step
+    batch = _ask(store, keys, "w-batch", inf, 10, budget=1000, tokens=100)
+    assert not batch.granted and batch.margin_ms == inf  # not urgent: an online one in its place would be
+    assert not _ask(store, keys, "w-online", now + 59_000, 10, budget=1000, tokens=100).granted
+    store.run(adm.release(keys, GPU, "w-long", 5000, budget=1000))
+    grants = store.run(adm.grants(keys, GPU))
+    assert [g.worker for g in grants] == ["w-long", "w-online", "w-batch"]  # loose online first, both fit
+    assert grants[1].runner_up_ms == inf and grants[2].margin_ms == inf
+    # a budget that holds one of them: the online one, however loose; the script decides as the policy
+    store2, keys2 = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    assert _ask(store2, keys2, "holder", 0, 0, budget=100, tokens=100).granted
+    now = _now_ms(store2)
+    ws = [slo.Waiter("a-batch", inf, 5.0, 100), slo.Waiter("z-online", now + 3_600_000, 5.0, 100)]
+    for w in ws:
+        assert not _ask(store2, keys2, w.worker, w.deadline_ms, w.t_ms, budget=100, tokens=w.tokens).granted
+    store2.run(adm.release(keys2, GPU, "holder", 5000, budget=100))
+    expected = [w.worker for w in slo.admit(ws, now, 2, used_tokens=0, budget_tokens=100)]
+    assert expected == ["z-online"]
+    assert [g.worker for g in store2.run(adm.grants(keys2, GPU))][1:] == expected
