@@ -208,7 +208,9 @@ class Worker:
             self._control_cursor = self.store.run(workers.last_control_id(self.keys, self.worker_id))
         self._ensure_group()
         self._load_batching()
-        self._heartbeat(self.store)
+        # the first heartbeat comes from the thread at once, not from here: on a GPU it reads the driver's
+        # process list (NVML, milliseconds) and a bound standby, already registered under the function
+        # while binding, would make its first request wait for it
         beating = threading.Event()
         beater = threading.Thread(target=self._heartbeats, args=(beating,), name="heartbeat", daemon=True)
         beater.start()
@@ -308,7 +310,9 @@ class Worker:
         stall_s = self.config.stall_after_ttls * self.config.heartbeat_ttl_s
         withheld = False
         try:
-            while not stop.wait(self.config.heartbeat_s):
+            first = True
+            while first or not stop.wait(self.config.heartbeat_s):
+                first = False
                 stuck = bool(self.running) and self.clock() - self._progress_at > stall_s
                 if stuck and not withheld:
                     log.error(
@@ -825,13 +829,15 @@ def make_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
     return factory(settings, record)
 
 
-def placement_fields(settings: WorkerSettings, engine: Any) -> dict[str, Any]:
+def placement_fields(settings: WorkerSettings, engine: Any, memory: bool = True) -> dict[str, Any]:
     """Heartbeat fields the controller places by: device, backbone, adapter shape, reservation (bytes).
-    Standby and bound workers send the same ones."""
+    Standby and bound workers send the same ones. `memory=False`: the first three only (no NVML read)."""
     fields: dict[str, Any] = {"gpu": settings.gpu, "backbone": settings.backbone or ""}
     shape = getattr(engine, "lora_shape_key", None)
     if shape:
         fields["shape"] = shape
+    if not memory:
+        return fields
     offload = getattr(engine, "kv_offload_stats", None)
     if callable(offload):  # KV swaps out/in, bytes, recomputes (docs/batch.md)
         fields.update(offload())
@@ -854,8 +860,9 @@ def placement_fields(settings: WorkerSettings, engine: Any) -> dict[str, Any]:
 def serving_config(
     settings: WorkerSettings, function: str, keep_alive: float | None, engine: Any
 ) -> ServingConfig:
-    """The loop's config, with what the controller reads in the heartbeat (device, backbone, shape, size)."""
-    fields = placement_fields(settings, engine)
+    """The loop's config, with what the controller reads in the heartbeat (device, backbone, shape, size:
+    read at each heartbeat, `live_fields`; not here, on the way from a bind to the first request)."""
+    fields = placement_fields(settings, engine, memory=False)
     return ServingConfig(
         function=function,
         worker_id=settings.worker_id or default_worker_id(),

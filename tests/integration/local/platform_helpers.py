@@ -1,11 +1,17 @@
-"""Driving a real `lorafn up` from tests: the CLI as a subprocess, waiting on a condition while the
-platform runs, the workers' heartbeat records, one invocation."""
+"""Driving a real `lorafn up` from tests: the platform as a subprocess (`local_platform`), the CLI,
+waiting on a condition while the platform runs, the workers' heartbeat records, one invocation."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +50,68 @@ def invoke(state_dir: Path, function: str, key: str) -> subprocess.CompletedProc
     return lorafn(
         "invoke", function, "hello", "--api-key", key, "--max-tokens", "4", "--raw", state_dir=state_dir
     )
+
+
+# One simulated CPU device of 600 MiB (552 granted): a worker is 64 MiB overhead + 16 MiB KV + LoRA.
+SMALL_DEVICE = (
+    "device: cpu\ndevices: 1\ndevice_memory_mib: 600\nworker_overhead_mib: 64\ndefault_kv_mib: 16\n"
+    "gateway_port: 0\n"
+)
+
+
+@dataclass
+class LocalUp:
+    """A running `lorafn up`: its process, state directory, `platform.json` and a Redis client. `log` is
+    its whole output, read once it has stopped (`local_platform` fills it in)."""
+
+    up: subprocess.Popen[str]
+    state_dir: Path
+    state: dict[str, Any]
+    redis: redis.Redis
+    log: str = ""
+
+    def apply(self, docs: list[str], keys: list[str | None], tmp_path: Path) -> None:
+        """`lorafn apply` of each document from its own file (a key opens one function), with its API key
+        (None: none); each must succeed."""
+        for i, (doc, key) in enumerate(zip(docs, keys, strict=True)):
+            manifest = tmp_path / f"doc{i}.yaml"
+            manifest.write_text(doc)
+            applied = lorafn(
+                "apply", "-f", str(manifest), *(["--api-key", key] if key else []), state_dir=self.state_dir
+            )
+            assert applied.returncode == 0, applied.stderr
+
+
+@contextmanager
+def local_platform(tmp_path: Path, config: str, cold_start_timeout_s: float) -> Iterator[LocalUp]:
+    """`lorafn up --config` (the YAML text `config`) on this machine with its state under `tmp_path`,
+    until `platform.json` names it; on exit SIGINT, its output printed (shown when a test fails: the
+    controller's decisions) and kept in `LocalUp.log`, and, when the body passed, a clean exit (0)."""
+    state_dir = tmp_path / "state"
+    config_file = tmp_path / "up.yaml"
+    config_file.write_text(config)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LORAFN_COLD_START_TIMEOUT_S": f"{cold_start_timeout_s:g}"}
+    command = [sys.executable, "-m", "lorafn.cli", "up", "--config", str(config_file)]
+    up = subprocess.Popen(
+        [*command, "--state-dir", str(state_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    running: LocalUp | None = None
+    try:
+        wait_for("platform.json", lambda: (state_dir / "platform.json").exists(), 120, up)
+        state = json.loads((state_dir / "platform.json").read_text())
+        client = redis.Redis.from_url(state["redis_url"], decode_responses=True)
+        running = LocalUp(up, state_dir, state, client)
+        yield running
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+        log = up.stdout.read() if up.stdout else ""
+        if running is not None:
+            running.log = log
+        print(log)
+    assert up.returncode == 0

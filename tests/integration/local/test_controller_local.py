@@ -7,18 +7,14 @@ others are untouched; kill -9 of a standby worker loses nothing and the pool ref
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import redis
 
+from tests.integration.local.platform_helpers import SMALL_DEVICE, local_platform
 from tests.integration.local.platform_helpers import invoke as _invoke
-from tests.integration.local.platform_helpers import lorafn
 from tests.integration.local.platform_helpers import wait_for as _wait
 from tests.integration.local.platform_helpers import workers as _workers
 from tests.integration.runtime.engine_helpers import write_peft_adapter
@@ -36,22 +32,8 @@ def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
         tiny_model_dir, tmp_path / "b", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=1
     )
     wide = write_peft_adapter(tiny_model_dir, tmp_path / "c", r=8, lora_alpha=16, target_modules="all-linear")
-    state_dir = tmp_path / "state"
-    config = tmp_path / "up.yaml"
-    # One simulated device of 600 MiB (552 granted): a worker is 64 MiB overhead + 16 MiB KV + LoRA.
-    config.write_text(
-        "device: cpu\ndevices: 1\ndevice_memory_mib: 600\nworker_overhead_mib: 64\ndefault_kv_mib: 16\n"
-        "gateway_port: 0\n"
-    )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LORAFN_COLD_START_TIMEOUT_S": "15"}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "lorafn.cli", "up", "--config", str(config), "--state-dir", str(state_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
-    try:
-        state = _wait("platform.json", lambda: (state_dir / "platform.json").exists(), 120, up)
-        state = json.loads((state_dir / "platform.json").read_text())
-        r = redis.Redis.from_url(state["redis_url"], decode_responses=True)
+    with local_platform(tmp_path, SMALL_DEVICE, cold_start_timeout_s=15) as platform:
+        state_dir, r, up = platform.state_dir, platform.redis, platform.up
         functions = [("t/fa", small_a, ""), ("t/fb", small_b, ""), ("t/fc", wide, "")]
         docs = [
             "apiVersion: lorafn.io/v1alpha1\nkind: Backbone\nmetadata: {name: tiny}\n"
@@ -70,12 +52,8 @@ def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
             f"spec: {{backbone: tiny, adapter: {{uri: 'file://{small_a}'}}, "
             "resources: {kvCacheMiB: 4096}}\n"
         )
-        for i, doc in enumerate(docs):  # one file each: a key opens one function
-            manifest = tmp_path / f"doc{i}.yaml"
-            manifest.write_text(doc)
-            key = ["--api-key", f"key-{i}"] if i else []
-            applied = lorafn("apply", "-f", str(manifest), *key, state_dir=state_dir)
-            assert applied.returncode == 0, applied.stderr
+        # one file each: a key opens one function
+        platform.apply(docs, [f"key-{i}" if i else None for i in range(len(docs))], tmp_path)
         keys = {name: f"key-{i + 1}" for i, (name, _, _) in enumerate(functions)} | {"t/huge": "key-4"}
 
         def standbys() -> list[str]:
@@ -111,12 +89,3 @@ def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
         os.kill(pid, signal.SIGKILL)
         _wait("a new standby", lambda: [w for w in standbys() if w != victims[0]], 150, up)
         assert _invoke(state_dir, "t/fb", keys["t/fb"]).returncode == 0
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            raise
-        print(up.stdout.read() if up.stdout else "")  # shown when the test fails: the controller's decisions
-    assert up.returncode == 0

@@ -5,17 +5,11 @@ the same tokens as a fresh engine built with the adapter."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import redis
 
-from tests.integration.local.platform_helpers import lorafn
+from tests.integration.local.platform_helpers import SMALL_DEVICE, local_platform
 from tests.integration.local.platform_helpers import wait_for as _wait
 from tests.integration.local.platform_helpers import workers as _workers
 from tests.integration.runtime.engine_helpers import write_peft_adapter
@@ -31,21 +25,8 @@ def test_a_preloaded_standby_serves_the_first_request_like_a_fresh_worker(
     adapter = write_peft_adapter(
         tiny_model_dir, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
     )
-    state_dir = tmp_path / "state"
-    config = tmp_path / "up.yaml"
-    config.write_text(
-        "device: cpu\ndevices: 1\ndevice_memory_mib: 600\nworker_overhead_mib: 64\ndefault_kv_mib: 16\n"
-        "gateway_port: 0\n"
-    )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LORAFN_COLD_START_TIMEOUT_S": "60"}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "lorafn.cli", "up", "--config", str(config), "--state-dir", str(state_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
-    try:
-        _wait("platform.json", lambda: (state_dir / "platform.json").exists(), 120, up)
-        state = json.loads((state_dir / "platform.json").read_text())
-        r = redis.Redis.from_url(state["redis_url"], decode_responses=True)
+    with local_platform(tmp_path, SMALL_DEVICE, cold_start_timeout_s=60) as platform:
+        state, r, up = platform.state, platform.redis, platform.up
         docs = [
             "apiVersion: lorafn.io/v1alpha1\nkind: Backbone\nmetadata: {name: tiny}\n"
             f"spec: {{model: {{uri: 'file://{tiny_model_dir}'}}, dtype: float32, "
@@ -54,13 +35,7 @@ def test_a_preloaded_standby_serves_the_first_request_like_a_fresh_worker(
             f"spec: {{backbone: tiny, adapter: {{uri: 'file://{adapter}'}}, "
             "scaling: {keepAliveSeconds: 300}}\n",
         ]
-        for i, doc in enumerate(docs):
-            manifest = tmp_path / f"doc{i}.yaml"
-            manifest.write_text(doc)
-            applied = lorafn(
-                "apply", "-f", str(manifest), *(["--api-key", "key-a"] if i else []), state_dir=state_dir
-            )
-            assert applied.returncode == 0, applied.stderr
+        platform.apply(docs, [None, "key-a"], tmp_path)
 
         def preloaded() -> list[str]:
             return [
@@ -101,14 +76,5 @@ def test_a_preloaded_standby_serves_the_first_request_like_a_fresh_worker(
             "the adapter must change the answer for this test to mean anything"
         )
         assert got.choices[0].text == want.text
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            raise
-        log = up.stdout.read() if up.stdout else ""
-        print(log)  # shown when the test fails: the controller's decisions
-    assert up.returncode == 0
-    assert "adapter pre-loaded" in log  # the controller's bind line: a bind into the pre-loaded standby
+    # the controller's bind line: a bind into the pre-loaded standby
+    assert "adapter pre-loaded" in platform.log
