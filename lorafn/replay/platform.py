@@ -81,8 +81,12 @@ def manifest(
     setup: FunctionSetup,
     config: ReplayConfig,
     warm_pool_off_by_spec: bool,
+    *,
+    namespace: str = NAMESPACE,
+    secret: str = "replay-keys",
 ) -> str:
-    """The YAML `lorafn apply -f` would take: a Backbone, a Secret of keys and the LoRAFunctions."""
+    """The YAML `lorafn apply -f` would take: a Backbone, a Secret of keys and the LoRAFunctions (in
+    `namespace`, the keys in the Secret `secret`; other benchmarks, e.g. bench/batch.py, use their own)."""
     backbone_spec: dict[str, Any] = {"model": {"uri": f"file://{model_dir}"}, "dtype": dtype}
     if warm_pool_off_by_spec and config.warm_pool_fallback is not None:
         low, high = config.warm_pool_fallback
@@ -97,7 +101,7 @@ def manifest(
         {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": "replay-keys", "namespace": NAMESPACE},
+            "metadata": {"name": secret, "namespace": namespace},
             "stringData": {fn.split("/", 1)[1]: keys[fn] for fn in functions},
         },
     ]
@@ -112,7 +116,7 @@ def manifest(
                 "maxReplicas": max(setup.max_replicas, config.min_replicas, 1),
                 "keepAliveSeconds": config.keep_alive_s or setup.keep_alive_s,
             },
-            "auth": {"apiKeySecretRef": {"name": "replay-keys", "key": name}},
+            "auth": {"apiKeySecretRef": {"name": secret, "key": name}},
         }
         if setup.kv_cache_mib:
             spec["resources"] = {"kvCacheMiB": setup.kv_cache_mib}
@@ -120,7 +124,7 @@ def manifest(
             {
                 "apiVersion": "lorafn.io/v1alpha1",
                 "kind": "LoRAFunction",
-                "metadata": {"name": name, "namespace": NAMESPACE},
+                "metadata": {"name": name, "namespace": namespace},
                 "spec": spec,
             }
         )
