@@ -3,13 +3,16 @@ OpenAI batch (KV-packed waves at batch priority) and once as concurrent online r
 `--concurrency` in flight, default: what the batch runner keeps in flight), side by side in one run:
 makespan, requests/s, tokens/s and the ratio. With `--other-rps R`, a second function on the same device
 gets steady online traffic during both phases and its TTFT p50/p99 is reported per phase (batch work must
-not hurt it).
+not hurt it). Each phase also reports the function's KV offload counters from its workers' heartbeats
+(swaps out, MiB swapped out, recomputes: docs/batch.md#kv-offload); `--kv-mib` below what the concurrent
+online requests want is where packing and offload matter.
 
 CPU (tiny preset, a subset):  python bench/batch.py --preset tiny --limit 96 --max-tokens 32 \\
                                   --concurrency 16 --other-rps 2 --baseline-s 10 --repeats 2
-H100 (7B preset, all 1,319):  python bench/batch.py --preset llama-2-7b --device cuda --max-tokens 256 \\
-                                  --concurrency 48 --other-rps 2 --baseline-s 30 --repeats 2 \\
-                                  --json batch-h100.json
+H100 (7B, ~5 min; --limit 0 = all 1,319 prompts):
+    python bench/batch.py --model /tmp/llama-2-7b --data-dir .data --device cuda --limit 192 --warmup 16 \\
+        --max-tokens 256 --concurrency 48 --kv-mib 4096 --other-rps 2 --baseline-s 20 --repeats 2 \\
+        --json batch-h100.json
 """
 
 from __future__ import annotations
@@ -121,6 +124,23 @@ async def run_online(
             "completion_tokens": tokens, "status": "done"}  # fmt: skip
 
 
+KV_COUNTERS = ("kv_swaps_out", "kv_swaps_in", "kv_swap_out_bytes", "kv_recomputes")
+
+
+def kv_counters(redis_url: str, prefix: str, fn: str) -> dict[str, int]:
+    """The function's live workers' KV offload counters (their heartbeats; cumulative since start)."""
+    from lorafn.store import Keys, Store, workers
+
+    store, keys = Store(redis_url), Keys(prefix)
+    try:
+        now_ms = store.run(workers.server_time_ms())
+        live = store.run(workers.live_workers(keys, fn, 10_000, now_ms))
+        info = store.run(workers.worker_info(keys, live)) if live else {}
+    finally:
+        store.close()
+    return {k: sum(int(h.get(k) or 0) for h in info.values()) for k in KV_COUNTERS}
+
+
 class Other:
     """Steady online traffic (Poisson arrivals at `rps`) on another function while a phase runs, in a
     thread with its own event loop; the TTFT (first streamed text) of each request it sent."""
@@ -197,7 +217,7 @@ def main() -> int:
     ap.add_argument("--model", help="an existing model directory instead of --preset")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--limit", type=int, default=None, help="the first N GSM8K prompts (CPU: a subset)")
+    ap.add_argument("--limit", type=int, default=None, help="the first N GSM8K prompts (0 or none: all)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
         "--concurrency",
@@ -227,7 +247,7 @@ def main() -> int:
     )
     adapters = prepare_adapters(model_dir, work / "adapters", 2, 16, "all-linear")
     questions = trace.load_questions(Path(args.data_dir) / "gsm8k_test.jsonl")
-    prompts = [f"Question: {q}\nAnswer:" for q in questions[: args.limit]]
+    prompts = [f"Question: {q}\nAnswer:" for q in questions[: args.limit or None]]
     functions = [f"{NAMESPACE}/gsm8k"] + ([f"{NAMESPACE}/online"] if args.other_rps > 0 else [])
     keys = new_keys(functions)
     settings = {"device": args.device, "devices": 1, "warm_pool": False}
@@ -265,6 +285,8 @@ def main() -> int:
         for phase in args.order.split(",") * args.repeats:
             print(f"{phase}: {len(prompts)} prompts ...", flush=True)
             name, phase = f"{phase}#{sum(k.startswith(phase) for k in rows) + 1}", phase
+            time.sleep(1.5)  # a heartbeat: the counters below include the previous phase
+            before = kv_counters(state.redis_url, state.key_prefix, fn)
             with other() as o:
                 if phase == "batch":
                     rows[name] = run_batch(state.gateway_url, key, fn, prompts, args.max_tokens)
@@ -274,10 +296,14 @@ def main() -> int:
                     )
             if o is not None:
                 rows[name]["other_ttft_ms"] = o.figures()
+            time.sleep(1.5)
+            after = kv_counters(state.redis_url, state.key_prefix, fn)
+            rows[name]["kv"] = {k: after[k] - before[k] for k in KV_COUNTERS}
     finally:
         platform.stop()
     print(
         f"\n{'':10} {'makespan s':>11} {'req/s':>8} {'tok/s':>8} {'failed':>7} {'other TTFT p50/p99 ms':>22}"
+        f" {'swaps/MiB/recomp':>18}"
     )
     for phase, r in rows.items():
         o = r.get("other_ttft_ms") or {}
@@ -288,8 +314,12 @@ def main() -> int:
             )
             continue
         other_s = f"{o.get('p50') or 0:.0f}/{o.get('p99') or 0:.0f}" if o else "-"
+        kv = r.get("kv") or {}
+        swapped_mib = kv.get("kv_swap_out_bytes", 0) >> 20
+        kv_s = f"{kv.get('kv_swaps_out', 0)}/{swapped_mib}/{kv.get('kv_recomputes', 0)}"
         print(f"{phase:10} {r['makespan_s']:11.2f} {r['completed'] / r['makespan_s']:8.2f} "
-              f"{r['completion_tokens'] / r['makespan_s']:8.1f} {r['failed']:7d} {other_s:>22}")  # fmt: skip
+              f"{r['completion_tokens'] / r['makespan_s']:8.1f} {r['failed']:7d} {other_s:>22} "
+              f"{kv_s:>18}")  # fmt: skip
     made = {
         p: sorted(r["makespan_s"] for k, r in rows.items() if k.startswith(p + "#"))
         for p in ("online", "batch")
