@@ -418,13 +418,14 @@ def main() -> None:
 
 
 GATEWAY_STAGES = ("authorized", "prepared", "enqueued", "accepted", "first_delta", "first_text", "done")
-WORKER_STAGES = ("queued", "held", "prefill", "first_token")
+WORKER_STAGES = ("queued", "held", "prefill", "first_token", "gc")
 
 
 def stage_table(rows: dict[str, dict[str, Any]]) -> str:
     """Each row's request as its processes logged it: the gateway's stages (ms since it received the
     request) and the worker's (queued = enqueued -> read, held = read -> first step, prefill = that step
-    -> first token, first token = enqueued -> first delta sent); the client's TTFT beside them."""
+    -> first token, first token = enqueued -> first delta sent, gc = the garbage collector's time while the
+    request ran); the client's TTFT beside them."""
     names = [n for n in ("warm", "standby", "fresh") if n in rows and "gw_done_ms" in rows[n]]
     if not names:
         return "(no per-request lines found in the logs)"

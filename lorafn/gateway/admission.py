@@ -7,6 +7,7 @@ The order of checks, and why, is in docs/gateway.md#auth; the limits in docs/gat
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import time
@@ -196,7 +197,9 @@ class Admitter:
         directory, so a known one costs nothing. Runs as a task of the app until cancelled."""
         from lorafn.store.backbones import get_backbone, list_backbones
 
+        settled = False
         while True:
+            loaded = load_tokenizer.cache_info().currsize
             try:
                 if self._salt is None:
                     self._salt = await self.store.run(reg.ensure_salt(self.keys))
@@ -206,6 +209,15 @@ class Admitter:
                     for record in records:
                         if record is not None and record.model_dir:
                             await asyncio.to_thread(_warm_tokenizer, record.model_dir)
+                # What is alive now (the app, the tokenizers) out of later full collections, which would
+                # otherwise walk it inside some request (runtime.standby.settle_heap): one collection at
+                # start, then `gc.freeze()` (O(1)) whenever a tokenizer was added.
+                if self.settings.freeze_heap:
+                    if not settled:
+                        gc.collect()
+                        settled = True
+                    if load_tokenizer.cache_info().currsize != loaded or not gc.get_freeze_count():
+                        gc.freeze()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis away, a broken backbone: the requests see it, not this task

@@ -63,6 +63,11 @@ class GatewaySettings(SharedSettings):
         description="log one line per invocation: received -> authorized -> enqueued -> accepted -> first "
         "delta -> done (ms)",
     )
+    freeze_heap: bool = Field(
+        default=True,
+        description="after the first keep-warm pass, one full garbage collection and gc.freeze(): later "
+        "full collections skip what the process holds (off for gateways embedded in a test process)",
+    )
     keep_warm_s: float = Field(
         default=5.0,
         ge=0,

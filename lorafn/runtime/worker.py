@@ -38,6 +38,7 @@ in fakes of that interface through `WorkerSettings.engine_factory`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -134,6 +135,31 @@ class _Running:
     first_sent_ms: float | None = None  # unix ms its first delta went out (the pipeline after that step)
     steps: int = 0  # engine steps until its first token (> 1: chunked, or admission ran decodes only)
     first_of_worker: bool = False  # the first request this worker took (a cold start's request)
+    gc_ms_at_read: float = 0.0  # GC_CLOCK when it was read
+
+
+class GcClock:
+    """Milliseconds this process spent in the garbage collector (every generation; a `gc.callbacks`
+    entry): a request's line says how much of its time went there (a full collection stops every thread
+    for as long as it walks the heap, see standby.settle_heap)."""
+
+    def __init__(self) -> None:
+        self.total_ms = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.total_ms += (time.perf_counter() - self._started) * 1000
+
+    def install(self) -> GcClock:
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+        return self
+
+
+GC_CLOCK = GcClock()
 
 
 def request_timing(run: _Running, done_ms: float) -> dict[str, float]:
@@ -185,6 +211,8 @@ class Worker:
         self._taken = 0  # requests admitted (the first one is the cold start's)
         self._first_out: list[_Running] = []  # first deltas queued in `_events`, not yet sent
         self._done_out: list[tuple[_Running, str, int, int]] = []  # finished, logged once sent
+        if config.request_log:
+            GC_CLOCK.install()
         self.batching = Batching(store, keys, self.worker_id, self.function, config.batching, clock=clock)
 
     # -- public ---------------------------------------------------------------------------------
@@ -388,6 +416,7 @@ class Worker:
         if not self.config.request_log:
             return
         timing = request_timing(run, done_ms)
+        timing["gc"] = GC_CLOCK.total_ms - run.gc_ms_at_read  # the collector's share of its life
         log.info(
             "request rid=%s function=%s finish=%s %s steps=%d prompt_tokens=%d completion_tokens=%d "
             "first_of_worker=%d",
@@ -536,8 +565,9 @@ class Worker:
         if rid in self.running:
             return
         run = _Running(
-            rid, entry_id, arrival_ms=entry_ms(entry_id), read_ms=time.time() * 1000, read_at=self.clock()
-        )
+            rid, entry_id, arrival_ms=entry_ms(entry_id), read_ms=time.time() * 1000, read_at=self.clock(),
+            gc_ms_at_read=GC_CLOCK.total_ms,
+        )  # fmt: skip
         try:
             deadline = int(fields.get("deadline") or 0)
         except ValueError:
@@ -804,6 +834,10 @@ def serve_worker(settings: WorkerSettings) -> int:
     if keep_alive is None and record is not None and record.spec:
         keep_alive = float(LoRAFunctionSpec.model_validate(record.spec).scaling.keep_alive_seconds)
     engine = make_engine(settings, record)
+    # the engine's objects (and the libraries') out of later full collections, which would otherwise walk
+    # them inside a request's step (standby.settle_heap; here without the collection itself: O(1), and a
+    # fresh worker's first request is already waiting)
+    gc.freeze()
     worker = Worker(store, keys, engine, serving_config(settings, function, keep_alive, engine))
     worker.install_signal_handlers()
     if settings.spawned_at_ms:  # a fresh cold start: tell the controller how long it took

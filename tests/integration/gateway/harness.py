@@ -127,7 +127,8 @@ def register(
 @contextmanager
 def gateway(redis_url: str, prefix: str, **overrides: Any) -> Iterator[str]:
     """The gateway app under uvicorn on a free loopback port, in a thread; yields its base URL."""
-    settings = GatewaySettings(redis_url=redis_url, key_prefix=prefix, **overrides)
+    # freeze_heap off: gc.freeze() would act on the whole test process
+    settings = GatewaySettings(redis_url=redis_url, key_prefix=prefix, **{"freeze_heap": False, **overrides})
     port = free_port()
     server = uvicorn.Server(
         uvicorn_config(

@@ -1,10 +1,12 @@
 """Where a request's time goes, seen from both ends (issue 10: a cold start's gap was unexplained because
 nothing logged per request): the gateway's line (received -> authorized -> enqueued -> accepted -> first
 delta -> done) and its phase histograms, the worker's line (queued, held, prefill, first token) for the
-same request id, and the gateway loading registered backbones' tokenizers before their first request."""
+same request id, and the gateway loading registered backbones' tokenizers before their first request (and
+freezing its heap after)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
@@ -63,7 +65,7 @@ def test_each_request_logs_its_stages_in_the_gateway_and_the_worker(
         assert wk["function"] == FN and wk["finish"] == "length", wk
         assert wk["completion_tokens"] == "4" and wk["steps"] == "1", wk
         assert wk["first_of_worker"] == str(int(i == 0)), wk
-        for name in ("queued_ms", "held_ms", "prefill_ms", "first_token_ms", "total_ms"):
+        for name in ("queued_ms", "held_ms", "prefill_ms", "first_token_ms", "total_ms", "gc_ms"):
             assert float(wk[name]) >= 0, (name, wk)
         assert float(wk["first_token_ms"]) <= float(wk["total_ms"]), wk
     for phase in ("admission", "accept", "first_delta"):
@@ -77,11 +79,16 @@ def test_the_gateway_loads_registered_backbones_tokenizers_before_any_request(
     store, keys = Store(redis_server), Keys(prefix)
     store.run(put_backbone(keys, BackboneRecord("tiny", str(tiny_model_dir), "float32", {})))
     load_tokenizer.cache_clear()
-    with gateway(redis_server, prefix, keep_warm_s=0.1):
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and load_tokenizer.cache_info().currsize == 0:
-            time.sleep(0.05)
-        assert load_tokenizer.cache_info().currsize == 1
-        hits = load_tokenizer.cache_info().hits
-        load_tokenizer(str(tiny_model_dir))  # a request's lookup now finds it loaded
-        assert load_tokenizer.cache_info().hits == hits + 1
+    gc.unfreeze()
+    try:
+        with gateway(redis_server, prefix, keep_warm_s=0.1, freeze_heap=True):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not gc.get_freeze_count():
+                time.sleep(0.05)
+            assert load_tokenizer.cache_info().currsize == 1
+            hits = load_tokenizer.cache_info().hits
+            load_tokenizer(str(tiny_model_dir))  # a request's lookup now finds it loaded
+            assert load_tokenizer.cache_info().hits == hits + 1
+            assert gc.get_freeze_count() > 0  # and what was alive then is out of later full collections
+    finally:
+        gc.unfreeze()  # this test process collects as before
