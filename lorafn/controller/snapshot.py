@@ -43,6 +43,9 @@ class SizingConfig:
     bind_s: float = 0.1  # measured bind -> serving of a standby prepared for the shape
     capture_s: float = 0.0  # graph capture when a standby is not prepared for the shape
     adapter_load_s: float | None = None  # the adapter-load part of bind_s (None: all of it)
+    # every worker loads its own copy of the backbone (no sharing, the replay's ablation): those weights
+    # are part of each worker's size, and a GPU holds no shared copy
+    private_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,11 @@ class FunctionSize:
     kv_bytes: int
     lora_bytes: int
     overhead_bytes: int = 0
+    weights_bytes: int = 0  # its own copy of the backbone (SizingConfig.private_weights), else 0
 
     @property
     def mem_bytes(self) -> int:
-        return self.overhead_bytes + self.kv_bytes + self.lora_bytes
+        return self.overhead_bytes + self.kv_bytes + self.lora_bytes + self.weights_bytes
 
 
 OVERHEAD_MARGIN_BYTES = 64 * MiB  # growth a worker may still have ahead (a longer prompt's activations)
@@ -123,16 +127,25 @@ class SnapshotReader:
                 spec.resources, kv_bytes_per_token(cfg, backbone.dtype), self.sizing.default_kv_bytes
             )
             lora = lora_bytes(info.ranks, cfg, backbone.dtype)
-            self._sizes[key] = FunctionSize(info.shape_key, kv, lora)
+            self._sizes[key] = FunctionSize(
+                info.shape_key, kv, lora, weights_bytes=self.private_bytes(backbone)
+            )
         return dataclasses.replace(self._sizes[key], overhead_bytes=self.overhead_bytes)
 
+    def private_bytes(self, backbone: BackboneRecord | None) -> int:
+        """The backbone weights a worker holds privately: all of them without sharing, else none."""
+        if backbone is None or not self.sizing.private_weights:
+            return 0
+        return self.backbone_bytes(backbone.model_dir)
+
     def standby_bytes(self, shape: str | None, backbone: BackboneRecord) -> int:
-        """A standby of `shape`: overhead + default KV budget + LoRA buffers of the shape."""
+        """A standby of `shape`: overhead + default KV budget + LoRA buffers of the shape (+ its own
+        weights without sharing)."""
         lora = 0
         if shape:
             cfg = self.model_config(backbone.model_dir)
             lora = lora_bytes(parse_shape_key(shape), cfg, backbone.dtype)
-        return self.overhead_bytes + self.sizing.default_kv_bytes + lora
+        return self.overhead_bytes + self.sizing.default_kv_bytes + lora + self.private_bytes(backbone)
 
     def standby_kv_bytes(self, mem_bytes: int, shape: str | None, backbone: str) -> int:
         """The KV budget of a standby granted `mem_bytes`: the planner sizes a standby to take the largest
@@ -230,7 +243,10 @@ class SnapshotReader:
                 standby[s] = self.standby_bytes(s, bb)
             # A shape-agnostic standby is sized to take any registered function: the largest LoRA.
             largest_lora = max((size.lora_bytes for size in self.sizes.values()), default=0)
-            standby[None] = self.overhead_bytes + self.sizing.default_kv_bytes + largest_lora
+            largest_weights = max((size.weights_bytes for size in self.sizes.values()), default=0)
+            standby[None] = (
+                self.overhead_bytes + self.sizing.default_kv_bytes + largest_lora + largest_weights
+            )
             costs = Costs(
                 fresh_start_s=self.sizing.fresh_start_s,
                 bind_s=self.sizing.bind_s,
@@ -288,6 +304,7 @@ class SnapshotReader:
                         int(h.get("mem_bytes") or 0)
                         - int(h.get("kv_bytes") or 0)
                         - int(h.get("lora_bytes") or 0)
+                        - self.private_bytes(self.backbone_records.get(h.get("backbone", "")))
                     )
             with contextlib.suppress(ValueError):
                 kv_reports[wid] = int(h.get("kv_bytes") or 0)

@@ -101,6 +101,7 @@ class LocalPlatform:
             fresh_start_s=base.fresh_start_s,
             bind_s=base.bind_s,
             capture_s=base.capture_s,
+            private_weights=not c.share_backbone,
         )
 
     # -- start and stop --------------------------------------------------------------------------
@@ -223,8 +224,9 @@ class LocalPlatform:
 
     def _bytes_of(self, backbone: str) -> int:
         # On CPU the one shared-memory copy is host memory, not a device's: it does not count against
-        # the simulated devices' accounts. On GPU every device holds a copy.
-        if self.device != "cuda" and self.config.share_backbone:
+        # the simulated devices' accounts. On GPU every device holds a copy. Without sharing there is no
+        # shared copy: each worker's own weights are part of its size (SizingConfig.private_weights).
+        if not self.config.share_backbone or self.device != "cuda":
             return 0
         return self._backbone_bytes.get(backbone, 0)
 

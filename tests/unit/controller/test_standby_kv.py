@@ -116,3 +116,51 @@ def test_a_standby_with_the_default_kv_is_not_bound_to_a_function_it_cannot_hold
     controller.round()
     sent = [c for _id, c in store.run(workers.read_control(keys, "small", "0-0")) if c.get("cmd") == "bind"]
     assert sent == []
+
+
+def test_without_sharing_each_worker_counts_its_own_weights(redis_server: str, tmp_path: Path) -> None:
+    """The replay's no-sharing ablation crash-looped on the H100: the account counted one backbone copy
+    per GPU and ~3 GiB per worker, so it started eight 7B workers (13.5 GB each) at once and they died of
+    CUDA OOM. With private weights a worker's size holds its copy and the GPU none: only what fits starts,
+    the rest waits with a reason."""
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    model = write_backbone(tmp_path / "tiny")
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(3 << 30)  # 3 GiB of "weights" (sparse: st_size is what the controller reads)
+    bb_spec = {"model": {"uri": f"file://{model}"}, "warmPool": {"minStandby": 0, "maxStandby": 0}}
+    store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
+    names = [f"team/f{i}" for i in range(3)]
+    for name in names:
+        adapter = write_adapter(tmp_path / name.replace("/", "-"))
+        spec = {
+            "backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}, "resources": {"kvCacheMiB": KV_MIB}
+        }  # fmt: skip
+        store.run(put_function(keys, FunctionRecord(name, spec, str(model), str(adapter))))
+
+    class _NoSharedCopy(_Executor):
+        def gpus(self) -> list[GPU]:
+            return [GPU("g0", "n", 8 << 30, {"tiny": 0})]  # the backbone is "resident" (privately) at 0 bytes
+
+    executor = _NoSharedCopy()
+    sizing = SizingConfig(worker_overhead_bytes=4 * MiB, default_kv_bytes=8 * MiB, private_weights=True)
+    controller = Controller(store, keys, executor, sizing, ControllerConfig(holder="me"))
+    try:
+        controller.round()
+        size = controller.reader.sizes[names[0]]
+        assert size.weights_bytes == 3 << 30
+        assert size.mem_bytes == 4 * MiB + KV_MIB * MiB + size.lora_bytes + (3 << 30)
+        for i, name in enumerate(names):
+            store.run(
+                streams.admit(
+                    keys, name, f"r{i}", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
+                    rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
+                )
+            )  # fmt: skip
+            store.run(streams.record_demand(keys, name, "request", 1))
+        controller.round()
+        started = [a.function for a in executor.started if a.function]
+        assert len(started) == 2, started  # 2 x ~3.1 GiB fit in 8 GiB, a third would not
+        waits = [a for a in controller.last_plan.actions if type(a).__name__ == "Wait"]
+        assert [w.function for w in waits] == sorted(set(names) - set(started))
+    finally:
+        store.close()
