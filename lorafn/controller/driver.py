@@ -26,7 +26,9 @@ import dataclasses
 import logging
 import os
 import socket
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -100,6 +102,9 @@ class Demand:
     at_ms: int
 
 
+FRESH_STARTS_KEPT = 9
+
+
 class Controller:
     def __init__(
         self, store: Store, keys: Keys, executor: Executor, sizing: SizingConfig, config: ControllerConfig
@@ -128,6 +133,9 @@ class Controller:
         self._deferred_since: dict[str, float] = {}  # GPU -> since when its refill waits
         self.last_plan: Plan | None = None
         self.last_snapshot: Snapshot | None = None
+        # the last fresh starts (spawn -> serving, s): their median replaces the configured fresh_start_s,
+        # which sizes the pool's refill window and how long a cold start may wait on a warming standby
+        self._fresh_starts: deque[float] = deque(maxlen=FRESH_STARTS_KEPT)
         self.metrics = ControllerMetrics()
 
     # -- one round -------------------------------------------------------------------------------
@@ -279,10 +287,25 @@ class Controller:
                 path = event.get("path") or "unknown"
                 self.metrics.cold_starts.labels(path).inc()
                 with contextlib.suppress(ValueError):  # a malformed ms field is not worth a failed round
-                    self.metrics.cold_start_seconds.labels(path).observe(float(event.get("ms") or 0) / 1000)
+                    seconds = float(event.get("ms") or 0) / 1000
+                    self.metrics.cold_start_seconds.labels(path).observe(seconds)
+                    if path == "fresh" and seconds > 0:
+                        self._learn_fresh_start(seconds)
             elif kind in (control.BIND_FAILED, control.START_FAILED) and function:
                 self._binds.pop(wid, None)
                 self._failed(function, event.get("reason", kind))
+
+    def _learn_fresh_start(self, seconds: float) -> None:
+        """A measured fresh start: the policy's fresh_start_s becomes the median of the last few (the
+        configured default, 20 s on a GPU, was the spawn of a bare process; from the zygote with the
+        backbone resident a 7B worker serves in ~1.7 s, and slower while many start at once)."""
+        self._fresh_starts.append(seconds)
+        estimate = statistics.median(self._fresh_starts)
+        sizing = self.reader.sizing
+        if abs(estimate - sizing.fresh_start_s) > 0.1 * sizing.fresh_start_s:
+            log.info("controller: fresh start estimate %.2f s -> %.2f s", sizing.fresh_start_s, estimate)
+        self.reader.sizing = dataclasses.replace(sizing, fresh_start_s=estimate)
+        self.metrics.fresh_start_estimate.set(estimate)
 
     def _failed(self, function: str, reason: str) -> None:
         log.error("controller: start of %s failed: %s", function, reason)

@@ -62,6 +62,10 @@ class ControllerMetrics:
             "lorafn_controller_waiting_functions", "Functions with demand and no worker", registry=r
         )
         self.pool_target = Gauge("lorafn_controller_pool_target", "Standby workers wanted", registry=r)
+        self.fresh_start_estimate = Gauge(
+            "lorafn_controller_fresh_start_estimate_seconds",
+            "Median of the last fresh starts (spawn -> serving): the policy's refill window", registry=r,
+        )  # fmt: skip
         self.pool_standby = Gauge(
             "lorafn_controller_pool_standby", "Standby workers heartbeating", registry=r
         )

@@ -18,7 +18,7 @@ from lorafn.controller.policy.actions import Start
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.model import GPU
 from lorafn.controller.snapshot import SizingConfig
-from lorafn.store import Keys, Store, streams, workers
+from lorafn.store import Keys, Store, control, streams, workers
 from lorafn.store.backbones import BackboneRecord, put_backbone
 from lorafn.store.protocol import RequestBody
 from lorafn.store.registry import FunctionRecord, put_function
@@ -164,3 +164,21 @@ def test_without_sharing_each_worker_counts_its_own_weights(redis_server: str, t
         assert [w.function for w in waits] == sorted(set(names) - set(started))
     finally:
         store.close()
+
+
+def test_fresh_starts_teach_the_policy_its_refill_window(world) -> None:
+    """The pool's refill window and the wait on a warming standby use fresh_start_s: the configured 20 s
+    of a bare GPU process made the H100 replay wait seconds on warming standbys while a fresh worker from
+    the zygote serves in ~1.7 s. Measured fresh starts (the workers' `bound` events) replace it."""
+    store, keys, controller, _executor = world
+    controller.round()
+    assert controller.last_snapshot.costs.fresh_start_s == controller.reader.sizing.fresh_start_s
+    for ms in (1700, 1500, 9000):  # the median of what was measured, not the last nor the mean
+        store.run(control.post_event(keys, control.BOUND, function=FN, worker="w", path="fresh", ms=ms))
+    store.run(control.post_event(keys, control.BOUND, function=FN, worker="s", path="standby", ms=80))
+    controller.round()  # events after the first round's cursor are learned
+    controller.round()
+    assert controller.reader.sizing.fresh_start_s == 1.7
+    assert controller.last_snapshot.costs.fresh_start_s == 1.7
+    reg = controller.metrics.registry
+    assert reg.get_sample_value("lorafn_controller_fresh_start_estimate_seconds") == 1.7
