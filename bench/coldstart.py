@@ -104,6 +104,14 @@ def ttft_ms(
     return (first - t0) * 1000, rid
 
 
+def cpu_ms(pid: int) -> float:
+    """CPU time (user + system, ms) the process `pid` has used: what `lorafn up` (supervisor + controller
+    rounds) took from the host's cores while a row's request ran (on the 2-core CPU VM that competes with
+    the worker's prefill)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
 def request_stages(logs: Path, rid: str) -> dict[str, float]:
     """One request's stages from the processes' own lines (`request rid=... key=value`): the gateway's
     (`gw_<stage>_ms`, ms since it received the request) and the worker's (`wk_<stage>_ms`: queued, held,
@@ -338,10 +346,12 @@ def main() -> None:
         url = platform.state["gateway_url"]
         rows: dict[str, dict[str, Any]] = {}
         if not args.density_only:
+            up_cpu = cpu_ms(platform.proc.pid)
             t, rid = ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
             rows["standby"] = {
                 "ttft_ms": t,
                 "rid": rid,
+                "up_cpu_ms": cpu_ms(platform.proc.pid) - up_cpu,
                 **platform.cold_timeline("bench/warmfn"),
                 **platform.status("bench/warmfn"),
             }
@@ -350,19 +360,28 @@ def main() -> None:
             # beside the warm requests and inflates them
             platform.wait_standby("pooled", validate_adapter(adapters[0], model).shape_key)
             platform.wait_pool_settled("pooled")
+            up_cpu = cpu_ms(platform.proc.pid)
             warm = [
                 ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
                 for _ in range(args.repeats)
             ]
+            warm_up_cpu = (cpu_ms(platform.proc.pid) - up_cpu) / args.repeats
             median = sorted(warm)[len(warm) // 2]
             rows["warm"] = {
                 "ttft_ms": statistics.median(t for t, _ in warm),
                 "all_ms": [t for t, _ in warm],
                 "rid": median[1],
+                "up_cpu_ms": warm_up_cpu,
             }
             print("warm", rows["warm"], flush=True)
+            up_cpu = cpu_ms(platform.proc.pid)
             t, rid = ttft_ms(url, "k-fresh", "bench/freshfn", prompt, args.max_tokens, 600)
-            rows["fresh"] = {"ttft_ms": t, "rid": rid, **platform.status("bench/freshfn")}
+            rows["fresh"] = {
+                "ttft_ms": t,
+                "rid": rid,
+                "up_cpu_ms": cpu_ms(platform.proc.pid) - up_cpu,
+                **platform.status("bench/freshfn"),
+            }
             print("fresh", rows["fresh"], flush=True)
         if args.density:
             rows["density"] = density(platform, workdir, adapters[2], args, prompt)
@@ -425,11 +444,12 @@ def stage_table(rows: dict[str, dict[str, Any]]) -> str:
     """Each row's request as its processes logged it: the gateway's stages (ms since it received the
     request) and the worker's (queued = enqueued -> read, held = read -> first step, prefill = that step
     -> first token, first token = enqueued -> first delta sent, gc = the garbage collector's time while the
-    request ran); the client's TTFT beside them."""
+    request ran); the client's TTFT beside them; `up cpu`: CPU ms the `lorafn up` process (supervisor,
+    controller rounds) used during the request (the warm row: per request)."""
     names = [n for n in ("warm", "standby", "fresh") if n in rows and "gw_done_ms" in rows[n]]
     if not names:
         return "(no per-request lines found in the logs)"
-    cols = [f"gw {s}" for s in GATEWAY_STAGES] + [f"wk {s}" for s in WORKER_STAGES]
+    cols = [f"gw {s}" for s in GATEWAY_STAGES] + [f"wk {s}" for s in WORKER_STAGES] + ["up cpu"]
     lines = [
         "per-request stages (ms; gateway: since received; worker: see bench docstring)",
         f"{'path':<10}{'client':>8}" + "".join(f"{c:>15}" for c in cols),
@@ -437,6 +457,7 @@ def stage_table(rows: dict[str, dict[str, Any]]) -> str:
     for n in names:
         r = rows[n]
         vals = [r.get(f"gw_{s}_ms") for s in GATEWAY_STAGES] + [r.get(f"wk_{s}_ms") for s in WORKER_STAGES]
+        vals.append(r.get("up_cpu_ms"))
         lines.append(
             f"{n:<10}{r['ttft_ms']:>8.1f}" + "".join(f"{'' if v is None else f'{v:.1f}':>15}" for v in vals)
         )
