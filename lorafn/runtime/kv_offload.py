@@ -10,7 +10,10 @@ sequence is admitted again (*swap*). Which is cheaper depends on the sequence an
 - recompute: ``tokens × prefill_s_per_token`` — the prefill of every computed position again.
 
 `OffloadPolicy.should_swap` picks swap when it is predicted faster *and* the sequence's blocks fit in
-what is left of the worker's host budget (``host_budget_bytes``; over budget = recompute). The
+what is left of the worker's host budget (``host_budget_bytes``; over budget = recompute). Only sequences
+of priority ``min_priority`` or above are swapped (default 1: offline batch requests, the ones online work
+preempts; online requests preempted by older online ones keep the recompute path, so online latency never
+waits on host copies). The
 per-token prefill cost is measured by the engine from its own prefill steps (`observe_prefill`, an
 exponentially weighted mean of step seconds per prompt token over steps that prefill at least
 ``min_measured_tokens`` tokens, so fixed per-step costs do not dominate); until then the configured
@@ -50,13 +53,15 @@ class OffloadConfig:
     ``host_budget_bytes``: host memory the worker may hold swapped KV in (pinned on CUDA); 0 turns
     swapping off (every preemption recomputes). ``host_link_bytes_per_s``: the device<->host copy
     bandwidth the prediction uses. ``prefill_s_per_token``: the recompute prior until the engine has
-    measured its own prefill steps."""
+    measured its own prefill steps. ``min_priority``: the lowest request priority that may be swapped
+    (1: batch requests only; 0: every request)."""
 
     host_budget_bytes: int = DEFAULT_HOST_BUDGET_BYTES
     host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S
     prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
     min_measured_tokens: int = 64
     smoothing: float = 0.2  # weight of a new measurement in the mean
+    min_priority: int = 1
 
     def __post_init__(self) -> None:
         budget = self.host_budget_bytes
@@ -69,6 +74,10 @@ class OffloadConfig:
             raise ValueError(f"min_measured_tokens must be an integer >= 1, got {tokens!r}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
+        if isinstance(self.min_priority, bool) or self.min_priority not in (0, 1):
+            raise ValueError(
+                f"min_priority must be 0 (every request) or 1 (batch only), got {self.min_priority!r}"
+            )
 
 
 def swap_seconds(num_bytes: int, link_bytes_per_s: float) -> float:
@@ -140,7 +149,10 @@ class OffloadPolicy:
     def host_free_blocks(self) -> int:
         return self.num_host_blocks - self.host_blocks_used
 
-    def should_swap(self, num_tokens: int, num_blocks: int) -> bool:
+    def should_swap(self, num_tokens: int, num_blocks: int, priority: int = 1) -> bool:
+        """Swap (True) or recompute a preempted sequence of ``priority`` (0 online, 1 batch)."""
+        if priority < self.config.min_priority:
+            return False
         return should_swap(
             num_tokens,
             num_blocks * self.block_bytes,

@@ -300,7 +300,11 @@ class Scheduler:
             if victim.seq_id in swapped_in_now:
                 # admission runs in rank order and preempts only larger ranks: never the case
                 raise RuntimeError(f"{victim.seq_id!r} preempted in the step that swaps it in")
-            if offload is not None and computed and offload.should_swap(computed, num_blocks):
+            if (
+                offload is not None
+                and computed
+                and offload.should_swap(computed, num_blocks, rank(victim)[0])
+            ):
                 # copied out before the step runs, so the freed blocks may be reused in this step
                 out.swap_out.append((victim.seq_id, victim.block_table[:num_blocks]))
                 offload.take(num_blocks)

@@ -12,8 +12,10 @@ from lorafn.runtime.kv_offload import OffloadConfig
 from tests.integration.runtime.engine_helpers import engine_greedy, mixed_prompts, write_peft_adapter
 
 MAX_NEW = 12
-# the host link infinitely fast and the prefill slow: every preemption that fits the budget swaps
-ALWAYS_SWAP = OffloadConfig(host_link_bytes_per_s=1e30, prefill_s_per_token=1.0)
+# the host link infinitely fast and the prefill slow: every preemption that fits the budget swaps (online
+# requests too: the default swaps batch requests only)
+ALWAYS_SWAP = OffloadConfig(host_link_bytes_per_s=1e30, prefill_s_per_token=1.0, min_priority=0)
+BATCH_SWAP = OffloadConfig(host_link_bytes_per_s=1e30, prefill_s_per_token=1.0)
 NEVER_SWAP = OffloadConfig(host_budget_bytes=0)
 
 
@@ -66,9 +68,7 @@ def test_a_batch_request_preempted_by_online_work_is_swapped_and_answers_the_sam
     ]
 
     # 28 blocks of 4 = 112 positions: the three batch requests (~83 + 48 tokens) take nearly all of it
-    e = engine(
-        tiny_model_dir, adapter, ALWAYS_SWAP, block_size=4, num_kv_blocks=28, max_num_batched_tokens=64
-    )
+    e = engine(tiny_model_dir, adapter, BATCH_SWAP, block_size=4, num_kv_blocks=28, max_num_batched_tokens=64)
     ids = [e.add_request(p, batch) for p in batch_prompts]
     for _ in range(4):  # the batch requests prefill and decode a few tokens
         e.step()

@@ -84,6 +84,7 @@ def test_the_recompute_cost_is_learned_from_measured_prefill_steps() -> None:
         ("prefill_s_per_token", float("nan")),
         ("min_measured_tokens", 0),
         ("smoothing", 0),
+        ("min_priority", 2),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(field: str, value: object) -> None:
@@ -94,10 +95,14 @@ def test_bad_settings_are_refused_naming_the_field(field: str, value: object) ->
 # ---------------------------------------------------------------------------- the scheduler swaps
 
 
-def always_swap(num_host_blocks: int = 1 << 20) -> OffloadPolicy:
-    """Host link infinitely fast, recompute slow: every preemption that fits the budget swaps."""
+def always_swap(num_host_blocks: int = 1 << 20, min_priority: int = 0) -> OffloadPolicy:
+    """Host link infinitely fast, recompute slow: every preemption that fits the budget swaps (online
+    ones too with ``min_priority`` 0)."""
     cfg = OffloadConfig(
-        host_budget_bytes=num_host_blocks, host_link_bytes_per_s=1e30, prefill_s_per_token=1.0
+        host_budget_bytes=num_host_blocks,
+        host_link_bytes_per_s=1e30,
+        prefill_s_per_token=1.0,
+        min_priority=min_priority,
     )
     return OffloadPolicy(cfg, block_bytes=1)
 
@@ -135,6 +140,24 @@ def test_a_preempted_batch_request_is_swapped_out_and_goes_on_from_where_it_stop
     assert out.num_decodes == 1
     assert s.offload.host_blocks_used == 0
     assert s.offload.stats.swaps_out == 1 and s.offload.stats.swaps_in == 1
+
+
+def test_by_default_only_batch_requests_are_swapped() -> None:
+    p = always_swap(min_priority=1)
+    assert p.should_swap(num_tokens=8, num_blocks=2, priority=1)
+    assert not p.should_swap(num_tokens=8, num_blocks=2, priority=0)  # online: recompute, no host copies
+    assert OffloadConfig().min_priority == 1
+    # an online request preempted by an older online one is recomputed
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=4)
+    s = Scheduler(config, always_swap(min_priority=1))
+    s.add(seq("o0", 7))
+    s.add(seq("o1", 7))
+    out = s.schedule()
+    s.update(out, {"o0": 9, "o1": 9})
+    s.update(s.schedule(), {"o0": 9, "o1": 9})  # 8 tokens computed each: both need a third block next
+    out = s.schedule()
+    assert out.preempted == ["o1"] and out.swap_out == []
+    assert s.offload is not None and s.offload.stats.recomputes == 1
 
 
 def test_without_host_budget_it_recomputes() -> None:
