@@ -120,7 +120,18 @@ class _Round:
 
     # -- step 3 ------------------------------------------------------------------------------
     def demand(self) -> None:
-        warm = {n for n, ws in self.live.items() if any(w.state == "bound" and w.running == 0 for w in ws)}
+        # Warm: its next arrival finds a worker: one bound and idle, or bound and keeping up (nothing waits
+        # in the function's queue: a busy worker batches the next request). Only a function with no bound
+        # worker, or whose workers fall behind (queue growing: a scale-up is coming), may start cold; on
+        # the H100 replay counting every busy function as cold kept four 2-GiB-KV standbys (~20 GB) for
+        # functions that never needed another worker.
+        warm = {
+            n
+            for n, ws in self.live.items()
+            if any(w.state == "bound" for w in ws)
+            and n in self.functions
+            and (any(w.state == "bound" and w.running == 0 for w in ws) or self.functions[n].queued == 0)
+        }
         self.warm = warm
         self.cold = cold_demand(self.snapshot.functions, warm, refill_s(self.costs, self.config))
         wants = []

@@ -81,7 +81,8 @@ class ColdDemand:
 
 
 def cold_demand(functions: Iterable[Function], warm: set[str], window_s: float) -> ColdDemand:
-    """``warm``: functions that have an idle bound worker (or get a worker in this plan)."""
+    """``warm``: functions whose next arrival finds a worker: an idle bound one, or bound ones keeping up
+    with an empty queue (or one in this plan)."""
     if not window_s > 0:
         raise ValueError(f"window_s must be > 0, got {window_s!r}")
     wake: dict[Key, float] = defaultdict(float)

@@ -226,3 +226,18 @@ def test_warm_pool_switched_off_stops_standbys_and_starts_fresh_workers():
     assert [(s.worker_id, s.reason) for s in plan.of_type(Stop)] == [("s1", "pool_shrink")]
     assert [a.function for a in plan.of_type(Start)] == ["ns/a"]  # a fresh worker, no standby starts
     assert plan.pool == []
+
+
+def test_a_busy_worker_keeping_up_needs_no_standby_one_falling_behind_does():
+    """A function whose worker is busy but whose queue is empty batches its next request: it is warm, and
+    the pool keeps nothing for it (the H100 replay held four standbys for such functions the whole run).
+    Once requests wait in its queue, another worker may be needed: then it counts as cold demand."""
+    keeping_up = [fn("ns/a", arrival_rate=1.0, queued=0)]
+    workers = [bound("w", "g0", "ns/a", running=3)]
+    plan = decide(snap([gpu("g0")], keeping_up, workers))
+    assert sum(t.count for t in plan.pool) == 0
+    assert not [a for a in plan.of_type(Start) if a.function is None]
+
+    behind = [fn("ns/a", arrival_rate=1.0, queued=1)]
+    plan = decide(snap([gpu("g0")], behind, workers))
+    assert sum(t.count for t in plan.pool) >= 1
