@@ -157,11 +157,23 @@ def standby_bytes(snapshot: Snapshot, cold: ColdDemand, key: Key) -> int:
     on the H100 replay, where every cold start spawned a process), and for the cold ones of any shape
     when ``key``'s shape is None."""
     backbone, shape = key
-    registered = max(
-        (f.mem_bytes for f in snapshot.functions if f.backbone == backbone and shape in (None, f.shape)),
+    # a function that fits on no GPU holding the backbone gets its explicit error; it must not make every
+    # standby of its shape too big to place
+    room = max(
+        (
+            g.total_bytes - g.reserve_bytes - sum(g.backbones.values())
+            for g in snapshot.gpus
+            if backbone in g.backbones
+        ),
         default=0,
     )
-    return max(snapshot.costs.standby_bytes_for(shape), cold.max_mem.get(key, 0), registered)
+    sizes = [
+        f.mem_bytes
+        for f in snapshot.functions
+        if f.backbone == backbone and shape in (None, f.shape) and f.mem_bytes <= room
+    ]
+    cold_max = cold.max_mem.get(key, 0)
+    return max(snapshot.costs.standby_bytes_for(shape), cold_max if cold_max <= room else 0, *sizes)
 
 
 def pool_problem(

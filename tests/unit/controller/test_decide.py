@@ -241,3 +241,12 @@ def test_a_busy_worker_keeping_up_needs_no_standby_one_falling_behind_does():
     behind = [fn("ns/a", arrival_rate=1.0, queued=1)]
     plan = decide(snap([gpu("g0")], behind, workers))
     assert sum(t.count for t in plan.pool) >= 1
+
+
+def test_a_function_that_fits_nowhere_does_not_inflate_its_shapes_standbys():
+    """Standbys are sized for the functions of their shape (so that a large KV budget can take one), but
+    not for one bigger than any GPU holding the backbone: it gets its explicit error, the pool stays."""
+    functions = [fn("ns/a", mem_gib=3, arrival_rate=0.5), fn("ns/huge", mem_gib=500, arrival_rate=0.5)]
+    plan = decide(snap([gpu("g0")], functions, []))
+    pool_starts = [a for a in plan.of_type(Start) if a.function is None]
+    assert pool_starts and all(3 * GiB <= a.mem_bytes < 80 * GiB for a in pool_starts)
