@@ -54,6 +54,7 @@ def build_controller(settings: ControllerSettings) -> Controller:
     from lorafn.api.sizing import MiB
     from lorafn.controller.driver import Controller, ControllerConfig
     from lorafn.controller.kube_executor import KubernetesExecutor
+    from lorafn.controller.policy.actions import Start
     from lorafn.controller.policy.config import PolicyConfig
     from lorafn.controller.snapshot import default_sizing
     from lorafn.store import Keys, Store
@@ -64,7 +65,13 @@ def build_controller(settings: ControllerSettings) -> Controller:
     if settings.default_kv_mib is not None:
         sizing = dataclasses.replace(sizing, default_kv_bytes=settings.default_kv_mib * MiB)
     store, keys = Store(settings.redis_url, socket_timeout_s=5.0), Keys(settings.key_prefix)
-    executor = KubernetesExecutor(store, keys, settings.heartbeat_ttl_s)
+
+    def standby_kv_bytes(action: Start) -> int:
+        # the controller's reader knows the backbones and the learned overhead (called after the round's
+        # snapshot, like `lorafn up`'s `_kv_budget`): a standby's KV is its grant less the rest
+        return controller.reader.standby_kv_bytes(action.mem_bytes, action.shape, action.backbone)
+
+    executor = KubernetesExecutor(store, keys, settings.heartbeat_ttl_s, standby_kv_bytes=standby_kv_bytes)
     config = ControllerConfig(
         interval_s=settings.interval_s,
         lease_ttl_s=settings.lease_ttl_s,
@@ -75,7 +82,8 @@ def build_controller(settings: ControllerSettings) -> Controller:
             offloading=settings.offloading,
         ),
     )
-    return Controller(store, keys, executor, sizing, config)
+    controller = Controller(store, keys, executor, sizing, config)
+    return controller
 
 
 @app.command("run")

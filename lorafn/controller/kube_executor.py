@@ -8,7 +8,11 @@ It imports no Kubernetes client (only `lorafn.operator` does); everything goes t
   the operator creates a worker pod `fn-...-<i>`); a standby raises the backbone's desired pool count on
   that GPU for its adapter shape (`<bb>:desired_standby[<gpu>|<shape>]`: the operator creates a standby
   pod there with `--shape`). Each count moves from what the operator runs now (the stored value held
-  within the spec's bounds, as the operator holds it), so an increment always means one more pod.
+  within the spec's bounds, as the operator holds it), so an increment always means one more pod. With a
+  standby's count goes the KV budget the policy granted it (`<bb>:standby_kv[<gpu>|<shape>]`, MiB, written
+  first): the planner sizes a standby for the largest registered function of its shape, and a pod started
+  with the default KV could never take a function whose spec asks for more (`pick_standby` refuses it),
+  so every cold start of such a function would be a fresh pod.
 - `stop(worker_id)`: the driver has already sent `stop` (the worker drains and exits, and its pod ends);
   this lowers the count the worker's pod belongs to and marks the pod retiring (`<p>:retiring`), so the
   operator stops counting it at once and deletes no other pod to meet the lower count.
@@ -32,8 +36,10 @@ import logging
 import re
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lorafn.api.sizing import MiB
 from lorafn.api.specs import BackboneSpec, LoRAFunctionSpec
 from lorafn.controller.driver import Exit
 from lorafn.controller.policy.actions import Start
@@ -93,10 +99,19 @@ def clamp(value: int | None, low: int, high: int) -> int:
 
 class KubernetesExecutor:
     def __init__(
-        self, store: Store, keys: Keys, heartbeat_ttl_s: float, clock: object = time.monotonic
+        self,
+        store: Store,
+        keys: Keys,
+        heartbeat_ttl_s: float,
+        clock: object = time.monotonic,
+        standby_kv_bytes: Callable[[Start], int] | None = None,
     ) -> None:
+        """`standby_kv_bytes`: the KV budget of a standby Start's grant (the controller's
+        `SnapshotReader.standby_kv_bytes`, as `lorafn up` passes it to a standby process); None: nothing is
+        recorded and the operator starts pool pods with its default."""
         self.store, self.keys, self.heartbeat_ttl_s = store, keys, heartbeat_ttl_s
         self._clock = clock
+        self._standby_kv_bytes = standby_kv_bytes
         self._asked: dict[CountKey, list[_Asked]] = defaultdict(list)
         self._placeholders: dict[str, CountKey] = {}  # ids given to pods asked before this controller
         self._gpu_ids: set[str] = set()
@@ -187,17 +202,31 @@ class KubernetesExecutor:
             log.info("controller: %s desired replicas -> %d", action.function, n)
         else:
             low, high = bounds.backbones.get(action.backbone, (0, 0))
-            n = self.store.run(
-                control.add_desired_standby(
-                    self.keys, action.backbone, action.gpu, action.shape, 1, low, high
-                )
+            kv_mib = self.standby_kv_mib(action)
+            # the budget first: an operator that sees the new count (it reads counts, then budgets) starts
+            # the new pod with this budget
+            record = (
+                [control.set_standby_kv(self.keys, action.backbone, action.gpu, action.shape, kv_mib)]
+                if kv_mib is not None
+                else []
             )
+            add = control.add_desired_standby(
+                self.keys, action.backbone, action.gpu, action.shape, 1, low, high
+            )
+            n = self.store.run(combine(*record, add))[-1]
             key = pool_key(action.backbone, action.gpu, action.shape)
             log.info(
-                "controller: %s pool pods on %s of shape %s -> %d",
-                action.backbone, action.gpu, action.shape or "any", n,
+                "controller: %s pool pods on %s of shape %s -> %d (KV budget %s MiB)",
+                action.backbone, action.gpu, action.shape or "any", n, kv_mib or "default",
             )  # fmt: skip
         self._asked[key].append(_Asked(worker_id, action, self._now()))
+
+    def standby_kv_mib(self, action: Start) -> int | None:
+        """The KV budget (whole MiB, rounded up: the standby must hold what it was sized for) of a standby
+        Start; None without a sizer."""
+        if self._standby_kv_bytes is None:
+            return None
+        return max(1, -(-int(self._standby_kv_bytes(action)) // MiB))
 
     def stop(self, worker_id: str) -> None:
         """Lower the count of the worker's pod and mark the pod retiring (the worker got `stop` already)."""

@@ -36,7 +36,7 @@ def reconcile(
             condition_type="Ready", reason=refused[0], message=refused[1],
         )  # fmt: skip
     slots, problems = builders.select_gpu_slots(spec, k8s.list(kube.NODES), config)
-    asked = reg.desired_standby(name)
+    asked, kv_asked = reg.standby_asks(name)
     reg.register_backbone(name, builders.pod_path(spec.model.uri), spec.dtype, spec.to_k8s())
     claims: dict[str, str] = {}
     if config.gpu_sharing == "dra":
@@ -107,7 +107,12 @@ def reconcile(
             to_delete += shape_plan.delete
             for pod_name in shape_plan.create:
                 k = int(pod_name.rsplit("-", 1)[1])
-                to_create[pod_name] = builders.build_standby_pod(body, spec, slot, k, config, shape)
+                # the KV budget the controller granted this GPU's standbys of the shape (sized for the largest
+                # function of it); pods already running keep theirs: a smaller one is not replaced (no churn,
+                # the controller stops what it cannot use)
+                to_create[pod_name] = builders.build_standby_pod(
+                    body, spec, slot, k, config, shape, kv_budget_mib=kv_asked.get((slot.gpu_id, shape))
+                )
     for pod_name in to_delete:
         k8s.delete(f"{kube.pods(config.namespace)}/{pod_name}")
     for pod in to_create.values():

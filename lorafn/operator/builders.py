@@ -439,9 +439,13 @@ def build_standby_pod(
     k: int,
     config: OperatorConfig,
     shape: str | None = None,
+    kv_budget_mib: int | None = None,
 ) -> dict[str, Any]:
     """A tenant-neutral standby worker on one GPU (prepared for adapter `shape` when given: its graphs are
-    ready for it); once bound it serves one function and then exits."""
+    ready for it); once bound it serves one function and then exits. `kv_budget_mib`: its KV budget, the
+    one the controller granted the GPU's standbys of that shape (`<bb>:standby_kv`: sized for the largest
+    function they are kept for; a standby with less can never take a function that asks for more), else
+    the default."""
     backbone = backbone_body["metadata"]["name"]
     pod = _gpu_pod(
         name=standby_pod_name(backbone, slot, k, shape),
@@ -464,7 +468,7 @@ def build_standby_pod(
             "--gpu",
             slot.gpu_id,
             "--kv-budget-mib",
-            str(config.default_kv_mib),
+            str(kv_budget_mib or config.default_kv_mib),
             "--standby",
             "--backbone",
             backbone,

@@ -110,6 +110,7 @@ class Registry:
             combine(
                 delete_backbone(self.keys, name),
                 control.clear_desired_standby(self.keys, name),
+                control.clear_standby_kv(self.keys, name),
                 control.drop_backbone_from_gpus(self.keys, name),
             )
         )
@@ -118,9 +119,15 @@ class Registry:
         """The controller's ask (None when it has not said)."""
         return self.store.run(control.desired_replicas(self.keys, [str(ref)]))[str(ref)]
 
-    def desired_standby(self, backbone: str) -> dict[str, int]:
-        """GPU id -> the controller's ask of pool pods there (GPUs it has not named are absent)."""
-        return self.store.run(control.desired_standby(self.keys, backbone))
+    def standby_asks(
+        self, backbone: str
+    ) -> tuple[dict[tuple[str, str | None], int], dict[tuple[str, str | None], int]]:
+        """The controller's asks of pool pods and the KV budgets (MiB) it granted them, per (GPU id, shape),
+        in one round trip: counts read before budgets (the controller writes a budget before its count),
+        so a new pod of a raised count gets the budget that came with it."""
+        return self.store.run(
+            combine(control.desired_standby(self.keys, backbone), control.standby_kv(self.keys, backbone))
+        )
 
     def function_status(self, ref: FunctionRef) -> FunctionStatus:
         fields = self.store.run(control.statuses(self.keys, [str(ref)]))[str(ref)]

@@ -343,19 +343,36 @@ def desired_replicas(keys: Keys, functions: list[str]) -> Op[dict[str, int | Non
     return Op(build, lambda r: {f: _int_or_none(v) for f, v in zip(functions, r, strict=True)})
 
 
+def _by_standby_field(raw: dict[str, str] | None) -> dict[tuple[str, str | None], int]:
+    """A hash keyed by `standby_field` -> {(GPU id, shape or None): int}; unreadable entries are left out."""
+    out: dict[tuple[str, str | None], int] = {}
+    for name, value in (raw or {}).items():
+        gpu, _, shape = name.rpartition("|")
+        number = _int_or_none(value)
+        if gpu and number is not None:
+            out[(gpu, None if shape == ANY_SHAPE else shape)] = number
+    return out
+
+
 def desired_standby(keys: Keys, backbone: str) -> Op[dict[tuple[str, str | None], int]]:
     """(GPU id, shape or None) -> stored desired pool pods of the backbone there."""
+    return Op(lambda pipe: pipe.hgetall(keys.desired_standby(backbone)), lambda r: _by_standby_field(r[0]))
 
-    def parse(r: list[Any]) -> dict[tuple[str, str | None], int]:
-        out: dict[tuple[str, str | None], int] = {}
-        for name, value in (r[0] or {}).items():
-            gpu, _, shape = name.rpartition("|")
-            count = _int_or_none(value)
-            if gpu and count is not None:
-                out[(gpu, None if shape == ANY_SHAPE else shape)] = count
-        return out
 
-    return Op(lambda pipe: pipe.hgetall(keys.desired_standby(backbone)), parse)
+def set_standby_kv(keys: Keys, backbone: str, gpu: str, shape: str | None, kv_mib: int) -> Op[None]:
+    """Record the KV budget (MiB) the controller granted a standby of the backbone on `gpu` for `shape`: the
+    operator starts that field's new pool pods with it. The last grant wins (the planner sizes every
+    standby of a field alike, for the largest registered function of its shape: a smaller grant means
+    that function went, and pods already running keep their size)."""
+    if int(kv_mib) < 1:
+        raise ValueError(f"kv_mib: {kv_mib} must be >= 1")
+    field = standby_field(gpu, shape)
+    return Op(lambda pipe: pipe.hset(keys.standby_kv(backbone), field, int(kv_mib)), lambda r: None)
+
+
+def standby_kv(keys: Keys, backbone: str) -> Op[dict[tuple[str, str | None], int]]:
+    """(GPU id, shape or None) -> the KV budget (MiB) recorded for the backbone's standbys there."""
+    return Op(lambda pipe: pipe.hgetall(keys.standby_kv(backbone)), lambda r: _by_standby_field(r[0]))
 
 
 def clear_desired_replicas(keys: Keys, function: str) -> Op[None]:
@@ -364,6 +381,10 @@ def clear_desired_replicas(keys: Keys, function: str) -> Op[None]:
 
 def clear_desired_standby(keys: Keys, backbone: str) -> Op[None]:
     return Op(lambda pipe: pipe.delete(keys.desired_standby(backbone)), lambda r: None)
+
+
+def clear_standby_kv(keys: Keys, backbone: str) -> Op[None]:
+    return Op(lambda pipe: pipe.delete(keys.standby_kv(backbone)), lambda r: None)
 
 
 # -- retiring workers, pool workers --------------------------------------------------------------------

@@ -166,6 +166,12 @@ class Keys:
         the operator runs warmPool.minStandby agnostic ones; the total per GPU stays <= maxStandby."""
         return f"{self.backbone(backbone)}:desired_standby"
 
+    def standby_kv(self, backbone: str) -> str:
+        """hash: `<gpu>|<shape>` (as in `desired_standby`) -> the KV budget (MiB) the controller last granted
+        a standby of the backbone there; the operator starts new pool pods of that field with it
+        (`--kv-budget-mib`; absent: its default)."""
+        return f"{self.backbone(backbone)}:standby_kv"
+
     def retiring(self) -> str:
         """sorted set: worker ids (= pod names) the controller stopped -> when (ms). The operator no longer
         counts their pods as replicas (so it deletes no other pod for them) and removes each pod once it

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 
 FN_PATH = "/apis/lorafn.io/v1alpha1/namespaces/team-a/lorafunctions"
 GPU_ID = "gpu-node-1/GPU-0000aaaa"
+BIG_KV_MIB = 96
 
 
 @pytest_asyncio.fixture
@@ -77,8 +78,14 @@ async def test_demand_leads_to_a_worker_pod_and_status_comes_back(
         FN_PATH,
         function("huge", f"file://{adapter}", scaling={"minReplicas": 0}, resources={"kvCacheMiB": 900_000}),
     )
+    # a KV budget above the controller's default (32 MiB on CPU sizing): the pool's standbys must hold it
+    await cluster.create(
+        FN_PATH,
+        function(
+            "big", f"file://{adapter}", scaling={"minReplicas": 0}, resources={"kvCacheMiB": BIG_KV_MIB}
+        ),
+    )
     op = await start_operator()
-    await start_controller()
 
     # The backbone server becomes Ready: its GPU enters the inventory with the backbone resident.
     server = await wait_for(
@@ -94,14 +101,23 @@ async def test_demand_leads_to_a_worker_pod_and_status_comes_back(
         lambda: cluster.pods(**{"app.kubernetes.io/component": "standby-worker"}), what="standby pod"
     )
     assert len(standby) == 1 and standby[0]["spec"]["restartPolicy"] == "OnFailure"
-    await wait_for(
-        lambda: store.run(control.lease_holder(keys)), what="the controller holds the lease"
-    )  # fmt: skip
     fr = await wait_for(
         lambda: _when(cluster.get(f"{FN_PATH}/fr"), lambda f: conditions(f).get("Ready", ("",))[0] == "True"),
         what="fr Ready",
     )
     assert fr["status"]["phase"] == "Idle"
+    await wait_for(
+        lambda: _when(
+            cluster.get(f"{FN_PATH}/big"), lambda f: conditions(f).get("Ready", ("",))[0] == "True"
+        ),
+        what="big Ready",
+    )
+    # The controller starts once the functions are registered (each is registered when its reconcile sees
+    # the backbone Ready): its first pool plan knows every function the standby is kept for.
+    await start_controller()
+    await wait_for(
+        lambda: store.run(control.lease_holder(keys)), what="the controller holds the lease"
+    )  # fmt: skip
     assert await cluster.pods(**{"lorafn.io/function-name": "fr"}) == []
 
     # No demand yet: the pool settles — the controller prepares the minStandby pod for the adapter shape of
@@ -115,6 +131,12 @@ async def test_demand_leads_to_a_worker_pod_and_status_comes_back(
         ),
         what="the standby prepared for the functions' shape",
     )
+    # ... started with the KV budget the controller granted it (recorded beside its count), big enough for
+    # the function of that shape with the largest budget: with the default it could never take `big`.
+    args = settled[0]["spec"]["containers"][0]["args"]
+    shape = args[args.index("--shape") + 1]
+    recorded = store.run(control.standby_kv(keys, "tiny"))[(GPU_ID, shape)]
+    assert int(args[args.index("--kv-budget-mib") + 1]) == recorded >= BIG_KV_MIB
     await asyncio.sleep(3)
     again = await cluster.pods(**{"app.kubernetes.io/component": "standby-worker"})
     assert [p["metadata"]["name"] for p in again] == [settled[0]["metadata"]["name"]]
@@ -187,17 +209,24 @@ async def test_demand_leads_to_a_worker_pod_and_status_comes_back(
 
 
 def creations(cluster: Cluster, pod_name: str) -> int:
-    """How many times the operator created a pod of that name (KMock keeps every request)."""
+    """How many times a pod of that name was created (KMock keeps every request): a POST while the pod
+    exists is a conflict, not a creation (two reconciles of the operator, e.g. its timer and a change
+    handler, may both find the pod missing and both post it; the second gets 409)."""
     import kmock
 
-    return sum(
-        1
-        for req in cluster.km
-        if req.method == kmock.method.POST
-        and req.url.path == f"/api/v1/namespaces/{NAMESPACE}/pods"
-        and isinstance(req.data, dict)
-        and req.data.get("metadata", {}).get("name") == pod_name
-    )
+    path = f"/api/v1/namespaces/{NAMESPACE}/pods"
+    count, exists = 0, False
+    for req in cluster.km:
+        if (
+            req.method == kmock.method.POST
+            and req.url.path == path
+            and isinstance(req.data, dict)
+            and req.data.get("metadata", {}).get("name") == pod_name
+        ):
+            count, exists = count + (not exists), True
+        elif req.method == kmock.method.DELETE and req.url.path == f"{path}/{pod_name}":
+            exists = False
+    return count
 
 
 async def _when(awaitable: Any, check: Any) -> Any:

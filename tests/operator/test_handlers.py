@@ -192,6 +192,46 @@ def test_stopped_pool_pods_are_not_counted_and_no_other_pod_goes(world: Any) -> 
     assert _pod_names(world, **{"app.kubernetes.io/component": "standby-worker"}) == pool
 
 
+def _kv_budgets(world: Any, **labels: str) -> dict[str, str]:
+    """Pod name -> its --kv-budget-mib."""
+    out = {}
+    for pod in world.kube.list("/api/v1/namespaces/lorafn-system/pods", labels):
+        args = pod["spec"]["containers"][0]["args"]
+        out[pod["metadata"]["name"]] = args[args.index("--kv-budget-mib") + 1]
+    return out
+
+
+def test_standby_pods_get_the_kv_budget_the_controller_granted(world: Any) -> None:
+    """A standby kept for a function with a KV budget above the default must be started with it (with the
+    default it could never take that function, and each of its cold starts would be a fresh pod). New pods
+    of a GPU and shape get the recorded budget; running pods are not replaced when it changes."""
+    shape = "q_proj:8,v_proj:8"
+    standby = {"app.kubernetes.io/component": "standby-worker", "lorafn.io/shape": shape_label(shape)}
+    body = backbone_body(world.tmp)
+    world.redis.hset("lorafn:bb:tiny:desired_standby", f"n1/GPU-00aa|{shape}", 1)
+    world.redis.hset("lorafn:bb:tiny:desired_standby", "n1/GPU-00aa|*", 1)
+    world.redis.hset("lorafn:bb:tiny:standby_kv", f"n1/GPU-00aa|{shape}", 2048)
+    run(handlers.backbone_changed, body, world)
+    first = _kv_budgets(world, **standby)
+    assert list(first.values()) == ["2048"]
+    # A larger function of the shape registers: the controller grants more and asks one more standby.
+    world.redis.hset("lorafn:bb:tiny:standby_kv", f"n1/GPU-00aa|{shape}", 4096)
+    world.redis.hset("lorafn:bb:tiny:desired_standby", f"n1/GPU-00aa|{shape}", 2)
+    run(handlers.backbone_changed, body, world)
+    both = _kv_budgets(world, **standby)
+    assert len(both) == 2 and {n: both[n] for n in first} == first  # the running pod stays as it was
+    assert sorted(both.values()) == ["2048", "4096"]  # the new one has the new budget
+    # No budget recorded for a field (here the shape-agnostic one): the operator's default.
+    agnostic = _kv_budgets(
+        world, **{"app.kubernetes.io/component": "standby-worker", "lorafn.io/shape": "any"}
+    )
+    assert list(agnostic.values()) == [str(world.config.default_kv_mib)]
+    # The backbone goes: its budgets go with its counts.
+    handlers.backbone_deleted(body=kopf.Body(body), memo=world, logger=LOG)
+    assert not world.redis.exists("lorafn:bb:tiny:standby_kv")
+    assert not world.redis.exists("lorafn:bb:tiny:desired_standby")
+
+
 def test_backbone_writes_the_gpu_inventory(world: Any) -> None:
     node = world.kube.get("/api/v1/nodes/n1")
     node["metadata"]["labels"]["nvidia.com/gpu.memory"] = "81559"

@@ -168,6 +168,19 @@ def test_operator_pod_command_parses_and_env_names_settings(kind: str, mode: str
         assert env["LORAFN_ADAPTER"]["value"] == "/adapters/french"
 
 
+def test_a_standby_pod_sized_by_the_controller_parses_with_its_budget() -> None:
+    """The KV budget the controller granted a standby (`<bb>:standby_kv`) reaches `--kv-budget-mib`."""
+    spec = BackboneSpec.model_validate(BACKBONE["spec"])
+    slot = GPUSlot("node-1", 0, uuid="GPU-1234")
+    pod = builders.build_standby_pod(
+        BACKBONE, spec, slot, 1, OperatorConfig(), "q_proj:16", kv_budget_mib=2048
+    )
+    parsed = check_pod(pod["spec"]["containers"][0])
+    assert parsed.path == ("worker", "serve")
+    assert parsed.params["kv_budget_mib"] == 2048 and parsed.params["standby"] is True
+    assert parsed.params["shape"] == "q_proj:16"
+
+
 def test_the_contract_refuses_what_the_cli_does_not_know() -> None:
     """The checks above can fail: an unknown option, sub-command or env name is caught."""
     with pytest.raises(UsageError):

@@ -140,6 +140,27 @@ def test_gpu_pods_share_one_gpu_and_are_locked_down(mode: str) -> None:
     assert worker["metadata"]["labels"]["lorafn.io/function-name"] == "french"
 
 
+def test_a_standby_pod_gets_the_kv_budget_the_controller_granted() -> None:
+    """A standby kept for a function whose spec asks for more KV than the default must be started with it:
+    a smaller standby can never take that function."""
+    config = OperatorConfig()
+    spec = BackboneSpec.model_validate(BACKBONE["spec"])
+    slot = GPUSlot("node-1", 0, uuid="GPU-1234")
+
+    def kv_arg(pod: dict) -> str:
+        args = pod["spec"]["containers"][0]["args"]
+        return args[args.index("--kv-budget-mib") + 1]
+
+    sized = builders.build_standby_pod(BACKBONE, spec, slot, 0, config, "q_proj:16", kv_budget_mib=2048)
+    validate(sized)
+    assert kv_arg(sized) == "2048"
+    assert kv_arg(builders.build_standby_pod(BACKBONE, spec, slot, 0, config, "q_proj:16")) == str(
+        config.default_kv_mib
+    )
+    # the budget changes the process, not which pod it is: names stay deterministic per GPU, shape, index
+    assert sized["metadata"]["name"] == builders.standby_pod_name("llama-2-7b", slot, 0, "q_proj:16")
+
+
 def test_resource_claim_pins_the_uuid_when_known() -> None:
     config = OperatorConfig(gpu_sharing="dra")
     claim = builders.build_resource_claim(BACKBONE, GPUSlot("n", 0, uuid="GPU-9"), config)
