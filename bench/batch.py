@@ -233,6 +233,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="run the phases this many times, alternating")
     ap.add_argument("--warmup", type=int, default=32, help="prompts of each path before measuring")
     ap.add_argument("--kv-mib", type=int, default=None, help="spec.resources.kvCacheMiB of the functions")
+    ap.add_argument(
+        "--kv-overcommit",
+        type=float,
+        default=0.0,
+        help="pack batch waves this fraction beyond the KV budget, the overflow swapped to host memory",
+    )
     ap.add_argument("--data-dir", default=str(DATA))
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--workdir", default=None)
@@ -256,6 +262,7 @@ def main() -> int:
         "LORAFN_RATE_LIMIT_RPS": "0",
         "LORAFN_MAX_QUEUE": "0",
         "LORAFN_BATCH_MAX_INFLIGHT_PER_WORKER": str(args.concurrency or 48),
+        "LORAFN_BATCH_KV_OVERCOMMIT": str(args.kv_overcommit),
     }
     platform = ManagedPlatform(work / "platform", settings, env=env)
     rows: dict[str, Any] = {}

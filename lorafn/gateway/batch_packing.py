@@ -61,6 +61,19 @@ def order_for_packing(items: Sequence[Item], size: dict[str, int]) -> list[Item]
     return sorted(items, key=lambda it: -size[it.key])
 
 
+def packing_room(kv_tokens: int, host_tokens: int, overcommit: float) -> int:
+    """KV tokens the waves may be packed into: the workers' KV budgets, plus up to ``overcommit`` x that
+    beyond them, within the workers' host KV budgets (``host_tokens``). Requests of a wave do not all
+    reach their predicted size at once, so packing a little beyond the cache keeps it fuller; whatever does
+    not fit when they grow is swapped to host memory by the worker (a batch request preempted by an older
+    one, docs/batch.md#kv-offload), never more than the host budget holds."""
+    if kv_tokens < 0 or host_tokens < 0:
+        raise ValueError(f"kv_tokens, host_tokens must be >= 0, got {kv_tokens!r}, {host_tokens!r}")
+    if not overcommit >= 0:
+        raise ValueError(f"overcommit must be >= 0, got {overcommit!r}")
+    return kv_tokens + min(host_tokens, int(overcommit * kv_tokens))
+
+
 def next_wave(
     pending: Sequence[Item],
     size: dict[str, int],

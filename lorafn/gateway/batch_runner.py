@@ -392,7 +392,8 @@ class BatchRunner:
         self.metrics.inflight.set(len(self.flights))
 
     async def _capacity(self, function: str) -> tuple[int, int | None]:
-        """(live workers, their free KV tokens for batch work or None when no figure is known)."""
+        """(live workers, the KV tokens batch waves may be packed into, or None when no figure is known):
+        their KV budgets, plus `batch_kv_overcommit` of that within their host KV budgets."""
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         now_ms = await self.gw.store.run(workers.server_time_ms())
         live = await self.gw.store.run(workers.live_workers(self.keys, function, ttl_ms, now_ms))
@@ -408,7 +409,9 @@ class BatchRunner:
         kv = [int(h.get("kv_bytes") or 0) for h in info.values()]
         if per_token is None or not all(kv):
             return len(live), None
-        return len(live), sum(b // per_token for b in kv)
+        host = sum(int(h.get("kv_host_budget_bytes") or 0) // per_token for h in info.values())
+        kv_tokens = sum(b // per_token for b in kv)
+        return len(live), packing.packing_room(kv_tokens, host, self.settings.batch_kv_overcommit)
 
     async def _submit(self, function: str, batch_ids: list[str]) -> None:
         s = self.settings

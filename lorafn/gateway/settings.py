@@ -93,6 +93,12 @@ class GatewaySettings(SharedSettings):
         description="batch requests in flight per live worker (below its max_running: slots left for online)",
     )
     batch_retries: int = Field(default=2, ge=0, description="resubmissions of a batch request that failed")
+    batch_kv_overcommit: float = Field(
+        default=0.0,
+        ge=0,
+        description="pack batch waves this fraction beyond the workers' KV budgets, within their host KV "
+        "budgets (the overflow is swapped to host memory; docs/batch.md)",
+    )
 
     def file_store_dir(self) -> Path:
         return self.files_dir or self.cache_dir / "files"

@@ -161,6 +161,8 @@ class Engine:
         return {
             **self.offload.stats.as_fields(),
             "kv_host_bytes": self.offload.host_blocks_used * self.offload.block_bytes,
+            # what batch waves may overflow into (the batch runner's packing reads it)
+            "kv_host_budget_bytes": self.offload.num_host_blocks * self.offload.block_bytes,
         }
 
     @property

@@ -47,6 +47,7 @@ def test_swapped_sequences_give_the_tokens_of_unpreempted_ones_and_of_recompute(
     assert stats["kv_swaps_out"] > 0 and stats["kv_swaps_in"] == stats["kv_swaps_out"]
     assert stats["kv_swap_out_bytes"] == stats["kv_swap_in_bytes"] > 0
     assert stats["kv_host_bytes"] == 0 and not swapping._host_kv  # nothing left behind
+    assert stats["kv_host_budget_bytes"] == 2 << 30  # the default budget, whole blocks of it
     recomputing = engine(tiny_model_dir, adapter, NEVER_SWAP, **tight)
     assert engine_greedy(recomputing, prompts, MAX_NEW) == reference
     assert recomputing.kv_offload_stats()["kv_recomputes"] > 0

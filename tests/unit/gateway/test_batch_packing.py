@@ -13,6 +13,7 @@ from lorafn.gateway.batch_packing import (
     order_for_packing,
     output_estimate,
     pack_waves,
+    packing_room,
     predicted_tokens,
 )
 
@@ -82,3 +83,14 @@ def test_pack_waves_pairs_large_and_small_requests() -> None:
     waves = pack_waves(items, size, 128, 8)
     assert len(waves) == 4
     assert all(sorted(size[it.key] for it in w) == [32, 96] for w in waves)
+
+
+def test_packing_room_overcommits_within_the_host_budget() -> None:
+    assert packing_room(1000, 10_000, 0.0) == 1000  # default: the KV budgets only
+    assert packing_room(1000, 10_000, 0.5) == 1500
+    assert packing_room(1000, 200, 0.5) == 1200  # no more than the host can take
+    assert packing_room(1000, 0, 2.0) == 1000  # no host budget: nothing beyond the cache
+    with pytest.raises(ValueError, match="overcommit"):
+        packing_room(1000, 0, -0.1)
+    with pytest.raises(ValueError, match="kv_tokens"):
+        packing_room(-1, 0, 0.0)
