@@ -723,7 +723,11 @@ class WorkerSettings(SharedSettings):
         "driver's 1024; a kernel that needs more grows it)",
     )
     cublas_workspace_kib: int | None = Field(
-        default=1024,
+        # None by default: the one H100 run with 1024 (commit 5918dfd, bench/coldstart.py) had a warm
+        # worker's 786-token prefill at 50-63 ms, against a warm TTFT of 31.6 ms the session before with
+        # torch's workspace (docs/benchmarks.md); until a side-by-side engine run clears it, memory is
+        # not bought with prefill time
+        default=None,
         ge=0,
         description="cuBLAS (and cuBLASLt) workspace per stream in KiB, set before the worker's first "
         "cuBLAS call (CUBLAS_WORKSPACE_CONFIG, CUBLASLT_WORKSPACE_SIZE; either variable already in the "

@@ -53,8 +53,9 @@ def test_serve_without_a_function_is_one_clear_error(monkeypatch: pytest.MonkeyP
     assert "--function (or LORAFN_FUNCTION) is required" in res.output
 
 
-def test_gpu_workers_get_a_small_cublas_workspace_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert WorkerSettings().cublas_workspace_kib == 1024
+def test_the_cublas_workspace_is_torchs_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert WorkerSettings().cublas_workspace_kib is None
+    assert worker.cublas_workspace_env(WorkerSettings().cublas_workspace_kib) == {}
     assert worker.cublas_workspace_env(1024) == {
         "CUBLAS_WORKSPACE_CONFIG": ":1024:1",
         "CUBLASLT_WORKSPACE_SIZE": "1024",
