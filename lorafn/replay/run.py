@@ -4,6 +4,7 @@ the given one), gather the figures, compare, write the JSON and the plots, print
 from __future__ import annotations
 
 import asyncio
+import os
 import platform as host
 import subprocess
 import time
@@ -89,6 +90,10 @@ class ReplayOptions:
 
 
 def _git_commit() -> str:
+    # a run from an exported tree (`git archive` on a lent GPU machine) names its commit in LORAFN_COMMIT:
+    # there `git rev-parse` answers for whatever repository encloses the copy (a wrong commit, found so)
+    if os.environ.get("LORAFN_COMMIT"):
+        return os.environ["LORAFN_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
