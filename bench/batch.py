@@ -11,8 +11,8 @@ CPU (tiny preset, a subset):  python bench/batch.py --preset tiny --limit 96 --m
                                   --concurrency 16 --other-rps 2 --baseline-s 10 --repeats 2
 H100 (7B, ~5 min; --limit 0 = all 1,319 prompts):
     python bench/batch.py --model /tmp/llama-2-7b --data-dir .data --device cuda --limit 192 --warmup 16 \\
-        --max-tokens 256 --concurrency 48 --kv-mib 4096 --other-rps 2 --baseline-s 20 --repeats 2 \\
-        --json batch-h100.json
+        --max-tokens 256 --concurrency 48 --kv-mib 4096 --kv-overcommit 0.25 --other-rps 2 \\
+        --baseline-s 20 --repeats 2 --json batch-h100.json
 """
 
 from __future__ import annotations
