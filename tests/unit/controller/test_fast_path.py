@@ -11,38 +11,16 @@ from pathlib import Path
 import pytest
 
 from lorafn.controller.driver import Controller, ControllerConfig
-from lorafn.controller.policy.actions import Start
 from lorafn.controller.policy.config import PolicyConfig
-from lorafn.controller.policy.model import GPU
 from lorafn.controller.snapshot import SizingConfig
-from lorafn.store import Keys, Store, streams, workers
+from lorafn.store import Keys, Store, workers
 from lorafn.store.backbones import BackboneRecord, put_backbone
-from lorafn.store.protocol import RequestBody
 from lorafn.store.registry import FunctionRecord, put_function
+from tests.unit.controller.redis_world import RecordingExecutor, commands, queue_request
 from tests.unit.operator._peft import write_adapter, write_backbone
 
 FN = "team/fa"
 MiB = 1 << 20
-
-
-class _Executor:
-    def __init__(self) -> None:
-        self.started: list[Start] = []
-
-    def gpus(self) -> list[GPU]:
-        return [GPU("g0", "n", 8 << 30, {"tiny": 0})]
-
-    def start(self, action: Start, worker_id: str) -> None:
-        self.started.append(action)
-
-    def stop(self, worker_id: str) -> None:
-        pass
-
-    def starting(self) -> list:
-        return []
-
-    def exits(self) -> list:
-        return []
 
 
 @pytest.fixture
@@ -55,7 +33,7 @@ def world(redis_server: str, tmp_path: Path):
     store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
     spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}}
     store.run(put_function(keys, FunctionRecord(FN, spec, str(model), str(adapter))))
-    executor = _Executor()
+    executor = RecordingExecutor()
     controller = Controller(
         store, keys, executor, SizingConfig(worker_overhead_bytes=MiB, default_kv_bytes=MiB),
         ControllerConfig(holder="me", policy=PolicyConfig(pool_min_age_s=3600), refill_delay_s=30.0),
@@ -72,42 +50,32 @@ def _beat(store: Store, keys: Keys, wid: str, shape: str, preloaded: str = "") -
     store.run(workers.heartbeat(keys, wid, None, 5000, fields))
 
 
-def _commands(store: Store, keys: Keys, wid: str) -> list[dict[str, str]]:
-    return [body for _id, body in store.run(workers.read_control(keys, wid, "0-0"))]
-
-
 def test_preload_then_a_fast_bind_from_the_snapshot(world) -> None:
     store, keys, controller, executor = world
     controller.round()
     shape = controller.reader.sizes[FN].shape
     _beat(store, keys, "s1", shape)
     controller.round()
-    assert _commands(store, keys, "s1") == [{"cmd": "preload", "function": FN}]
+    assert commands(store, keys, "s1") == [{"cmd": "preload", "function": FN}]
     controller.round()  # sent and not yet in its heartbeat: not sent again
-    assert len(_commands(store, keys, "s1")) == 1
+    assert len(commands(store, keys, "s1")) == 1
     _beat(store, keys, "s1", shape, preloaded=FN)  # the standby loaded it
     controller.round()
     starts_before = len(executor.started)
 
     assert controller.wait_for_demand(0.01) == []
-    store.run(
-        streams.admit(
-            keys, FN, "r1", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
-            rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
-        )
-    )  # fmt: skip
-    store.run(streams.record_demand(keys, FN, "request"))
+    queue_request(store, keys, FN, "r1")
     demand = controller.wait_for_demand(5.0)
     assert [d.function for d in demand] == [FN]
     binds = controller.answer_demand(demand)  # no round in between
     assert [(b.worker_id, b.function, b.preloaded) for b in binds] == [("s1", FN, True)]
-    assert _commands(store, keys, "s1")[-1] == {"cmd": "bind", "function": FN}
+    assert commands(store, keys, "s1")[-1] == {"cmd": "bind", "function": FN}
     reg = controller.metrics.registry
     assert reg.get_sample_value("lorafn_controller_binds_total", {"path": "fast", "preloaded": "yes"}) == 1
     assert reg.get_sample_value("lorafn_controller_demand_to_bind_seconds_count", {"path": "fast"}) == 1
 
     controller.round()  # the bind is pending: no second one; the refill of the pool on g0 is deferred
-    assert [c["cmd"] for c in _commands(store, keys, "s1")] == ["preload", "bind"]
+    assert [c["cmd"] for c in commands(store, keys, "s1")] == ["preload", "bind"]
     assert len(executor.started) == starts_before
     assert any(t.count > 0 for t in controller.last_plan.pool)  # the pool still wants its standby
 
@@ -124,28 +92,18 @@ def test_no_fast_bind_when_switched_off_or_before_a_round(world) -> None:
     assert controller.answer_demand([Demand(FN, 0)]) == []
 
 
-def _demand(store: Store, keys: Keys, rid: str) -> None:
-    store.run(
-        streams.admit(
-            keys, FN, rid, RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
-            rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
-        )
-    )  # fmt: skip
-    store.run(streams.record_demand(keys, FN, "request", 1))
-
-
 def test_demand_recorded_while_a_round_runs_is_answered_inside_it(world) -> None:
     store, keys, controller, _ = world
     controller.round()
     _beat(store, keys, "s1", controller.reader.sizes[FN].shape, preloaded=FN)
     controller.round()
     assert controller.wait_for_demand(0.01) == []  # the cursor is now
-    _demand(store, keys, "r1")
+    queue_request(store, keys, FN, "r1")
     controller.round()  # no wait in between: the round's first step reads and answers it
     reg = controller.metrics.registry
     assert reg.get_sample_value("lorafn_controller_binds_total", {"path": "fast", "preloaded": "yes"}) == 1
     assert reg.get_sample_value("lorafn_controller_binds_total", {"path": "round", "preloaded": "no"}) is None
-    assert [c["cmd"] for c in _commands(store, keys, "s1")] == ["bind"]
+    assert [c["cmd"] for c in commands(store, keys, "s1")] == ["bind"]
 
 
 def test_a_standby_told_to_stop_is_never_bound(world) -> None:
@@ -157,14 +115,14 @@ def test_a_standby_told_to_stop_is_never_bound(world) -> None:
     controller.config.policy = PolicyConfig(pool_min_age_s=0)  # the floor is 1: one of the two goes
     controller.round()
     stopped = [
-        wid for wid in ("s1", "s2") if {"cmd": "stop", "reason": "pool_shrink"} in _commands(store, keys, wid)
+        wid for wid in ("s1", "s2") if {"cmd": "stop", "reason": "pool_shrink"} in commands(store, keys, wid)
     ]
     assert len(stopped) == 1
     kept = ({"s1", "s2"} - set(stopped)).pop()
     controller.round()  # the stopped one still heartbeats as standby: not stopped twice
-    assert _commands(store, keys, stopped[0]).count({"cmd": "stop", "reason": "pool_shrink"}) == 1
+    assert commands(store, keys, stopped[0]).count({"cmd": "stop", "reason": "pool_shrink"}) == 1
     assert controller.wait_for_demand(0.01) == []
-    _demand(store, keys, "r1")
+    queue_request(store, keys, FN, "r1")
     binds = controller.answer_demand(controller.wait_for_demand(5.0))
     assert [b.worker_id for b in binds] == [kept]
 

@@ -17,10 +17,10 @@ import pytest
 from lorafn.api.sizing import MiB
 from lorafn.controller.kube_executor import KubernetesExecutor, clamp
 from lorafn.controller.policy.actions import Start
-from lorafn.store import Keys, Store, control, streams, workers
+from lorafn.store import Keys, Store, control, workers
 from lorafn.store.backbones import BackboneRecord, put_backbone
-from lorafn.store.protocol import RequestBody
 from lorafn.store.registry import FunctionRecord, put_function
+from tests.unit.controller.redis_world import commands, queue_request
 from tests.unit.operator._peft import write_adapter, write_backbone
 
 GPU_A, GPU_B = "node-1/GPU-aaaa", "node-1/GPU-bbbb"
@@ -337,15 +337,9 @@ def test_a_function_above_the_default_kv_gets_standbys_that_hold_it(
         }  # fmt: skip
         pod = "tiny-x-standby-0a1b2c3d-0"  # a pool pod of the shape (the operator names it by a hash)
         store.run(workers.heartbeat(keys, pod, None, 5000, fields))
-        store.run(
-            streams.admit(
-                keys, BIG, "r1", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
-                rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
-            )
-        )  # fmt: skip
-        store.run(streams.record_demand(keys, BIG, "request", 1))
+        queue_request(store, keys, BIG, "r1")
         controller.round()
-        sent = [c for _id, c in store.run(workers.read_control(keys, pod, "0-0")) if c.get("cmd") == "bind"]
+        sent = [c for c in commands(store, keys, pod) if c.get("cmd") == "bind"]
         assert sent == [{"cmd": "bind", "function": BIG}]
         assert desired(store, keys, BIG) is None  # no fresh pod for it
     finally:

@@ -14,39 +14,17 @@ from pathlib import Path
 import pytest
 
 from lorafn.controller.driver import Controller, ControllerConfig
-from lorafn.controller.policy.actions import Start
 from lorafn.controller.policy.config import PolicyConfig
-from lorafn.controller.policy.model import GPU
 from lorafn.controller.snapshot import SizingConfig
 from lorafn.store import Keys, Store, control, streams, workers
 from lorafn.store.backbones import BackboneRecord, put_backbone
-from lorafn.store.protocol import RequestBody
 from lorafn.store.registry import FunctionRecord, put_function
+from tests.unit.controller.redis_world import RecordingExecutor, commands, queue_request
 from tests.unit.operator._peft import write_adapter, write_backbone
 
 FN = "team/big"
 MiB = 1 << 20
 KV_MIB = 96  # the function's budget; the default is 8 MiB
-
-
-class _Executor:
-    def __init__(self) -> None:
-        self.started: list[Start] = []
-
-    def gpus(self) -> list[GPU]:
-        return [GPU("g0", "n", 8 << 30, {"tiny": 0})]
-
-    def start(self, action: Start, worker_id: str) -> None:
-        self.started.append(action)
-
-    def stop(self, worker_id: str) -> None:
-        pass
-
-    def starting(self) -> list:
-        return []
-
-    def exits(self) -> list:
-        return []
 
 
 @pytest.fixture
@@ -59,7 +37,7 @@ def world(redis_server: str, tmp_path: Path):
     store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
     spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}, "resources": {"kvCacheMiB": KV_MIB}}
     store.run(put_function(keys, FunctionRecord(FN, spec, str(model), str(adapter))))
-    executor = _Executor()
+    executor = RecordingExecutor()
     controller = Controller(
         store, keys, executor, SizingConfig(worker_overhead_bytes=4 * MiB, default_kv_bytes=8 * MiB),
         ControllerConfig(holder="me", policy=PolicyConfig(pool_min_age_s=3600)),
@@ -88,16 +66,10 @@ def test_a_standby_sized_for_a_large_kv_budget_gets_it_and_is_bound(world) -> No
         "mem_bytes": kv + 2 * MiB, "kv_bytes": kv, "lora_bytes": size.lora_bytes,
     }  # fmt: skip
     store.run(workers.heartbeat(keys, "s1", None, 5000, fields))
-    store.run(
-        streams.admit(
-            keys, FN, "r1", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
-            rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
-        )
-    )  # fmt: skip
-    store.run(streams.record_demand(keys, FN, "request", 1))
+    queue_request(store, keys, FN, "r1")
     before = len(executor.started)
     controller.round()
-    sent = [c for _id, c in store.run(workers.read_control(keys, "s1", "0-0")) if c.get("cmd") == "bind"]
+    sent = [c for c in commands(store, keys, "s1") if c.get("cmd") == "bind"]
     assert sent == [{"cmd": "bind", "function": FN}]
     assert not [a for a in executor.started[before:] if a.function == FN]  # no fresh start for it
 
@@ -114,7 +86,7 @@ def test_a_standby_with_the_default_kv_is_not_bound_to_a_function_it_cannot_hold
     store.run(workers.heartbeat(keys, "small", None, 5000, fields))
     store.run(streams.record_demand(keys, FN, "request", 1))
     controller.round()
-    sent = [c for _id, c in store.run(workers.read_control(keys, "small", "0-0")) if c.get("cmd") == "bind"]
+    sent = [c for c in commands(store, keys, "small") if c.get("cmd") == "bind"]
     assert sent == []
 
 
@@ -137,11 +109,7 @@ def test_without_sharing_each_worker_counts_its_own_weights(redis_server: str, t
         }  # fmt: skip
         store.run(put_function(keys, FunctionRecord(name, spec, str(model), str(adapter))))
 
-    class _NoSharedCopy(_Executor):
-        def gpus(self) -> list[GPU]:
-            return [GPU("g0", "n", 8 << 30, {"tiny": 0})]  # the backbone is "resident" (privately) at 0 bytes
-
-    executor = _NoSharedCopy()
+    executor = RecordingExecutor()  # its GPU holds "tiny" at 0 bytes: resident, privately, in each worker
     sizing = SizingConfig(worker_overhead_bytes=4 * MiB, default_kv_bytes=8 * MiB, private_weights=True)
     controller = Controller(store, keys, executor, sizing, ControllerConfig(holder="me"))
     try:
@@ -150,13 +118,7 @@ def test_without_sharing_each_worker_counts_its_own_weights(redis_server: str, t
         assert size.weights_bytes == 3 << 30
         assert size.mem_bytes == 4 * MiB + KV_MIB * MiB + size.lora_bytes + (3 << 30)
         for i, name in enumerate(names):
-            store.run(
-                streams.admit(
-                    keys, name, f"r{i}", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
-                    rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
-                )
-            )  # fmt: skip
-            store.run(streams.record_demand(keys, name, "request", 1))
+            queue_request(store, keys, name, f"r{i}")
         controller.round()
         started = [a.function for a in executor.started if a.function]
         assert len(started) == 2, started  # 2 x ~3.1 GiB fit in 8 GiB, a third would not

@@ -1,0 +1,50 @@
+"""Shared parts of the controller tests around a real redis-server: an executor that only records what it
+is asked, a queued request with its demand record, and the commands a worker was sent."""
+
+from __future__ import annotations
+
+import time
+
+from lorafn.controller.policy.actions import Start
+from lorafn.controller.policy.model import GPU
+from lorafn.store import Keys, Store, streams, workers
+from lorafn.store.protocol import RequestBody
+
+
+class RecordingExecutor:
+    """The controller's hands, recording starts; one 8 GiB GPU holding backbone "tiny" unless told."""
+
+    def __init__(self, gpus: list[GPU] | None = None) -> None:
+        self.started: list[Start] = []
+        self._gpus = gpus if gpus is not None else [GPU("g0", "n", 8 << 30, {"tiny": 0})]
+
+    def gpus(self) -> list[GPU]:
+        return self._gpus
+
+    def start(self, action: Start, worker_id: str) -> None:
+        self.started.append(action)
+
+    def stop(self, worker_id: str) -> None:
+        pass
+
+    def starting(self) -> list:
+        return []
+
+    def exits(self) -> list:
+        return []
+
+
+def queue_request(store: Store, keys: Keys, function: str, rid: str) -> None:
+    """A request in ``function``'s stream and the demand record the gateway writes when no worker has it."""
+    store.run(
+        streams.admit(
+            keys, function, rid, RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
+            rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
+        )
+    )  # fmt: skip
+    store.run(streams.record_demand(keys, function, "request", guard_ms=1))
+
+
+def commands(store: Store, keys: Keys, worker_id: str) -> list[dict[str, str]]:
+    """Every command on ``worker_id``'s control stream, oldest first."""
+    return [body for _id, body in store.run(workers.read_control(keys, worker_id, "0-0"))]
