@@ -58,6 +58,7 @@ from lorafn.api.settings import SharedSettings
 from lorafn.runtime.batching import Batching, BatchingConfig, gpu_model_name
 from lorafn.runtime.outputs import StreamDelta
 from lorafn.runtime.sampling_params import SamplingParams
+from lorafn.runtime.step_profile import StepProfiler
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, streams, workers
 from lorafn.store import stats as store_stats
 from lorafn.store.protocol import Accepted, Delta, Done, Error, ReplyEvent, RequestBody, Restart
@@ -104,6 +105,9 @@ class ServingConfig:
     live_fields: Callable[[], dict[str, Any]] | None = None
     # one INFO line per finished request with where its time went (`request_timing`)
     request_log: bool = True
+    # torch.profiler over the first `profile_steps` engine steps, written under `profile_dir` (step_profile)
+    profile_steps: int = 0
+    profile_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -213,6 +217,7 @@ class Worker:
         self._done_out: list[tuple[_Running, str, int, int]] = []  # finished, logged once sent
         if config.request_log:
             GC_CLOCK.install()
+        self.profiler = StepProfiler(config.profile_steps, config.profile_dir, self.worker_id)
         self.batching = Batching(store, keys, self.worker_id, self.function, config.batching, clock=clock)
 
     # -- public ---------------------------------------------------------------------------------
@@ -474,7 +479,8 @@ class Worker:
                 if run.first_step_at is None and allow_prefill:
                     run.first_step_at = step_at
         try:
-            deltas = self.engine.step() if allow_prefill else self.engine.step(allow_prefill=False)
+            with self.profiler.step():
+                deltas = self.engine.step() if allow_prefill else self.engine.step(allow_prefill=False)
             if not allow_prefill and not deltas:  # its decodes were recomputes (preempted): wait too
                 time.sleep(self.batching.config.poll_ms / 1000)
         except Exception:
@@ -756,6 +762,13 @@ class WorkerSettings(SharedSettings):
         default=True,
         description="log one line per finished request: queued, held, prefill and first-token ms",
     )
+    profile_steps: int = Field(
+        default=0,
+        ge=0,
+        description="record the first N engine steps with torch.profiler (kernels and host calls by time, "
+        "each step's wall ms, a Chrome trace) into profile_dir: what a new worker's first requests spend",
+    )
+    profile_dir: str | None = Field(default=None, description="where profile_steps writes (default: cwd)")
     log_level: str = "INFO"
 
 
@@ -922,6 +935,8 @@ def serving_config(
         ),
         live_fields=lambda: placement_fields(settings, engine),
         request_log=settings.request_log,
+        profile_steps=settings.profile_steps,
+        profile_dir=settings.profile_dir,
     )
 
 
