@@ -367,14 +367,21 @@ def test_a_new_runner_takes_over_a_batch_mid_way_and_writes_each_custom_id_once(
     n = 40
     lines = [line(f"t{i}", {"model": FN, "prompt": f"take over {i}", "max_tokens": 6}) for i in range(n)]
     opts = {"files_dir": tmp / "files", "batch_tick_s": 0.05, "batch_max_inflight_per_worker": 8}
-    with worker_thread(redis_url, prefix, FN, engine=RecordingEngine(step_s=0.03)) as _w:
+    # steps slow enough (6 tokens: ~0.9 s a request) that requests are still running when the first gateway
+    # has shut down: at 0.03 s a step a slow CI machine finished every in-flight one during the shutdown
+    with worker_thread(redis_url, prefix, FN, engine=RecordingEngine(step_s=0.15)) as _w:
         with gateway(redis_url, prefix, **opts) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
             batch_id = client.batches.create(
                 input_file_id=upload(client, lines), endpoint="/v1/completions", completion_window="24h"
             ).id
             deadline = time.monotonic() + 60
-            while client.batches.retrieve(batch_id).request_counts.completed < 5:
+            # stop it mid-batch: some answered and a wave in flight (a wave answered at once leaves nothing in
+            # flight until the runner's next tick submits the next one: stopping then tests no hand-over)
+            while (
+                client.batches.retrieve(batch_id).request_counts.completed < 5
+                or not store.run(bs.progress(keys, batch_id))[2]
+            ):
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
         # the first gateway is gone with requests in flight (they keep running on the worker)
