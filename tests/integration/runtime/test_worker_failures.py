@@ -103,7 +103,12 @@ def test_kill_9_mid_stream(redis_server: str, tiny_model_dir: Path, tmp_path: Pa
         if not divergent:
             assert all(status == "ok" for status, _ in results.values())
         assert sum(status == "ok" for status, _ in results.values()) >= 3  # every non-streamed one
-        # nothing is left pending in the group, and the dead worker's consumer is gone from it
+        # nothing is left pending in the group, and the dead worker's consumer is gone from it. Eventually:
+        # a stream the gateway ended ("retried answer differs") may still be generating on the surviving
+        # worker, which acks it when done (CI once read it pending 284 ms after its second delivery)
+        deadline = time.monotonic() + 15
+        while store.run(st.pending(keys, FN, 0)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert store.run(st.pending(keys, FN, 0)) == []
         consumers = [name for name, _, _ in store.run(st.consumers(keys, FN))]
         assert len(consumers) == 1 and f"-{victim}-" not in consumers[0], consumers
