@@ -4,11 +4,16 @@ is asked, a queued request with its demand record, and the commands a worker was
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 from lorafn.controller.policy.actions import Start
 from lorafn.controller.policy.model import GPU
 from lorafn.store import Keys, Store, streams, workers
+from lorafn.store.backbones import BackboneRecord, put_backbone
 from lorafn.store.protocol import RequestBody
+from lorafn.store.registry import FunctionRecord, put_function
+from tests.unit.operator._peft import write_adapter, write_backbone
 
 
 class RecordingExecutor:
@@ -48,3 +53,29 @@ def queue_request(store: Store, keys: Keys, function: str, rid: str) -> None:
 def commands(store: Store, keys: Keys, worker_id: str) -> list[dict[str, str]]:
     """Every command on ``worker_id``'s control stream, oldest first."""
     return [body for _id, body in store.run(workers.read_control(keys, worker_id, "0-0"))]
+
+
+def register_tiny(
+    store: Store,
+    keys: Keys,
+    tmp_path: Path,
+    functions: dict[str, dict[str, Any]],
+    warm_pool: tuple[int, int] = (1, 2),
+    weights_bytes: int = 8,
+) -> Path:
+    """Backbone "tiny" (a real config, a weights file of `weights_bytes`, sparse) with the warm pool
+    (min, max), and each function of `functions` (name -> extra spec fields) with its own PEFT adapter;
+    the model directory."""
+    model = write_backbone(tmp_path / "tiny")
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(weights_bytes)  # st_size is what the controller reads
+    bb_spec = {
+        "model": {"uri": f"file://{model}"},
+        "warmPool": {"minStandby": warm_pool[0], "maxStandby": warm_pool[1]},
+    }
+    store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
+    for name, extra in functions.items():
+        adapter = write_adapter(tmp_path / name.replace("/", "-"))
+        spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}, **extra}
+        store.run(put_function(keys, FunctionRecord(name, spec, str(model), str(adapter))))
+    return model

@@ -14,10 +14,7 @@ from lorafn.controller.driver import Controller, ControllerConfig
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.snapshot import SizingConfig
 from lorafn.store import Keys, Store, workers
-from lorafn.store.backbones import BackboneRecord, put_backbone
-from lorafn.store.registry import FunctionRecord, put_function
-from tests.unit.controller.redis_world import RecordingExecutor, commands, queue_request
-from tests.unit.operator._peft import write_adapter, write_backbone
+from tests.unit.controller.redis_world import RecordingExecutor, commands, queue_request, register_tiny
 
 FN = "team/fa"
 MiB = 1 << 20
@@ -26,13 +23,7 @@ MiB = 1 << 20
 @pytest.fixture
 def world(redis_server: str, tmp_path: Path):
     store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
-    model = write_backbone(tmp_path / "tiny")
-    (model / "model.safetensors").write_bytes(b"\0" * 8)
-    adapter = write_adapter(tmp_path / "fa")
-    bb_spec = {"model": {"uri": f"file://{model}"}, "warmPool": {"minStandby": 1, "maxStandby": 2}}
-    store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
-    spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}}
-    store.run(put_function(keys, FunctionRecord(FN, spec, str(model), str(adapter))))
+    register_tiny(store, keys, tmp_path, {FN: {}})
     executor = RecordingExecutor()
     controller = Controller(
         store, keys, executor, SizingConfig(worker_overhead_bytes=MiB, default_kv_bytes=MiB),

@@ -20,8 +20,7 @@ from lorafn.controller.policy.actions import Start
 from lorafn.store import Keys, Store, control, workers
 from lorafn.store.backbones import BackboneRecord, put_backbone
 from lorafn.store.registry import FunctionRecord, put_function
-from tests.unit.controller.redis_world import commands, queue_request
-from tests.unit.operator._peft import write_adapter, write_backbone
+from tests.unit.controller.redis_world import commands, queue_request, register_tiny
 
 GPU_A, GPU_B = "node-1/GPU-aaaa", "node-1/GPU-bbbb"
 FN = "team-a/french"
@@ -302,17 +301,7 @@ def test_a_function_above_the_default_kv_gets_standbys_that_hold_it(
     from lorafn.controller.cli import ControllerSettings, build_controller
 
     store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
-    model = write_backbone(tmp_path / "tiny")
-    (model / "model.safetensors").write_bytes(b"\0" * 8)
-    adapter = write_adapter(tmp_path / "big")
-    bb_spec = {"model": {"uri": f"file://{model}"}, "warmPool": {"minStandby": 1, "maxStandby": 2}}
-    store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
-    spec = {
-        "backbone": "tiny",
-        "adapter": {"uri": f"file://{adapter}"},
-        "resources": {"kvCacheMiB": BIG_KV_MIB},
-    }
-    store.run(put_function(keys, FunctionRecord(BIG, spec, str(model), str(adapter))))
+    register_tiny(store, keys, tmp_path, {BIG: {"resources": {"kvCacheMiB": BIG_KV_MIB}}})
     store.run(control.merge_gpu(keys, GPU_A, "node-1", 8 << 30, "tiny", 8))
     settings = ControllerSettings(
         redis_url=redis_server, key_prefix=keys.prefix, device="cpu", default_kv_mib=8

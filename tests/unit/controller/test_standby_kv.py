@@ -17,10 +17,7 @@ from lorafn.controller.driver import Controller, ControllerConfig
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.snapshot import SizingConfig
 from lorafn.store import Keys, Store, control, streams, workers
-from lorafn.store.backbones import BackboneRecord, put_backbone
-from lorafn.store.registry import FunctionRecord, put_function
-from tests.unit.controller.redis_world import RecordingExecutor, commands, queue_request
-from tests.unit.operator._peft import write_adapter, write_backbone
+from tests.unit.controller.redis_world import RecordingExecutor, commands, queue_request, register_tiny
 
 FN = "team/big"
 MiB = 1 << 20
@@ -30,13 +27,7 @@ KV_MIB = 96  # the function's budget; the default is 8 MiB
 @pytest.fixture
 def world(redis_server: str, tmp_path: Path):
     store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
-    model = write_backbone(tmp_path / "tiny")
-    (model / "model.safetensors").write_bytes(b"\0" * 8)
-    adapter = write_adapter(tmp_path / "big")
-    bb_spec = {"model": {"uri": f"file://{model}"}, "warmPool": {"minStandby": 1, "maxStandby": 2}}
-    store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
-    spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}, "resources": {"kvCacheMiB": KV_MIB}}
-    store.run(put_function(keys, FunctionRecord(FN, spec, str(model), str(adapter))))
+    register_tiny(store, keys, tmp_path, {FN: {"resources": {"kvCacheMiB": KV_MIB}}})
     executor = RecordingExecutor()
     controller = Controller(
         store, keys, executor, SizingConfig(worker_overhead_bytes=4 * MiB, default_kv_bytes=8 * MiB),
@@ -96,18 +87,10 @@ def test_without_sharing_each_worker_counts_its_own_weights(redis_server: str, t
     CUDA OOM. With private weights a worker's size holds its copy and the GPU none: only what fits starts,
     the rest waits with a reason."""
     store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
-    model = write_backbone(tmp_path / "tiny")
-    with open(model / "model.safetensors", "wb") as f:
-        f.truncate(3 << 30)  # 3 GiB of "weights" (sparse: st_size is what the controller reads)
-    bb_spec = {"model": {"uri": f"file://{model}"}, "warmPool": {"minStandby": 0, "maxStandby": 0}}
-    store.run(put_backbone(keys, BackboneRecord("tiny", str(model), "float32", bb_spec)))
     names = [f"team/f{i}" for i in range(3)]
-    for name in names:
-        adapter = write_adapter(tmp_path / name.replace("/", "-"))
-        spec = {
-            "backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}, "resources": {"kvCacheMiB": KV_MIB}
-        }  # fmt: skip
-        store.run(put_function(keys, FunctionRecord(name, spec, str(model), str(adapter))))
+    # 3 GiB of "weights" in a sparse file: st_size is what the controller reads
+    kv = {"resources": {"kvCacheMiB": KV_MIB}}
+    register_tiny(store, keys, tmp_path, dict.fromkeys(names, kv), warm_pool=(0, 0), weights_bytes=3 << 30)
 
     executor = RecordingExecutor()  # its GPU holds "tiny" at 0 bytes: resident, privately, in each worker
     sizing = SizingConfig(worker_overhead_bytes=4 * MiB, default_kv_bytes=8 * MiB, private_weights=True)
