@@ -17,6 +17,9 @@ Variants (environment or driver limits set before CUDA starts; each is a candida
   cublas-ws-1mib    the worker's default workspace (WorkerSettings.cublas_workspace_kib = 1024 KiB)
   worker-default    what a GPU worker starts with now: stack 256 B + the 1 MiB cuBLAS workspace
   expandable        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (no rounding to 2 MiB blocks)
+  small-limits      small-stack + a 1 MiB device malloc heap, 64 KiB printf FIFO, 32 pending launches
+  no-stack          cuCtxSetLimit(STACK_SIZE=0): the driver grows local memory at launch as kernels need
+  one-connection    small-stack + CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware work queue)
   all-savings       small-stack + small-cublas-ws + expandable
 """
 
@@ -46,6 +49,13 @@ VARIANTS: dict[str, dict[str, str]] = {
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "cublas-ws-1mib": WORKER_CUBLAS,
     "worker-default": {"LORAFN_BENCH_STACK": "256", **WORKER_CUBLAS},
+    # the context's other reservations: device malloc heap, printf FIFO, device-runtime launch pool
+    "small-limits": {
+        "LORAFN_BENCH_LIMITS": "STACK_SIZE=256,MALLOC_HEAP_SIZE=1048576,PRINTF_FIFO_SIZE=65536,"
+        "DEV_RUNTIME_PENDING_LAUNCH_COUNT=32"
+    },
+    "no-stack": {"LORAFN_BENCH_STACK": "0"},  # the driver grows it at launch for kernels that need more
+    "one-connection": {"LORAFN_BENCH_STACK": "256", "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
     "all-savings": {
         "LORAFN_BENCH_STACK": "256",
         "CUBLAS_WORKSPACE_CONFIG": ":0:0",
@@ -72,13 +82,16 @@ def child(index: int) -> None:
 
     torch.cuda.set_device(index)
     torch.zeros(1, device="cuda")
-    stack = os.environ.get("LORAFN_BENCH_STACK")
-    if stack:
+    limits = dict(item.split("=") for item in os.environ.get("LORAFN_BENCH_LIMITS", "").split(",") if item)
+    if os.environ.get("LORAFN_BENCH_STACK"):
+        limits["STACK_SIZE"] = os.environ["LORAFN_BENCH_STACK"]
+    if limits:
         from cuda.bindings import driver
 
-        (err,) = driver.cuCtxSetLimit(driver.CUlimit.CU_LIMIT_STACK_SIZE, int(stack))
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuCtxSetLimit: {err}")
+        for name, value in limits.items():
+            (err,) = driver.cuCtxSetLimit(getattr(driver.CUlimit, f"CU_LIMIT_{name}"), int(value))
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuCtxSetLimit({name}={value}): {err}")
     mark("ctx")
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
