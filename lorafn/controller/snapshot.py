@@ -149,8 +149,8 @@ class SnapshotReader:
 
     def standby_kv_bytes(self, mem_bytes: int, shape: str | None, backbone: str) -> int:
         """The KV budget of a standby granted `mem_bytes`: the planner sizes a standby to take the largest
-        cold function of its shape (planner.standby_bytes), so its KV cache is the grant less the overhead
-        and the shape's LoRA buffers, never below the default, in whole MiB (what `--kv-budget-mib`
+        registered function of its shape (planner.standby_bytes), so its KV cache is the grant less the
+        overhead and the shape's LoRA buffers, never below the default, in whole MiB (what `--kv-budget-mib`
         carries; rounded up, so that the standby holds every function it was sized for)."""
         record = self.backbone_records.get(backbone)
         default = self.sizing.default_kv_bytes
@@ -263,8 +263,8 @@ class SnapshotReader:
             if size is not None:
                 estimate = size.mem_bytes
             else:
-                # a standby granted a larger KV budget than the default (sized for the largest cold function
-                # of its shape) counts it, or it would never look big enough to take that function
+                # a standby granted a larger KV budget than the default (sized for the largest registered
+                # function of its shape) counts it, or it would never look big enough to take that function
                 kv = _whole_mib(kv_reports.get(w.id, 0))
                 estimate = costs.standby_bytes_for(w.shape) + max(0, kv - self.sizing.default_kv_bytes)
             live.append(dataclasses.replace(w, mem_bytes=max(w.mem_bytes, estimate)))

@@ -7,8 +7,8 @@ function (`ColdDemand`: a function with no idle bound worker starts cold on its 
 and their number in T is taken as Poisson. For k = 1 and small rates the value is saving x rate, the
 value of DESIGN §7; further standbys of one shape are worth less and less (diminishing returns), and
 stop being items once that chance falls below ``PolicyConfig.min_standby_probability``. Weight: the
-standby's reservation, never smaller than the largest ``mem_bytes`` of the cold functions of its
-shape (or it could not take them).
+standby's reservation, never smaller than the largest ``mem_bytes`` of the registered functions of its
+shape that fit a GPU holding the backbone (or it could not take them; `standby_bytes`).
 
 Bins: GPUs, capacity = free bytes left after the demand step plus the bytes of the standbys already
 there (they are the pool being planned). Precedence: a standby only on a GPU holding its backbone,
@@ -47,11 +47,10 @@ class ColdDemand:
     has a worker), so over a window of ``window_s`` it contributes the chance of at least one
     arrival, ``1 - exp(-rate x window_s)``, not its whole rate: one hot function is one cold start.
     ``wake[key]`` sums those chances; ``rate(key)`` = wake / window_s is the cold-start rate.
-    ``max_mem[key]``: the largest ``mem_bytes`` among those functions (a standby must hold it).
+    (How big a standby must be is `standby_bytes`'s: every registered function counts there, cold or not.)
     """
 
     wake: Mapping[Key, float]
-    max_mem: Mapping[Key, int]
     window_s: float
     members: Mapping[Key, tuple[Function, ...]] = field(default_factory=dict)
     key_of: Mapping[str, Key] = field(default_factory=dict)  # cold function -> its (backbone, shape)
@@ -68,16 +67,15 @@ class ColdDemand:
                 keys.update((key, (key[0], None)))
         if not keys:
             return self
-        wake, max_mem, members = dict(self.wake), dict(self.max_mem), dict(self.members)
+        wake, members = dict(self.wake), dict(self.members)
         for k in keys:
             left = tuple(f for f in self.members[k] if f.name not in names)
             members[k] = left
             wake[k] = sum(1.0 - math.exp(-f.arrival_rate * self.window_s) for f in left)
-            max_mem[k] = max((f.mem_bytes for f in left), default=0)
             if not left:
-                del members[k], wake[k], max_mem[k]
+                del members[k], wake[k]
         key_of = {n: k for n, k in self.key_of.items() if n not in names}
-        return ColdDemand(wake, max_mem, self.window_s, members, key_of)
+        return ColdDemand(wake, self.window_s, members, key_of)
 
 
 def cold_demand(functions: Iterable[Function], warm: set[str], window_s: float) -> ColdDemand:
@@ -86,7 +84,6 @@ def cold_demand(functions: Iterable[Function], warm: set[str], window_s: float) 
     if not window_s > 0:
         raise ValueError(f"window_s must be > 0, got {window_s!r}")
     wake: dict[Key, float] = defaultdict(float)
-    max_mem: dict[Key, int] = defaultdict(int)
     members: dict[Key, list[Function]] = defaultdict(list)
     key_of: dict[str, Key] = {}
     exp = math.exp
@@ -98,9 +95,7 @@ def cold_demand(functions: Iterable[Function], warm: set[str], window_s: float) 
         for key in ((f.backbone, f.shape), (f.backbone, None)):
             wake[key] += p
             members[key].append(f)
-            if f.mem_bytes > max_mem[key]:
-                max_mem[key] = f.mem_bytes
-    return ColdDemand(dict(wake), dict(max_mem), window_s, {k: tuple(v) for k, v in members.items()}, key_of)
+    return ColdDemand(dict(wake), window_s, {k: tuple(v) for k, v in members.items()}, key_of)
 
 
 def refill_s(costs: Costs, config: PolicyConfig) -> float:
@@ -151,11 +146,11 @@ class PoolProblem:
     info: Mapping[tuple, tuple[str, str | None, int]]  # item key -> (backbone, shape, bytes)
 
 
-def standby_bytes(snapshot: Snapshot, cold: ColdDemand, key: Key) -> int:
+def standby_bytes(snapshot: Snapshot, key: Key) -> int:
     """A standby kept for ``key`` = (backbone, shape): big enough for every registered function of that
-    shape (with a KV budget above the default a function could never take a default-sized standby: found
-    on the H100 replay, where every cold start spawned a process), and for the cold ones of any shape
-    when ``key``'s shape is None."""
+    shape, of any shape when ``key``'s shape is None (with a KV budget above the default a function could
+    never take a default-sized standby: found on the H100 replay, where every cold start spawned a
+    process). The cold functions are among the registered ones, so they need no term of their own."""
     backbone, shape = key
     # a function that fits on no GPU holding the backbone gets its explicit error; it must not make every
     # standby of its shape too big to place
@@ -172,8 +167,7 @@ def standby_bytes(snapshot: Snapshot, cold: ColdDemand, key: Key) -> int:
         for f in snapshot.functions
         if f.backbone == backbone and shape in (None, f.shape) and f.mem_bytes <= room
     ]
-    cold_max = cold.max_mem.get(key, 0)
-    return max(snapshot.costs.standby_bytes_for(shape), cold_max if cold_max <= room else 0, *sizes)
+    return max([snapshot.costs.standby_bytes_for(shape), *sizes])
 
 
 def pool_problem(
@@ -207,7 +201,7 @@ def pool_problem(
         for shape in shapes:
             key = (b.name, shape)
             saving = costs.bind_saving_s(prepared=True)
-            size = standby_bytes(snapshot, cold, key)
+            size = standby_bytes(snapshot, key)
             current = sorted(
                 (w for w in incumbents.get(key, ()) if w.mem_bytes >= size and w.gpu in gpus), key=_keep_order
             )
@@ -291,7 +285,7 @@ def plan_pool(
             # 1. standbys already prepared for the popular shape; 2. new ones of that shape where there is
             # room; 3. only then other standbys (an agnostic one left from before any function existed is
             # replaced once, when room allows: each later bind saves the load and capture it would cost).
-            size = standby_bytes(snapshot, cold, (b.name, popular))
+            size = standby_bytes(snapshot, (b.name, popular))
             # without functions there is no popular shape: any standby is as good (keep what exists)
             prepared = [w for w in spare if popular is None or w.shape == popular]
             others = [w for w in spare if w not in prepared]
