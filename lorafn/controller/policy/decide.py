@@ -125,13 +125,12 @@ class _Round:
         # worker, or whose workers fall behind (queue growing: a scale-up is coming), may start cold; on
         # the H100 replay counting every busy function as cold kept four 2-GiB-KV standbys (~20 GB) for
         # functions that never needed another worker.
-        warm = {
-            n
-            for n, ws in self.live.items()
-            if any(w.state == "bound" for w in ws)
-            and n in self.functions
-            and (any(w.state == "bound" and w.running == 0 for w in ws) or self.functions[n].queued == 0)
-        }
+        warm: set[str] = set()
+        for n, ws in self.live.items():
+            fn = self.functions.get(n)
+            bound = [w for w in ws if w.state == "bound"]  # (starting ones serve nothing yet)
+            if fn is not None and bound and (fn.queued == 0 or any(w.running == 0 for w in bound)):
+                warm.add(n)
         self.warm = warm
         self.cold = cold_demand(self.snapshot.functions, warm, refill_s(self.costs, self.config))
         wants = []
