@@ -222,11 +222,15 @@ class KubernetesExecutor:
         self._asked[key].append(_Asked(worker_id, action, self._now()))
 
     def standby_kv_mib(self, action: Start) -> int | None:
-        """The KV budget (whole MiB, rounded up: the standby must hold what it was sized for) of a standby
-        Start; None without a sizer."""
+        """The KV budget of a standby Start in MiB; None without a sizer. The sizer owns the rounding
+        (`SnapshotReader.standby_kv_bytes` rounds up to whole MiB, so the standby holds what it was sized
+        for); a budget that is not whole MiB is refused rather than rounded a second time here."""
         if self._standby_kv_bytes is None:
             return None
-        return max(1, -(-int(self._standby_kv_bytes(action)) // MiB))
+        kv = int(self._standby_kv_bytes(action))
+        if kv <= 0 or kv % MiB:
+            raise ValueError(f"standby_kv_bytes: a whole number of MiB > 0 is needed, got {kv} bytes")
+        return kv // MiB
 
     def stop(self, worker_id: str) -> None:
         """Lower the count of the worker's pod and mark the pod retiring (the worker got `stop` already)."""

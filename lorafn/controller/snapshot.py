@@ -155,7 +155,7 @@ class SnapshotReader:
         record = self.backbone_records.get(backbone)
         default = self.sizing.default_kv_bytes
         if record is None:
-            return default
+            return _whole_mib(default)
         rest = self.standby_bytes(shape, record) - default
         return _whole_mib(max(default, mem_bytes - rest))
 

@@ -269,8 +269,7 @@ def test_a_standby_start_records_its_kv_budget_with_its_count(world: Any) -> Non
 
     def kv_of(action: Start) -> int:
         granted.append(action)
-        # not whole MiB: rounded up (the standby must hold what it was sized for)
-        return action.mem_bytes - 100 * MiB + 1
+        return action.mem_bytes - 99 * MiB  # whole MiB, as SnapshotReader.standby_kv_bytes rounds it
 
     executor = KubernetesExecutor(store, keys, heartbeat_ttl_s=5.0, clock=clock, standby_kv_bytes=kv_of)
     executor.gpus()
@@ -287,6 +286,17 @@ def test_a_standby_start_records_its_kv_budget_with_its_count(world: Any) -> Non
     plain = KubernetesExecutor(store, keys, heartbeat_ttl_s=5.0, clock=clock)
     plain.start(standby_start(GPU_A), "w-3")
     assert plain.standby_kv_mib(standby_start(GPU_A)) is None
+    assert (GPU_A, None) not in store.run(control.standby_kv(keys, "tiny"))
+    # the sizer owns the rounding: a budget that is not whole MiB is refused, not rounded again here, and
+    # nothing is recorded for that start (neither the budget nor a higher count)
+    odd = KubernetesExecutor(
+        store, keys, heartbeat_ttl_s=5.0, clock=clock, standby_kv_bytes=lambda a: 2049 * MiB - 1
+    )
+    odd.gpus()
+    before = store.run(control.desired_standby(keys, "tiny"))
+    with pytest.raises(ValueError, match=r"standby_kv_bytes.*2148532223"):
+        odd.start(standby_start(GPU_A), "w-4")
+    assert store.run(control.desired_standby(keys, "tiny")) == before
     assert (GPU_A, None) not in store.run(control.standby_kv(keys, "tiny"))
 
 
