@@ -15,7 +15,10 @@ there (they are the pool being planned). Precedence: a standby only on a GPU hol
 the k-th only after the (k-1)-th; at most ``max_standby_per_gpu`` per backbone and GPU. Solved by
 `knapsack.greedy`; an existing standby is the preferred bin of its item, so a stable load gives a
 stable pool. Then each backbone's ``min_standby_per_gpu`` floor is met where memory allows, with
-existing standbys first, else shape-agnostic ones.
+existing standbys first, else shape-agnostic ones. A standby of the popular shape smaller than one of
+that shape's registered functions (started before it registered) does not meet the floor: a standby of
+the right size is started beside it, and it is stopped once that one is ready (never for a replacement
+that has no room beside it).
 
 Out: a `PoolTarget` for every (gpu, backbone, shape) planned or present, Start for each missing
 standby, Stop("pool_shrink") for each surplus one (still-starting ones before ready ones), except a
@@ -151,6 +154,13 @@ def standby_bytes(snapshot: Snapshot, key: Key) -> int:
     shape, of any shape when ``key``'s shape is None (with a KV budget above the default a function could
     never take a default-sized standby: found on the H100 replay, where every cold start spawned a
     process). The cold functions are among the registered ones, so they need no term of their own."""
+    return max(snapshot.costs.standby_bytes_for(key[1]), functions_need(snapshot, key))
+
+
+def functions_need(snapshot: Snapshot, key: Key) -> int:
+    """The largest ``mem_bytes`` of the registered functions of ``key`` = (backbone, shape) (any shape when
+    it is None) that fit on a GPU holding the backbone: a standby smaller than that cannot take one of them
+    (`decide.pick_standby` refuses it). 0 without such functions."""
     backbone, shape = key
     # a function that fits on no GPU holding the backbone gets its explicit error; it must not make every
     # standby of its shape too big to place
@@ -162,12 +172,14 @@ def standby_bytes(snapshot: Snapshot, key: Key) -> int:
         ),
         default=0,
     )
-    sizes = [
-        f.mem_bytes
-        for f in snapshot.functions
-        if f.backbone == backbone and shape in (None, f.shape) and f.mem_bytes <= room
-    ]
-    return max([snapshot.costs.standby_bytes_for(shape), *sizes])
+    return max(
+        (
+            f.mem_bytes
+            for f in snapshot.functions
+            if f.backbone == backbone and shape in (None, f.shape) and f.mem_bytes <= room
+        ),
+        default=0,
+    )
 
 
 def pool_problem(
@@ -272,30 +284,58 @@ def plan_pool(
             missing -= 1
         return missing
 
+    def keep_interim(w: Worker, size: int) -> None:
+        """Keep a too-small standby while its replacement (of ``size``) starts; it does not meet the floor."""
+        if room[w.gpu] < w.mem_bytes:
+            return
+        keep.add(w.id)
+        target[(w.gpu, w.backbone, w.shape)] += 1
+        size_of.setdefault((w.gpu, w.backbone, w.shape), size)  # the replacement's size, not this one's
+        room[w.gpu] -= w.mem_bytes
+
     for b in snapshot.backbones:
         # The floor's new standbys are prepared for the backbone's most popular shape (a bind into prepared
         # buffers takes milliseconds; a shape-agnostic standby must load and capture, seconds on a 7B).
         popular = popular_shape(snapshot, b.name)
+        # what the popular shape's registered functions need of a standby (0 without functions)
+        need = functions_need(snapshot, (b.name, popular)) if popular is not None else 0
         for gpu in where.get(b.name, ()):
             missing = b.min_standby_per_gpu - per_gpu_backbone[(gpu, b.name)]
             if missing <= 0:
                 continue
             spare = [w for w in by_place.get((gpu, b.name), ()) if w.id not in keep]
             spare.sort(key=lambda w: _keep_order(w))
-            # 1. standbys already prepared for the popular shape; 2. new ones of that shape where there is
-            # room; 3. only then other standbys (an agnostic one left from before any function existed is
-            # replaced once, when room allows: each later bind saves the load and capture it would cost).
+            # 1. standbys already prepared for the popular shape, big enough for its functions; 2. new ones
+            # of that shape where there is room; 3. only then other standbys (an agnostic one left from before
+            # any function existed is replaced once, when room allows: each later bind saves the load and
+            # capture it would cost).
             size = standby_bytes(snapshot, (b.name, popular))
             # without functions there is no popular shape: any standby is as good (keep what exists)
-            prepared = [w for w in spare if popular is None or w.shape == popular]
-            others = [w for w in spare if w not in prepared]
+            prepared = [w for w in spare if popular is None or (w.shape == popular and w.mem_bytes >= need)]
+            # A standby of the popular shape started before a larger function of it registered could never
+            # take that function: it does not meet the floor, a standby of the right size replaces it, and it
+            # stays until that one is ready (it still takes the shape's smaller functions meanwhile).
+            small = [w for w in spare if popular is not None and w.shape == popular and w.mem_bytes < need]
+            others = [w for w in spare if w not in prepared and w not in small]
             missing = keep_existing(prepared, missing)
+            replacing = iter(small)
+            for w in prepared:  # replacements already starting: the standbys they replace stay
+                if w.id in keep and w.state == "starting" and (old := next(replacing, None)) is not None:
+                    keep_interim(old, size)
             # (`room` counts the pool's own bytes as free: a standby not kept is stopped in this same plan)
-            while missing > 0 and room[gpu] >= size:
-                target[(gpu, b.name, popular)] += 1
-                size_of.setdefault((gpu, b.name, popular), size)
-                room[gpu] -= size
-                missing -= 1
+            while missing > 0:
+                old = next(replacing, None)  # the too-small standby a new one replaces, if any is left
+                if room[gpu] >= size + (old.mem_bytes if old is not None else 0):
+                    if old is not None:
+                        keep_interim(old, size)
+                    target[(gpu, b.name, popular)] += 1
+                    size_of.setdefault((gpu, b.name, popular), size)
+                    room[gpu] -= size
+                    missing -= 1
+                elif old is not None:  # no room for a replacement beside it: it meets the floor, as before
+                    missing = keep_existing([old], missing)
+                else:
+                    break
             missing = keep_existing(others, missing)
 
     # Hysteresis: a surplus standby of known age younger than pool_min_age_s stays while memory allows

@@ -170,6 +170,52 @@ def test_floor_standbys_are_prepared_for_the_most_popular_shape():
     assert [a.shape for a in plan.of_type(Start)] == [None]
 
 
+def test_a_floor_standby_too_small_for_a_function_of_its_shape_is_replaced_once_the_new_one_is_ready():
+    # "small" was started before ns/big registered: pick_standby would refuse it ns/big, so it must not meet
+    # the floor; before, the floor kept it whatever its size until cold arrivals replaced it
+    from lorafn.controller.policy import Bind, decide
+
+    floor = (Backbone("llama", 13 * GiB, min_standby_per_gpu=1, max_standby_per_gpu=4),)
+    functions = [fn("ns/a", shape="r16", mem_gib=2), fn("ns/big", shape="r16", mem_gib=6)]  # no arrivals
+    small = standby("small", "g0", "r16", mem_gib=2, age_s=600.0)
+
+    def stops(actions):
+        return sorted(a.worker_id for a in actions if isinstance(a, Stop))
+
+    def starts(actions):
+        return [(a.gpu, a.shape, a.mem_bytes) for a in actions if isinstance(a, Start)]
+
+    # 1. a standby of the right size is asked for; the small one stays while it starts (the only standby)
+    targets, actions, _ = _plan(snap([gpu("g0")], functions, [small], backbones=floor))
+    assert starts(actions) == [("g0", "r16", 6 * GiB)]
+    assert stops(actions) == []
+    assert PoolTarget("g0", "llama", "r16", 2) in targets
+    # 2. the new one is starting: nothing else starts, the small one still stays
+    new = Worker("new", "g0", "llama", "starting", "r16", None, 6 * GiB, age_s=5.0)
+    _, actions, _ = _plan(snap([gpu("g0")], functions, [small, new], backbones=floor))
+    assert starts(actions) == [] and stops(actions) == []
+    # 3. the new one is ready: the small one is stopped, nothing starts
+    ready = standby("new", "g0", "r16", mem_gib=6, age_s=60.0)
+    _, actions, _ = _plan(snap([gpu("g0")], functions, [small, ready], backbones=floor))
+    assert starts(actions) == [] and stops(actions) == ["small"]
+    # a second too-small standby is not kept beside the one that waits for its replacement
+    other = standby("small-2", "g0", "r16", mem_gib=2, age_s=500.0)
+    _, actions, _ = _plan(snap([gpu("g0")], functions, [small, other], backbones=floor))
+    assert starts(actions) == [("g0", "r16", 6 * GiB)] and stops(actions) == ["small-2"]
+    # no room for both (21 GiB: 19.32 granted - 13 backbone = 6.32): the small one is never stopped for a
+    # replacement that cannot start beside it; it meets the floor as before
+    tight = [gpu("g0", total_gib=21)]
+    targets, actions, _ = _plan(snap(tight, functions, [small], backbones=floor))
+    assert starts(actions) == [] and stops(actions) == []
+    assert PoolTarget("g0", "llama", "r16", 1) in targets
+    # a standby bound in this round is never stopped: ns/a (2 GiB) takes the small one, a right-sized one
+    # starts for the floor
+    queued = [fn("ns/a", shape="r16", mem_gib=2, queued=1), functions[1]]
+    plan = decide(snap([gpu("g0")], queued, [small], backbones=floor))
+    assert [(b.worker_id, b.function) for b in plan.of_type(Bind)] == [("small", "ns/a")]
+    assert starts(plan.actions) == [("g0", "r16", 6 * GiB)] and stops(plan.actions) == []
+
+
 def test_a_young_surplus_standby_is_kept_while_memory_allows():
     # cold demand flickers between rounds: a standby started moments ago is not stopped and started again
     gpus = [gpu("g0")]
