@@ -9,7 +9,9 @@ The serving loop (`worker.py`) calls `Batching` at four points; the decisions ar
   says how much longer; the loop waits for more entries that long, never past `SLO − T(N)`);
 - `allow_prefill()` before an engine step: with prefills pending it asks for a share of the GPU's
   prefill budget, the prompt tokens its step will prefill (one round trip; a worker alone on its GPU is
-  granted at once); refused, the step runs the decodes only, or, with none, the loop blocks until a share
+  granted at once); granted, `prefill_cap` is the share's tokens and the loop's step prefills no more
+  than that (`Engine.step(max_prefill_tokens=...)`: the rest of a prompt is chunked into the next granted
+  steps); refused, the step runs the decodes only, or, with none, the loop blocks until a share
   is handed to it (`wait_for_slot`, woken by the releasing worker's script). No prefill pending (a
   decode step): nothing is asked. A worker whose granted step could prefill nothing (its KV cache or
   batch is full: the waiting requests wait for running ones to finish) asks no more until one of its
@@ -114,6 +116,7 @@ class Batching:
         self._blocked: frozenset[str] | None = None  # running requests when a granted step prefilled nothing
         self._blocked_at = 0.0
         self._active_at: float | None = None  # when this worker last marked itself active
+        self._prefill_cap: int | None = None  # the tokens of the share granted for the next step
         self._was_active = False
         self.granted = self.refused = 0  # slot answers (tests and logs read them)
 
@@ -201,12 +204,20 @@ class Batching:
     def gated(self, engine: Any) -> bool:
         return self.admission_on and hasattr(engine, "num_pending_prefills")
 
+    @property
+    def prefill_cap(self) -> int | None:
+        """The most prompt tokens the next step may prefill: the tokens of the share the last
+        `allow_prefill` was granted (the budget counted those, not what arrived since). None: no cap
+        (admission off, no prefill pending, or an engine that cannot cap its prefill chunks)."""
+        return self._prefill_cap
+
     def allow_prefill(self, engine: Any, waiting: Mapping[str, float], running: Collection[str] = ()) -> bool:
         """True: run a full step (the share is ours, or no prefill is pending, or admission is off).
         False: run the decodes only, or — with none — `wait_for_slot` and call again.
 
         `waiting`: the requests without a first token (request id -> enqueue time, unix ms); `running`:
         every request of the worker."""
+        self._prefill_cap = None
         if not self.gated(engine):
             return True
         pending = engine.num_pending_prefills
@@ -214,7 +225,7 @@ class Batching:
             self._blocked = None
             return True
         cfg = self.config
-        asking_for: Collection[str] = waiting
+        asking_for: Collection[str] | None = None  # every pending prefill (recomputes too)
         if self._blocked is not None:
             decoding = len(waiting) < len(running)
             recheck = (self.clock() - self._blocked_at) * 1000 >= cfg.blocked_recheck_ms
@@ -239,28 +250,38 @@ class Batching:
                 self.keys, cfg.gpu, self.worker_id, self.function,
                 deadline_ms=deadline_ms, t_ms=t_ms, lease_ms=max(cfg.lease_ms, 4 * t_ms),
                 waiter_ttl_ms=max(250.0, 4 * step_ms, 8 * cfg.poll_ms), active_ttl_ms=cfg.active_ttl_ms,
-                budget=cfg.prefill_tokens, tokens=self.prefill_tokens(engine, asking_for),
+                budget=cfg.prefill_tokens, tokens=self.prefill_tokens(engine, waiting, asking_for),
             )
         )  # fmt: skip
         self._holds_slot = answer.granted  # a share kept from the last step was given up by this ask
         if answer.granted:
             self.granted += 1
+            if callable(getattr(engine, "pending_prefill_tokens", None)) and answer.tokens > 0:
+                self._prefill_cap = answer.tokens
             return True
         self.refused += 1
         return False
 
-    def prefill_tokens(self, engine: Any, waiting: Collection[str]) -> int:
-        """The prompt tokens the next step prefills, at most: the waiting requests' prompts, within the
-        engine's step budget (an engine that does not tell asks for the whole budget: one at a time)."""
+    def prefill_tokens(
+        self, engine: Any, waiting: Collection[str], only: Collection[str] | None = None
+    ) -> int:
+        """The prompt tokens the next step prefills, at most, within the engine's step budget: what the
+        engine's pending prefills (of `only`, when given) have left to compute, recomputes of preempted
+        requests included; an engine that does not tell that: the prompts of `waiting` (or `only`), and
+        one that tells neither asks for the whole budget (one at a time)."""
         cfg = self.config
         step_budget = getattr(getattr(engine, "config", None), "max_num_batched_tokens", None)
+        pending = getattr(engine, "pending_prefill_tokens", None)
         get_output = getattr(engine, "get_output", None)
-        if get_output is None:
+        if callable(pending):
+            total = int(pending(only))
+        elif get_output is None:
             return cfg.prefill_tokens
-        total = 0
-        for rid in waiting:
-            out = get_output(rid)
-            total += len(out.prompt_token_ids) if out is not None else 0
+        else:
+            total = 0
+            for rid in waiting if only is None else only:
+                out = get_output(rid)
+                total += len(out.prompt_token_ids) if out is not None else 0
         if isinstance(step_budget, int) and step_budget > 0:
             total = min(total, step_budget)
         return max(1, total)

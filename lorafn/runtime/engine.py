@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +99,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.last_step: tuple[int, int] = (0, 0)  # (prefill, decode) sequences of the last step
+        self.last_prefill_tokens = 0  # prompt (or recompute) tokens the last step prefilled
 
     # ------------------------------------------------------------------ requests
 
@@ -170,6 +171,10 @@ class Engine:
         """Requests with prompt tokens still to compute (the worker's GPU admission asks for these)."""
         return self.scheduler.num_pending_prefills
 
+    def pending_prefill_tokens(self, request_ids: Collection[str] | None = None) -> int:
+        """Tokens the pending prefills (of `request_ids` only, when given) still have to compute."""
+        return self.scheduler.pending_prefill_tokens(request_ids)
+
     @property
     def num_pending_online_prefills(self) -> int:
         """Pending prefills of online requests: with none, the GPU admission asks without a deadline."""
@@ -217,12 +222,14 @@ class Engine:
 
     # ------------------------------------------------------------------ one iteration
 
-    def step(self, allow_prefill: bool = True) -> list[StreamDelta]:
+    def step(self, allow_prefill: bool = True, max_prefill_tokens: int | None = None) -> list[StreamDelta]:
         """Run one iteration of the batch; returns the deltas of the requests that advanced.
 
-        `allow_prefill=False` runs the decodes only (the GPU's prefill slot is another worker's).
+        `allow_prefill=False` runs the decodes only (the GPU's prefill slot is another worker's);
+        `max_prefill_tokens` caps the step's prefill chunks at the tokens the GPU's admission granted.
         `last_step` tells what ran: (prefill sequences, decode sequences), for the latency profile."""
-        out = self.scheduler.schedule(allow_prefill=allow_prefill)
+        out = self.scheduler.schedule(allow_prefill=allow_prefill, max_prefill_tokens=max_prefill_tokens)
+        self.last_prefill_tokens = out.num_batched_tokens - out.num_decodes
         self.last_step = (len(out.chunks) - out.num_decodes, out.num_decodes)
         self.num_preemptions += len(out.preempted)
         deltas: list[StreamDelta] = []

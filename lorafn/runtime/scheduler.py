@@ -40,6 +40,7 @@ The engine drives it::
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from lorafn.runtime.block_manager import BlockManager, blocks_for_tokens
@@ -259,11 +260,33 @@ class Scheduler:
             1 for s in self._running if s.num_uncomputed_tokens > 1 and rank(s)[0] == 0
         )
 
-    def schedule(self, allow_prefill: bool = True) -> SchedulerOutput:
+    def pending_prefill_tokens(self, seq_ids: Collection[str] | None = None) -> int:
+        """Prompt (or recompute) tokens the pending prefills still have to compute, of `seq_ids` only when
+        given: what a step that prefilled all of them would prefill (the worker asks its GPU's prefill
+        budget for these; a swapped-out sequence's KV comes back from host memory and is not counted)."""
+        pending = [s for s in self._waiting] + [s for s in self._running if s.num_uncomputed_tokens > 1]
+        if seq_ids is not None:
+            wanted = set(seq_ids)
+            pending = [s for s in pending if s.seq_id in wanted]
+        return sum(
+            s.num_tokens - s.swapped_tokens if s.status is SequenceStatus.WAITING else s.num_uncomputed_tokens
+            for s in pending
+        )
+
+    def schedule(self, allow_prefill: bool = True, max_prefill_tokens: int | None = None) -> SchedulerOutput:
         """Plan the next step (see the module docstring for the order and the rules).
 
         ``allow_prefill=False``: decodes only (steps 2 and 3 are skipped) — the worker runs its decodes
-        while another function of the GPU holds the prefill slot; decodes are never held back."""
+        while another function of the GPU holds the prefill slot; decodes are never held back.
+        ``max_prefill_tokens``: the prefill chunks of the step (steps 2 and 3) compute at most this many
+        tokens together — the share of the GPU's prefill budget the worker was granted; the rest of a
+        prompt is chunked into later steps (decodes are not counted). Without chunked prefill a prompt
+        cannot be split: the first prefill of the step goes whole even beyond the cap, later ones only
+        while they fit."""
+        if max_prefill_tokens is not None and (not _is_int(max_prefill_tokens) or max_prefill_tokens < 0):
+            raise ValueError(
+                f"max_prefill_tokens must be an integer >= 0 or None, got {max_prefill_tokens!r}"
+            )
         cfg = self.config
         out = SchedulerOutput()
         # Safety net: never let a sequence outgrow the cache. Only running sequences can get there
@@ -272,6 +295,8 @@ class Scheduler:
             out.finished.append(self.finish(seq.seq_id, "length"))  # type: ignore[arg-type]
 
         budget = cfg.max_num_batched_tokens
+        # what the grant leaves for prefill chunks (partial prefills and new requests, not decodes)
+        prefill_left = budget if max_prefill_tokens is None else max_prefill_tokens
         block_size = cfg.block_size
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
@@ -287,13 +312,15 @@ class Scheduler:
         lookahead_total = 0
 
         def preempt(victim: Sequence) -> None:
-            nonlocal budget, lookahead_total
+            nonlocal budget, lookahead_total, prefill_left
             lookahead_total -= lookahead.pop(victim.seq_id, 0)
             entry = scheduled.pop(victim.seq_id, None)
             if entry is not None:  # give back the chunk it had in this step
                 chunk, group = entry
                 group.remove(chunk)
                 budget += chunk.num_tokens
+                if group is not decodes:
+                    prefill_left += chunk.num_tokens
             self._running.remove(victim)
             computed = victim.num_computed_tokens
             num_blocks = blocks_for_tokens(computed, block_size)
@@ -334,12 +361,14 @@ class Scheduler:
             return True
 
         def add_chunk(group: list[ScheduledChunk], seq: Sequence, num_tokens: int) -> None:
-            nonlocal budget, lookahead_total
+            nonlocal budget, lookahead_total, prefill_left
             start = seq.num_computed_tokens
             chunk = ScheduledChunk(seq, start, num_tokens, samples=start + num_tokens == seq.num_tokens)
             group.append(chunk)
             scheduled[seq.seq_id] = (chunk, group)
             budget -= num_tokens
+            if group is not decodes:
+                prefill_left -= num_tokens
             # Next step decodes position num_tokens: it needs capacity num_tokens + 1.
             if chunk.samples and seq.num_tokens + 1 > len(seq.block_table) * block_size:
                 need = self.block_manager.num_blocks_needed(seq, seq.num_tokens + 1)
@@ -360,7 +389,7 @@ class Scheduler:
 
         # 2. Ongoing partial prefills, oldest first (their blocks were reserved at admission).
         for seq in list(self._running) if allow_prefill else []:
-            if budget < 1:
+            if budget < 1 or prefill_left < 1:
                 break
             if (
                 seq.status is not SequenceStatus.RUNNING
@@ -370,8 +399,8 @@ class Scheduler:
                 continue
             num_tokens = seq.num_uncomputed_tokens
             if cfg.enable_chunked_prefill:
-                num_tokens = min(num_tokens, budget)
-            elif num_tokens > budget:
+                num_tokens = min(num_tokens, budget, prefill_left)
+            elif num_tokens > budget or (num_tokens > prefill_left and (prefills or admitted)):
                 continue
             if reserve(seq, seq.num_computed_tokens + num_tokens):
                 add_chunk(prefills, seq, num_tokens)
@@ -380,17 +409,25 @@ class Scheduler:
         #    large request is never overtaken forever by smaller ones. Admission reserves blocks for
         #    the whole prompt (+ output, after a preemption), so a partial prefill never stalls on
         #    memory and a decode needs at most one new block.
-        while allow_prefill and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+        while (
+            allow_prefill
+            and self._waiting
+            and budget > 0
+            and prefill_left > 0
+            and len(self._running) < cfg.max_num_seqs
+        ):
             seq = self._waiting[0]
             if seq.seq_id in preempted_now:  # no ping-pong within one step
                 break
             num_tokens = seq.num_tokens - seq.swapped_tokens  # what is left to compute once swapped in
             if cfg.enable_chunked_prefill:
-                num_tokens = min(num_tokens, budget)
+                num_tokens = min(num_tokens, budget, prefill_left)
             elif num_tokens > budget and (self._running or num_tokens <= cfg.max_num_batched_tokens):
                 # Waits for budget; one longer than a whole step's budget runs alone, once nothing
                 # else is running.
                 break
+            elif num_tokens > prefill_left and (prefills or admitted):
+                break  # beyond the grant, and not the step's first prefill: the next grant's
             needed = self.block_manager.num_blocks_needed(seq, seq.num_tokens)
             has_younger_running = bool(self._running) and rank(self._running[-1]) > rank(seq)
             if needed + lookahead_total > self.block_manager.num_free_blocks and not has_younger_running:

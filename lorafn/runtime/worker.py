@@ -480,7 +480,13 @@ class Worker:
                     run.first_step_at = step_at
         try:
             with self.profiler.step():
-                deltas = self.engine.step() if allow_prefill else self.engine.step(allow_prefill=False)
+                cap = self.batching.prefill_cap if allow_prefill else None  # the granted share's tokens
+                if not allow_prefill:
+                    deltas = self.engine.step(allow_prefill=False)
+                elif cap is not None:
+                    deltas = self.engine.step(max_prefill_tokens=cap)
+                else:
+                    deltas = self.engine.step()
             if not allow_prefill and not deltas:  # its decodes were recomputes (preempted): wait too
                 time.sleep(self.batching.config.poll_ms / 1000)
         except Exception:

@@ -29,8 +29,9 @@ from lorafn.store.keys import Keys, check_id
 @dataclass(frozen=True)
 class SlotAnswer:
     """`granted`: the asker holds its share of the budget. `margin_ms`: its own deadline margin as the
-    script saw it, `active`: M. Refused: `other` is a holder or the waiter first in line; `retry_ms` a
-    hint (when the soonest lease ends)."""
+    script saw it, `active`: M. Granted: `tokens` is what the share holds, the most the step may prefill
+    (fewer than asked when a share was handed on while the worker waited with a smaller ask). Refused:
+    `other` is a holder or the waiter first in line; `retry_ms` a hint (when the soonest lease ends)."""
 
     granted: bool
     margin_ms: float
@@ -38,6 +39,7 @@ class SlotAnswer:
     other: str = ""
     waiters: int = 0
     retry_ms: int = 0
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def ask(
     def parse(r: list[Any]) -> SlotAnswer:
         code, margin, active, *rest = r[0]
         if int(code) == 1:
-            return SlotAnswer(True, float(margin), int(active), waiters=int(rest[0]))
+            return SlotAnswer(True, float(margin), int(active), waiters=int(rest[0]), tokens=int(rest[1]))
         return SlotAnswer(False, float(margin), int(active), other=str(rest[0]), retry_ms=int(rest[1]))
 
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), parse)

@@ -18,7 +18,10 @@
 --   ask:     3 function, 4 deadline (unix ms; `none`: only offline batch requests to prefill, no deadline:
 --            margin +inf, so it is never urgent and goes behind every waiter with a deadline), 5 t (ms), 6 lease (ms), 7 waiter ttl (ms), 8 active ttl (ms),
 --            9 budget (tokens), 10 tokens
---            -> {1, margin, M, waiters}  granted (its share is held until released or the lease ends)
+--            -> {1, margin, M, waiters, tokens}  granted (its share is held until released or the lease
+--            ends); `tokens`: what the share holds, the most its step may prefill. A share handed on while
+--            it waited holds the tokens of that earlier ask (what the budget counted), or fewer if it now
+--            asks for fewer: a step never prefills more than the budget granted.
 --            A worker that kept its share after a step (it has more to prefill) gives it up here and
 --            competes afresh in the same call: no round trip in which a looser waiter could take it.
 --            -> {0, margin, M, a holder or the waiter first in line, retry_ms}
@@ -172,10 +175,12 @@ local own = deadline - now - active * t_ms
 
 local used, mine, any, soonest, wait = holders()
 if mine ~= nil and mine.flag == '1' then -- handed to this worker while it waited: take it
-  redis.call('HSET', KEYS[1], worker, tostring(now + lease) .. '|0|' .. tostring(tokens) .. '|'
+  -- the budget granted the tokens of the ask it waited with; more arrived since wait for the next grant
+  local granted = math.min(mine.tokens, tokens)
+  redis.call('HSET', KEYS[1], worker, tostring(now + lease) .. '|0|' .. tostring(granted) .. '|'
     .. tostring(mine.at) .. '|' .. ARGV[5])
   redis.call('HDEL', KEYS[2], worker)
-  return {1, tostring(own), active, 0}
+  return {1, tostring(own), active, 0, granted}
 end
 if mine ~= nil then -- kept from its last step (more to prefill): give it up and compete afresh, at once
   redis.call('HDEL', KEYS[1], worker)
@@ -194,7 +199,7 @@ redis.call('HSET', KEYS[2], worker, ARGV[4] .. '|' .. ARGV[5] .. '|' .. tostring
 redis.call('PEXPIRE', KEYS[2], waiter_ttl * 10)
 local granted, line = admit(active, used, budget, worker, wait)
 if granted then
-  return {1, tostring(own), active, #line}
+  return {1, tostring(own), active, #line, tokens}
 end
 local other = any -- a holder, else the waiter first in line
 for _, e in ipairs(line) do

@@ -218,3 +218,37 @@ def _first_token(store: Store, keys: Keys, rid: str) -> bool:
     return any(
         isinstance(e, Delta) and e.tokens for _, _, e in store.run(streams.read_replies(keys, rid, "0", None))
     )
+
+
+@dataclass
+class CappedEngine(PrefillEngine):
+    """PrefillEngine that tells its pending prefill tokens (10 per request) and takes the step's cap."""
+
+    caps: list[int | None] = field(default_factory=list)
+
+    def pending_prefill_tokens(self, request_ids: Any = None) -> int:
+        return sum(
+            10
+            for r, (sent, _) in self.reqs.items()
+            if sent == 0 and (request_ids is None or r in request_ids)
+        )
+
+    def step(self, allow_prefill: bool = True, max_prefill_tokens: int | None = None) -> list[StreamDelta]:
+        if allow_prefill:
+            self.caps.append(max_prefill_tokens)
+        return super().step(allow_prefill)
+
+
+def test_the_loop_caps_each_granted_step_at_the_granted_tokens(redis_server: str) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, "t/capped", [], spec=_spec(1000), public=True)
+    engine = CappedEngine()
+    cfg = {"batching": BatchingConfig(gpu=GPU, gpu_admission=True, batch_hold=False)}
+    with worker_thread(redis_server, prefix, "t/capped", engine, **cfg):
+        for i in range(3):
+            _send(store, keys, "t/capped", f"c-{i}")
+            assert isinstance(_final(store, keys, f"c-{i}"), Done)
+        grants = store.run(adm.grants(keys, GPU))
+        assert len(grants) == 3 and all(g.tokens == 10 for g in grants)
+        assert [c for c in engine.caps if c is not None] == [g.tokens for g in grants]

@@ -260,3 +260,24 @@ def test_a_worker_with_only_batch_prefills_has_no_deadline(redis_server: str) ->
     expected = [w.worker for w in slo.admit(ws, now, 2, used_tokens=0, budget_tokens=100)]
     assert expected == ["z-online"]
     assert [g.worker for g in store2.run(adm.grants(keys2, GPU))][1:] == expected
+
+
+def test_a_share_handed_on_holds_the_tokens_the_waiter_asked_with(redis_server: str) -> None:
+    """The budget counted the tokens of the ask a worker waited with; when the share is handed to it and
+    it asks again with more (requests arrived meanwhile), it is granted the earlier tokens, no more: its
+    step prefills that many and the rest waits for the next grant. Fewer stay fewer."""
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    now = _now_ms(store)
+    held = _ask(store, keys, "w-a", now + 9000, 10, budget=1000, tokens=900)
+    assert held.granted and held.tokens == 900  # a plain grant: what it asked
+    assert not _ask(store, keys, "w-b", now + 5000, 10, budget=1000, tokens=300).granted
+    assert store.run(adm.release(keys, GPU, "w-a", 5000, budget=1000))  # handed to w-b with its 300
+    grown = _ask(store, keys, "w-b", now + 5000, 10, budget=1000, tokens=800)
+    assert grown.granted and grown.tokens == 300
+    assert store.client.hget(keys.gpu_slot(GPU), "w-b").split("|")[2] == "300"  # what the budget holds
+    assert _ask(store, keys, "w-c", now + 9000, 10, budget=1000, tokens=700).granted  # 300 + 700 fit
+    assert store.run(adm.release(keys, GPU, "w-c", 5000, budget=1000))
+    assert not _ask(store, keys, "w-d", now + 9000, 10, budget=1000, tokens=800).granted  # 300 + 800 > 1000
+    assert store.run(adm.release(keys, GPU, "w-b", 5000, budget=1000))  # handed to w-d with its 800
+    shrunk = _ask(store, keys, "w-d", now + 9000, 10, budget=1000, tokens=200)
+    assert shrunk.granted and shrunk.tokens == 200

@@ -61,8 +61,11 @@ class RunResult:
 
 
 class FakeEngine:
-    def __init__(self, config: SchedulerConfig, offload: OffloadPolicy | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, offload: OffloadPolicy | None = None, prefill_cap: int | None = None
+    ) -> None:
         self.config = config
+        self.prefill_cap = prefill_cap  # every step's max_prefill_tokens (a GPU admission grant)
         self.scheduler = Scheduler(config, offload)
         self.cache: list[tuple[str, int, int] | None] = [None] * (config.num_blocks * config.block_size)
         # swapped-out KV: seq_id -> the slots' entries of its swapped blocks, in position order
@@ -91,6 +94,10 @@ class FakeEngine:
             # Only an over-long prefill with chunking off, alone in its step.
             assert not cfg.enable_chunked_prefill
             assert len(chunks) == 1 and chunks[0].start == 0 and chunks[0].samples
+        if self.prefill_cap is not None:
+            prefill = [c.num_tokens for c in chunks if not c.is_decode]
+            # chunked: never beyond the grant; unchunked: the step's first prefill may go whole beyond it
+            assert sum(prefill) <= self.prefill_cap or (not cfg.enable_chunked_prefill and len(prefill) == 1)
         assert len(chunks) <= cfg.max_num_seqs
         assert sched.num_running <= cfg.max_num_seqs
         assert len({c.seq_id for c in chunks}) == len(chunks), "a sequence twice in one step"
@@ -173,7 +180,7 @@ class FakeEngine:
             step += 1
             assert step <= max_steps, f"no completion within {max_steps} steps"
             decode_ready = [s for s in sched.running if s.num_uncomputed_tokens == 1]
-            out = sched.schedule()
+            out = sched.schedule(max_prefill_tokens=self.prefill_cap)
             result.outputs_log.append(out)
             if sched.has_unfinished():  # progress: a step with work always schedules something
                 assert out.chunks, "empty step while requests wait"

@@ -131,6 +131,17 @@ def test_budget_and_memory_do_not_change_tokens(workload, budget):
     assert FakeEngine(other).run(requests, work_bound(requests)).outputs == base.outputs
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 64))
+def test_a_prefill_cap_bounds_every_step_and_does_not_change_tokens(workload, cap):
+    """Every step's prefill chunks stay within `max_prefill_tokens` (the GPU admission's grant; checked
+    in FakeEngine.check_step), decodes are not held back by it, and the tokens are the same."""
+    config, requests = workload
+    base = FakeEngine(config).run(requests, work_bound(requests))
+    capped = FakeEngine(config, prefill_cap=cap).run(requests, 4 * work_bound(requests))
+    assert capped.outputs == base.outputs and capped.refused == base.refused
+
+
 # ---------------------------------------------------------------------------- policy, by example
 
 
@@ -321,6 +332,56 @@ def test_update_twice_or_without_a_sample_is_an_error():
     sched.update(out, {"a": 1})
     with pytest.raises(RuntimeError, match="stale"):
         sched.update(out, {"a": 1})
+
+
+def test_a_step_prefills_at_most_the_granted_tokens_and_the_rest_waits_for_the_next_grant():
+    sched = Scheduler(cfg(max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_blocks=64))
+    sched.add(seq("d", 2, max_tokens=10))
+    sched.update(sched.schedule(), {"d": 1})  # d decodes from now on
+    sched.add(seq("a", 10))
+    sched.add(seq("b", 6))
+    assert sched.pending_prefill_tokens() == 16 and sched.pending_prefill_tokens(["b"]) == 6
+    out = sched.schedule(max_prefill_tokens=7)  # the decode is not counted: 7 prompt tokens
+    assert [(c.seq_id, c.start, c.num_tokens) for c in out.chunks] == [("d", 2, 1), ("a", 0, 7)]
+    sched.update(out, {"d": 1})
+    assert sched.pending_prefill_tokens() == 3 + 6
+    out = sched.schedule(max_prefill_tokens=5)  # a's rest, then b's first 2 tokens
+    assert [(c.seq_id, c.start, c.num_tokens) for c in out.chunks] == [("d", 3, 1), ("a", 7, 3), ("b", 0, 2)]
+    sched.update(out, {"d": 1, "a": 1})
+    out = sched.schedule(max_prefill_tokens=0)  # nothing granted: decodes only
+    assert [(c.seq_id, c.num_tokens) for c in out.chunks] == [("d", 1), ("a", 1)]
+    sched.update(out, {"d": 1, "a": 1})
+    out = sched.schedule()  # no cap: the step budget alone
+    assert [(c.seq_id, c.start, c.num_tokens) for c in out.chunks] == [("d", 5, 1), ("a", 11, 1), ("b", 2, 4)]
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        sched.schedule(max_prefill_tokens=-1)
+
+
+def test_unchunked_prefill_under_a_cap_goes_whole_first_then_only_while_it_fits():
+    sched = Scheduler(cfg(max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=False))
+    for name in ("a", "b", "c"):
+        sched.add(seq(name, 4, max_tokens=3))
+    out = sched.schedule(max_prefill_tokens=2)  # a cannot be split: it goes whole, nothing beside it
+    assert [(c.seq_id, c.num_tokens) for c in out.chunks] == [("a", 4)]
+    sched.update(out, {"a": 1})
+    out = sched.schedule(max_prefill_tokens=9)
+    assert [(c.seq_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 4), ("c", 4)]
+
+
+def test_pending_prefill_tokens_count_a_preempted_request_whole():
+    sched = Scheduler(cfg(max_num_seqs=2, max_num_batched_tokens=16, block_size=2, num_blocks=3))
+    a, b = seq("a", 2, max_tokens=4), seq("b", 2, max_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    assert sched.pending_prefill_tokens() == 4
+    for token in range(100, 140):
+        out = sched.schedule()
+        if out.preempted:
+            break
+        sched.update(out, {c.seq_id: token for c in out.chunks if c.samples})
+        assert sched.pending_prefill_tokens() == 0  # both decode
+    assert out.preempted == ["b"]  # its KV is gone: prompt + outputs are prefilled again
+    assert sched.pending_prefill_tokens() == sched.pending_prefill_tokens(["b"]) == b.num_tokens > 2
 
 
 # ---------------------------------------------------------------------------- preemption
