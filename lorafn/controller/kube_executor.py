@@ -17,7 +17,9 @@ It imports no Kubernetes client (only `lorafn.operator` does); everything goes t
   this lowers the count the worker's pod belongs to and marks the pod retiring (`<p>:retiring`), so the
   operator stops counting it at once and deletes no other pod to meet the lower count.
 - `starting()`: per count, desired minus the live workers of those pods (heartbeats; retiring ones left
-  out), as placeholders the policy counts as starting.
+  out), as placeholders the policy counts as starting. A pool pod asked for before this controller
+  started (a restart) has size 0 here; the snapshot reader gives it the size this controller would ask
+  for (`SnapshotReader.sized_starting`: a standby with the KV budget recorded for its GPU and shape).
 - `exits()`: the worker containers that terminated with a non-zero code (or pods that failed without one),
   as the operator reads them from the pods' phases and container statuses and reports them on the lifecycle
   stream (`control.PodExit`; every reconcile reports what it sees, so each termination is counted once

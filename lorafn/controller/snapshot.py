@@ -265,15 +265,40 @@ class SnapshotReader:
             else:
                 # a standby granted a larger KV budget than the default (sized for the largest registered
                 # function of its shape) counts it, or it would never look big enough to take that function
-                kv = _whole_mib(kv_reports.get(w.id, 0))
-                estimate = costs.standby_bytes_for(w.shape) + max(0, kv - self.sizing.default_kv_bytes)
+                estimate = self.standby_estimate(costs, w.shape, _whole_mib(kv_reports.get(w.id, 0)))
             live.append(dataclasses.replace(w, mem_bytes=max(w.mem_bytes, estimate)))
         seen = {w.id for w in live}
-        all_workers = live + [w for w in starting if w.id not in seen]
+        all_workers = live + self.sized_starting([w for w in starting if w.id not in seen], costs)
         return Snapshot(
             now_s=now_s, gpus=tuple(gpus), backbones=tuple(backbones), workers=tuple(all_workers),
             functions=tuple(functions), costs=costs,
         )  # fmt: skip
+
+    def standby_estimate(self, costs: Costs, shape: str | None, kv_bytes: int) -> int:
+        """A standby of ``shape`` whose KV budget is ``kv_bytes``: the shape's standby size, plus what that
+        budget has beyond the default (a standby sized for a function of a larger budget)."""
+        return costs.standby_bytes_for(shape) + max(0, kv_bytes - self.sizing.default_kv_bytes)
+
+    def sized_starting(self, starting: list[Worker], costs: Costs) -> list[Worker]:
+        """Workers started and not yet heartbeating. A pool worker of size 0 is a pod asked for before this
+        controller started (the Kubernetes executor's placeholder: it knows the pod's count, not its grant;
+        a function's pods asked then are not shown at all, their GPU is not known); it gets the size this
+        controller would ask for it: a standby of its shape with the KV budget recorded for its GPU and
+        shape (`<bb>:standby_kv`, what the operator starts pool pods with; the default when none is
+        recorded). Else a GPU full of starting pods looks free."""
+        unknown = sorted({w.backbone for w in starting if w.mem_bytes == 0 and w.function is None})
+        recorded: dict[str, dict[tuple[str, str | None], int]] = {}
+        if unknown:
+            budgets = self.store.run(combine(*(control.standby_kv(self.keys, b) for b in unknown)))
+            recorded = dict(zip(unknown, budgets, strict=True))
+        out = []
+        for w in starting:
+            if w.mem_bytes == 0 and w.function is None:
+                kv_mib = recorded.get(w.backbone, {}).get((w.gpu, w.shape))
+                mem = self.standby_estimate(costs, w.shape, kv_mib * MiB if kv_mib else 0)
+                w = dataclasses.replace(w, mem_bytes=mem)
+            out.append(w)
+        return out
 
     def live_workers(self, gpu_ids: set[str]) -> tuple[list[Worker], list[int], dict[str, int]]:
         """Workers whose heartbeat is fresh, as the policy sees them (those on unknown GPUs are left out),

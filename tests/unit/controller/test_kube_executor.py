@@ -343,3 +343,47 @@ def test_a_function_above_the_default_kv_gets_standbys_that_hold_it(
         assert desired(store, keys, BIG) is None  # no fresh pod for it
     finally:
         store.close()
+
+
+def test_after_a_restart_pods_not_yet_heartbeating_count_at_the_size_they_were_asked_for(
+    redis_server: str, tmp_path: Path
+) -> None:
+    """A restarted controller knows only the counts of the pods asked for before it (Redis); the placeholders
+    of pool pods had size 0, so the memory account saw a GPU full of starting pods as free. Now a pool pod
+    counts as a standby with the KV budget recorded beside its count: what the controller before the
+    restart asked for. (A function's pods asked then are not shown: the operator picks their GPU.)"""
+    from lorafn.controller.cli import ControllerSettings, build_controller
+
+    store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
+    register_tiny(
+        store, keys, tmp_path, {BIG: {"resources": {"kvCacheMiB": BIG_KV_MIB}, "scaling": {"minReplicas": 1}}}
+    )
+    store.run(control.merge_gpu(keys, GPU_A, "node-1", 8 << 30, "tiny", 8))
+    settings = ControllerSettings(
+        redis_url=redis_server, key_prefix=keys.prefix, device="cpu", default_kv_mib=8
+    )
+    first = build_controller(settings)
+    try:
+        first.round()  # minReplicas: a pod for BIG; the floor: a pool pod sized to take BIG
+        asked = {(w.gpu, w.function): w.mem_bytes for w in first.executor.starting()}
+        size = first.reader.sizes[BIG]
+        assert asked == {(GPU_A, BIG): size.mem_bytes, (GPU_A, None): size.mem_bytes}
+        assert store.run(control.standby_kv(keys, "tiny"))[(GPU_A, size.shape)] == BIG_KV_MIB
+
+        restarted = build_controller(settings)  # no memory of what was asked: only Redis
+        gpus = restarted.executor.gpus()
+        starting = restarted.executor.starting()
+        assert {w.mem_bytes for w in starting} == {0}  # placeholders: the count is known, not the grant
+        assert all(w.id.startswith("pending-") for w in starting)
+        snapshot = restarted.reader.read(gpus, starting)
+        assert {(w.gpu, w.function): w.mem_bytes for w in snapshot.workers} == {
+            (GPU_A, None): asked[(GPU_A, None)]
+        }
+        # without a recorded budget a pool pod is a default standby of its shape (what the operator starts)
+        store.run(control.clear_standby_kv(keys, "tiny"))
+        snapshot = restarted.reader.read(gpus, restarted.executor.starting())
+        pool = [w for w in snapshot.workers if w.function is None]
+        assert [w.mem_bytes for w in pool] == [snapshot.costs.standby_bytes_for(size.shape)]
+        assert pool[0].mem_bytes < size.mem_bytes
+    finally:
+        store.close()
