@@ -38,58 +38,39 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lorafn.replay import trace  # noqa: E402
+from lorafn.replay.configs import ReplayConfig  # noqa: E402
 from lorafn.replay.driver import DriveOptions, Target, drive  # noqa: E402
 from lorafn.replay.platform import (  # noqa: E402
+    FunctionSetup,
     ManagedPlatform,
     new_keys,
     prepare_adapters,
     prepare_model,
 )
+from lorafn.replay.platform import manifest as replay_manifest  # noqa: E402
 from lorafn.replay.stats import RequestResult, percentiles, slo_violated  # noqa: E402
 from lorafn.store import admission as store_admission  # noqa: E402
 from lorafn.store import streams  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 NAMESPACE = "adm"
-BACKBONE = "adm-backbone"
 
 
 def manifest(
     model_dir: Path, dtype: str, functions: list[str], adapters: list[Path], slos: dict[str, int],
     keys: dict[str, str], kv_mib: int | None = None,
 ) -> str:  # fmt: skip
-    """A Backbone without a warm pool, a Secret of keys, and each function warm (minReplicas 1) with its
-    own TTFT SLO."""
-    import yaml
-
-    docs: list[dict[str, Any]] = [
-        {
-            "apiVersion": "lorafn.io/v1alpha1", "kind": "Backbone", "metadata": {"name": BACKBONE},
-            "spec": {"model": {"uri": f"file://{model_dir}"}, "dtype": dtype,
-                     "warmPool": {"minStandby": 0, "maxStandby": 0}},
-        },
-        {
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "adm-keys", "namespace": NAMESPACE},
-            "stringData": {fn.split("/", 1)[1]: keys[fn] for fn in functions},
-        },
-    ]  # fmt: skip
-    for i, fn in enumerate(functions):
-        name = fn.split("/", 1)[1]
-        docs.append(
-            {
-                "apiVersion": "lorafn.io/v1alpha1", "kind": "LoRAFunction",
-                "metadata": {"name": name, "namespace": NAMESPACE},
-                "spec": {
-                    "backbone": BACKBONE,
-                    "adapter": {"uri": f"file://{adapters[i % len(adapters)]}"},
-                    "slo": {"ttftMs": slos[fn]},
-                    "scaling": {"minReplicas": 1, "maxReplicas": 1, "keepAliveSeconds": 3600},
-                    "auth": {"apiKeySecretRef": {"name": "adm-keys", "key": name}},
-                    **({"resources": {"kvCacheMiB": kv_mib}} if kv_mib else {}),
-                },
-            }
-        )  # fmt: skip
-    return yaml.safe_dump_all(docs, sort_keys=False)
+    """The replay's manifest (a Backbone without a warm pool, a Secret of keys, the LoRAFunctions), each
+    function warm from the start (minReplicas = maxReplicas = 1, kept an hour) with its own TTFT SLO, in
+    the namespace `adm`."""
+    setup = FunctionSetup(
+        slo_ttft_ms=max(slos.values()), keep_alive_s=3600, max_replicas=1, kv_cache_mib=kv_mib
+    )
+    config = ReplayConfig("admission", "bench/admission.py", min_replicas=1, warm_pool_fallback=(0, 0))
+    return replay_manifest(
+        model_dir, dtype, functions, adapters, keys, setup, config, True,
+        namespace=NAMESPACE, secret="adm-keys", slos=slos,
+    )  # fmt: skip
 
 
 def figures(

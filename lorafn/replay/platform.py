@@ -13,6 +13,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,9 +85,12 @@ def manifest(
     *,
     namespace: str = NAMESPACE,
     secret: str = "replay-keys",
+    slos: Mapping[str, int] | None = None,
 ) -> str:
     """The YAML `lorafn apply -f` would take: a Backbone, a Secret of keys and the LoRAFunctions (in
-    `namespace`, the keys in the Secret `secret`; other benchmarks, e.g. bench/batch.py, use their own)."""
+    `namespace`, the keys in the Secret `secret`; other benchmarks, e.g. bench/batch.py, use their own).
+    `slos`: a TTFT SLO (ms) per function, for those it names (bench/admission.py); the others get
+    `setup.slo_ttft_ms`."""
     backbone_spec: dict[str, Any] = {"model": {"uri": f"file://{model_dir}"}, "dtype": dtype}
     if warm_pool_off_by_spec and config.warm_pool_fallback is not None:
         low, high = config.warm_pool_fallback
@@ -110,7 +114,7 @@ def manifest(
         spec: dict[str, Any] = {
             "backbone": BACKBONE,
             "adapter": {"uri": f"file://{adapters[i % len(adapters)]}"},
-            "slo": {"ttftMs": setup.slo_ttft_ms},
+            "slo": {"ttftMs": (slos or {}).get(fn, setup.slo_ttft_ms)},
             "scaling": {
                 "minReplicas": config.min_replicas,
                 "maxReplicas": max(setup.max_replicas, config.min_replicas, 1),
