@@ -8,6 +8,7 @@ runs the real engine through `lorafn up`.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +28,14 @@ from lorafn.local.executor import LocalExecutor
 from lorafn.local.procs import Child, ProcessGroup
 from lorafn.local.zygote import ZYGOTE_NAME, ZygoteKeeper
 from lorafn.store import Keys, Store
-from tests.integration.gateway.harness import client, expected_text, gateway, register, wait_live_workers
+from tests.integration.gateway.harness import (
+    client,
+    expected_text,
+    fake_engine,
+    gateway,
+    register,
+    wait_live_workers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +51,9 @@ def _parent_pid(pid: int) -> int:
 class Rig:
     """A process group, a zygote keeper and the executor over them, reaped as `LocalPlatform._reap` does."""
 
-    def __init__(self, tmp: Path, redis_url: str, zygote: bool = True) -> None:
+    def __init__(
+        self, tmp: Path, redis_url: str, zygote: bool = True, extra_env: dict[str, str] | None = None
+    ) -> None:
         self.procs = ProcessGroup(tmp / "logs")
         self.keeper = ZygoteKeeper(tmp / "sockets" / "zygote.sock", enabled=zygote)
         env = {
@@ -51,6 +62,7 @@ class Rig:
             "LORAFN_ENGINE_FACTORY": "tests.integration.gateway.harness:fake_engine",
             "LORAFN_HEARTBEAT_S": "0.2",
             "LORAFN_HEARTBEAT_TTL_S": "2.0",
+            **(extra_env or {}),
         }
         self.executor = LocalExecutor(
             self.procs,
@@ -136,6 +148,40 @@ def test_a_forked_worker_serves_and_its_stop_and_kill_are_seen(rig: Rig, redis_s
     wait_live_workers(None, store, keys, FUNCTION, 1, timeout=30)
     os.kill(w2.pid, signal.SIGKILL)  # dies on its own: a failure the controller must see
     assert rig.wait_exit("w2").code == -signal.SIGKILL
+
+
+def freeze_probe_engine(settings: Any, record: Any) -> Any:
+    """engine_factory: writes how many objects the worker process holds frozen when its engine is made
+    (before the worker's own `gc.freeze()`) to LORAFN_TEST_FREEZE_FILE, then makes the fake engine."""
+    Path(os.environ["LORAFN_TEST_FREEZE_FILE"]).write_text(str(gc.get_freeze_count()))
+    return fake_engine(settings, record)
+
+
+def test_a_forked_worker_starts_on_the_zygotes_frozen_heap_and_serves(
+    tmp_path: Path, redis_server: str
+) -> None:
+    """The zygote freezes what its imports made before it serves forks (copy-on-write pages stay shared,
+    the children's collections skip them); a child inherits that and still serves."""
+    probe = tmp_path / "frozen.txt"
+    factory = "tests.integration.local.test_zygote:freeze_probe_engine"
+    rig = Rig(
+        tmp_path, redis_server,
+        extra_env={"LORAFN_ENGINE_FACTORY": factory, "LORAFN_TEST_FREEZE_FILE": str(probe)},
+    )  # fmt: skip
+    store, keys = Store(redis_server), Keys(PREFIX)
+    register(store, keys, FUNCTION, ["k"])
+    try:
+        rig.executor.start_zygote()
+        assert rig.executor.wait_zygote(120)
+        rig.start("w1")
+        assert rig.child("w1").forked
+        wait_live_workers(None, store, keys, FUNCTION, 1, timeout=30)
+        # torch alone is far more than 10k objects; 0 before the zygote froze its heap
+        assert int(probe.read_text()) > 10_000
+        with gateway(redis_server, PREFIX) as url:
+            assert _answer(url, "frozen") == expected_text("frozen", 4)
+    finally:
+        rig.procs.stop_all(order=("worker/",), timeout_s=10)
 
 
 def test_a_dead_zygote_means_spawns_until_it_is_back(rig: Rig, redis_server: str) -> None:
