@@ -58,6 +58,12 @@ class EngineConfig:
     # step of at most 16 rows runs one skinny-GEMM launch per projection group with the LoRA shrink in it);
     # False keeps the cuBLAS + addmm path everywhere (the benchmarks' baseline)
     fused_decode: bool = True
+    # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an
+    # execution plan per exact shape, and on the H100 the first prefill of each new chunk length paid
+    # ~65 ms of host time for it (a standby's first request prefilled in 110 ms, the next one in 28 ms;
+    # docs/benchmarks.md, cold start, fifth session); flash / memory-efficient attention have no per-shape
+    # set-up and cost ~1 ms more per 512-token prefill of the 7B.
+    cudnn_attention: bool = False
     # KV offload to host memory for preempted sequences (kv_offload.py: swap or recompute, host budget)
     kv_offload: OffloadConfig = field(default_factory=OffloadConfig)
     weight_source: WeightSource | None = field(default=None, repr=False)

@@ -81,6 +81,10 @@ class ModelRunner:
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         if device.type == "cuda" and config.cuda_stack_bytes is not None:
             set_cuda_stack_limit(device, config.cuda_stack_bytes)
+        if device.type == "cuda" and not config.cudnn_attention:
+            # process-wide (one engine per worker process): SDPA then picks flash or memory-efficient
+            # attention, which need no per-shape plan (see EngineConfig.cudnn_attention)
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.weight_source = config.weight_source or SafetensorsWeightSource(Path(config.model))
         # A standby holds zeroed buffers of its prepared shape (graphs are captured over them; a bind
         # copies the adapter in); a bound worker its adapter; a base-model engine none.

@@ -207,3 +207,28 @@ def test_fused_ops_equal_torch_ops(dtype) -> None:
     torch.testing.assert_close(triton_ops.rope(q, 32, cos, sin, pos), ref, **tol)
     g, u = randn(7, 11008), randn(7, 11008)
     torch.testing.assert_close(triton_ops.silu_mul(g, u), F.silu(g) * u, **tol)
+
+
+def test_engine_turns_cudnn_attention_off_and_prefill_matches_math(tiny_model_dir: Path) -> None:
+    """cuDNN SDPA builds a plan per exact shape (~65 ms of host time for each new prefill length on the
+    H100): a CUDA engine turns it off unless asked, and the flash / memory-efficient prefill it then gets
+    matches the math backend for lengths never seen before."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lorafn.runtime.attention import prefill_attention
+
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    config = EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="bfloat16", use_cuda_graphs=False)
+    engine = Engine(config)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, start in ((37, 0), (515, 0), (64, 200)):
+        q = torch.randn(n, 8, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+        k = torch.randn(start + n, 2, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        out = prefill_attention(q, k, v, start, 64**-0.5)
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = prefill_attention(q, k, v, start, 64**-0.5)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    del engine
+    _free()
