@@ -9,16 +9,23 @@ function and overall: TTFT p50/p99, TPOT p50/p99, SLO violations (an error or a 
 the function's SLO), throughput (completion tokens/s), and the budget's grants.
 
     # CPU (tiny preset; minutes; ratios only on a shared 2-core machine)
-    python bench/admission.py --preset tiny --device cpu --slos 300,2000,8000 --rate 4 --duration-s 30 \
+    python bench/admission.py --preset tiny --device cpu --slos 300,2000,8000 --rate 3 --duration-s 20 \
         --max-prompt-tokens 128 --max-tokens 16 --repeat 2 --workdir /tmp/adm
-    # H100: 8 functions on one llama-2-7b (random weights of the real shape; --preset llama-2-7b writes
-    # one), r16 adapters, KV 2 GiB each, the code trace from 600 s; .data = a copy of ../shared/data
+    # H100 (~6 min): 8 functions on one llama-2-7b (random weights of the real shape; --preset llama-2-7b
+    # writes one), r16 adapters, KV 2 GiB each; a bursty window of the code trace (from 120 s: CoV ~4,
+    # up to ~25 arrivals in a second), prompts of ~1000 Llama tokens; every third function tight (500 ms),
+    # the others loose (8 s); a budget of one full engine step; a sweep of three rates, 45 s each, on one
+    # platform per mode (.data = a copy of ../shared/data)
     python bench/admission.py --model /tmp/llama-2-7b --device cuda --dtype bfloat16 --functions 8 \
-        --slos 300,1000,3000 --rate 6 --duration-s 45 --trace-start-s 600 --max-prompt-tokens 1024 \
-        --max-tokens 128 --kv-mib 2048 --data-dir .data --workdir /tmp/adm --json $OUT/admission.json
+        --slos 500,8000,8000 --rates 4,5,6 --duration-s 45 --trace-start-s 120 --max-prompt-tokens 512 \
+        --max-tokens 128 --kv-mib 2048 --prefill-tokens 2048 --data-dir .data --workdir /tmp/adm \
+        --json $OUT/admission.json
 
-Also printed: what the budget cost (grant waits, hold times, granted steps that prefilled nothing, how
-late releases came after their steps) from the records the Lua script keeps, and what was lost.
+`--rates` replays each rate in turn on the same platform of each mode (one start-up per mode; its records
+and figures per rate); `--prompt-size question` sends one GSM8K question per request instead of text of
+the trace's context size. Also printed: what the budget cost (grant waits, hold times, granted steps that
+prefilled nothing, how late releases came after their steps) from the records the Lua script keeps, and
+what was lost.
 """
 
 from __future__ import annotations
@@ -49,8 +56,8 @@ from lorafn.replay.platform import (  # noqa: E402
 )
 from lorafn.replay.platform import manifest as replay_manifest  # noqa: E402
 from lorafn.replay.stats import RequestResult, percentiles, slo_violated  # noqa: E402
+from lorafn.store import Keys, Store, streams  # noqa: E402
 from lorafn.store import admission as store_admission  # noqa: E402
-from lorafn.store import streams  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 NAMESPACE = "adm"
@@ -97,10 +104,12 @@ def run_one(
     admission: bool,
     model_dir: Path,
     adapters: list[Path],
-    plan: list[trace.PlannedRequest],
+    plans: list[list[trace.PlannedRequest]],
     functions: list[str],
     slos: dict[str, int],
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
+    """One platform of one mode: warm up, then replay each plan (one per rate, in order, each after the
+    last one's answers came back); per plan its results and the budget's records during it."""
     workdir = Path(args.workdir) / ("on" if admission else "off")
     if workdir.exists():  # a repeat: a fresh platform each time
         shutil.rmtree(workdir)
@@ -110,6 +119,7 @@ def run_one(
     env = {"LORAFN_GPU_PREFILL_TOKENS": str(args.prefill_tokens)} if args.prefill_tokens else {}
     platform = ManagedPlatform(workdir, settings, env=env)  # the workers read the budget from the env
     keys = new_keys(functions)
+    out: list[dict[str, Any]] = []
     try:
         state = platform.start(timeout_s=args.start_timeout_s)
         platform.apply(manifest(model_dir, args.dtype, functions, adapters, slos, keys, args.kv_mib))
@@ -126,16 +136,40 @@ def run_one(
         warm = [trace.PlannedRequest(i, 0.05 * i, fn, "Hello there, warm up.", 8, 8)
                 for i, fn in enumerate(functions * args.warmup_rounds)]  # fmt: skip
         asyncio.run(drive(warm, target, options))
-        print(f"  admission {'on' if admission else 'off'}: replaying {len(plan)} requests ...", flush=True)
-        done = asyncio.run(drive(plan, target, options))
         assert platform.store is not None
-        grants = platform.store.run(store_admission.grants(platform.keys, "local/0", count=100_000))
-        releases = platform.store.run(store_admission.releases(platform.keys, "local/0", count=100_000))
-        pending = sum(len(platform.store.run(streams.pending(platform.keys, fn, 0))) for fn in functions)
+        store = platform.store
+        # the budget's records are read after each plan (the stream keeps the last ~5000): only its own
+        seen: set[str] = set()
+        budget_records(store, platform.keys, seen)  # the warm-up's
+        for plan in plans:
+            print(
+                f"  admission {'on' if admission else 'off'}: replaying {len(plan)} requests ...", flush=True
+            )
+            done = asyncio.run(drive(plan, target, options))
+            grants, releases = budget_records(store, platform.keys, seen)
+            pending = sum(len(store.run(streams.pending(platform.keys, fn, 0))) for fn in functions)
+            out.append({"results": done.results, "duration_s": done.duration_s, "grants": grants,
+                        "releases": releases, "pending": pending})  # fmt: skip
     finally:
         platform.stop()
-    return {"results": done.results, "duration_s": done.duration_s, "grants": grants, "releases": releases,
-            "pending": pending}  # fmt: skip
+    return out
+
+
+def budget_records(
+    store: Store, keys: Keys, seen: set[str]
+) -> tuple[list[store_admission.Grant], list[store_admission.Release]]:
+    """The device budget's grants and releases recorded since the last call (`seen`: their ids, updated)."""
+    grants = [
+        g for g in store.run(store_admission.grants(keys, "local/0", count=100_000)) if g.entry_id not in seen
+    ]
+    releases = [
+        r
+        for r in store.run(store_admission.releases(keys, "local/0", count=100_000))
+        if r.entry_id not in seen
+    ]
+    seen.update(g.entry_id for g in grants)
+    seen.update(r.entry_id for r in releases)
+    return grants, releases
 
 
 def summarize(
@@ -183,9 +217,13 @@ def _f(value: float | None, fmt: str = "{:.0f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def render(runs: dict[str, dict[str, Any]], functions: list[str], slos: dict[str, int]) -> None:
+def render(
+    runs: dict[str, dict[str, Any]], functions: list[str], slos: dict[str, int], title: str = ""
+) -> None:
     cols = ["ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "slo_violations", "tokens_per_s", "errors"]
     print()
+    if title:
+        print(title)
     print(f"{'function (SLO ms)':<26}{'admission':<10}" + "".join(f"{c:>15}" for c in cols))
     rows = [(f"{fn} ({slos[fn]})", fn) for fn in functions] + [("all", None)]
     for label, fn in rows:
@@ -227,6 +265,11 @@ def main() -> int:
     ap.add_argument("--slos", default="150,1000,5000", help="TTFT SLOs (ms), cycled over the functions")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rate", type=float, default=6.0, help="mean requests/s over all functions")
+    ap.add_argument(
+        "--rates", default=None,
+        help="a sweep instead of --rate: comma-separated rates, each replayed for --duration-s on the same "
+        "platform of each mode, in this order (one start-up per mode)",
+    )  # fmt: skip
     ap.add_argument("--duration-s", type=float, default=30.0)
     ap.add_argument(
         "--data-dir", default=str(DATA), help="the shared data (a copy such as .data on a device)"
@@ -235,6 +278,11 @@ def main() -> int:
     ap.add_argument("--trace-start-s", type=float, default=0.0)
     ap.add_argument("--questions", default=None, help="default: <data-dir>/gsm8k_test.jsonl")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument(
+        "--prompt-size", choices=["trace", "question"], default="trace",
+        help="trace: GSM8K text of the trace's context size (capped by --max-prompt-tokens, counted at ~4 "
+        "characters a token: a Llama tokenizer makes about twice that many); question: one GSM8K question",
+    )  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -269,28 +317,42 @@ def main() -> int:
     slos = {fn: slo_list[i % len(slo_list)] for i, fn in enumerate(functions)}
     rows = trace.parse_trace(Path(args.trace))
     questions = trace.load_questions(Path(args.questions))
-    plan_opts = trace.PlanOptions(
-        num_functions=args.functions, rate_rps=args.rate, duration_s=args.duration_s,
-        trace_start_s=args.trace_start_s, zipf_exponent=0.0, seed=args.seed,
-        max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_tokens,
-    )  # fmt: skip
-    plan = trace.plan_requests(rows, questions, functions, plan_opts)
-    print(f"plan: {trace.describe_plan(plan, args.duration_s)}; SLOs {slos}", flush=True)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()] if args.rates else [args.rate]
+    if not rates or any(r <= 0 for r in rates):
+        raise SystemExit(f"--rates: give rates > 0 (requests/s), got {args.rates!r}")
+    plans = []
+    for rate in rates:
+        plan_opts = trace.PlanOptions(
+            num_functions=args.functions, rate_rps=rate, duration_s=args.duration_s,
+            trace_start_s=args.trace_start_s, zipf_exponent=0.0, seed=args.seed,
+            max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_tokens,
+            prompt_from_trace=args.prompt_size == "trace",
+        )  # fmt: skip
+        plans.append(trace.plan_requests(rows, questions, functions, plan_opts))
+        print(f"plan at {rate:g} rps: {trace.describe_plan(plans[-1], args.duration_s)}", flush=True)
+    print(f"SLOs {slos}", flush=True)
 
-    runs: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
-    parts: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    parts: dict[str, list[list[dict[str, Any]]]] = {"on": [], "off": []}  # mode -> repeats -> rates
     for i in range(args.repeat):  # on, off, off, on, ...: a drift in the machine's load hits both alike
         for name in ("on", "off") if i % 2 == 0 else ("off", "on"):
-            parts[name].append(run_one(args, name == "on", model_dir, adapters, plan, functions, slos))
-    for name in ("on", "off"):
-        runs[name] = summarize(name == "on", parts[name], functions, slos)
-    render(runs, functions, slos)
+            parts[name].append(run_one(args, name == "on", model_dir, adapters, plans, functions, slos))
+    sweep: dict[str, dict[str, dict[str, Any]]] = {}
+    for k, rate in enumerate(rates):
+        runs = {
+            name: summarize(name == "on", [rep[k] for rep in parts[name]], functions, slos)
+            for name in ("on", "off")
+        }
+        sweep[f"{rate:g}"] = runs
+        render(runs, functions, slos, title=f"== {rate:g} requests/s" if len(rates) > 1 else "")
     elapsed = time.perf_counter() - t0
-    print(f"\n({2 * args.repeat} runs in {elapsed:.0f} s; model {model_dir}, device {args.device})")
+    print(f"\n({2 * args.repeat} platforms, {len(rates)} rate(s) each, in {elapsed:.0f} s; "
+          f"model {model_dir}, device {args.device})")  # fmt: skip
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "slos": slos, "runs": runs}, indent=1))
+        # one rate: "runs" as before; a sweep: "sweep", rate -> runs
+        body = {"runs": sweep[f"{rates[0]:g}"]} if len(rates) == 1 else {"sweep": sweep}
+        Path(args.json).write_text(json.dumps({"args": vars(args), "slos": slos, **body}, indent=1))
     return 0
 
 
