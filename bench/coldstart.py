@@ -436,7 +436,17 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 
 
-GATEWAY_STAGES = ("authorized", "prepared", "enqueued", "accepted", "first_delta", "first_text", "done")
+GATEWAY_STAGES = (
+    "authorized",
+    "prepared",
+    "enqueued",
+    "reading",
+    "replied",
+    "accepted",
+    "first_delta",
+    "first_text",
+    "done",
+)
 WORKER_STAGES = ("queued", "held", "prefill", "first_token", "gc")
 
 

@@ -36,7 +36,19 @@ log = logging.getLogger("lorafn.gateway")
 DISCONNECT_POLL_S = 0.2
 
 # a request's stage marks (Job.marks), in the order they happen
-MARKS = ("authorized", "prepared", "enqueued", "accepted", "first_delta", "first_text", "done")
+# (`reading`: the relay's first read of the reply stream was sent; `replied`: the first read that returned
+# events came back: with `accepted` they tell a stalled gateway from a late worker)
+MARKS = (
+    "authorized",
+    "prepared",
+    "enqueued",
+    "reading",
+    "replied",
+    "accepted",
+    "first_delta",
+    "first_text",
+    "done",
+)
 # the histogram's phases: (name, from mark, to mark)
 PHASES = (
     ("admission", "received", "enqueued"),
@@ -132,10 +144,13 @@ class Relay:
             block = int(max(1, min(1000, (min(end_by, accept_by if not accepted else end_by) - now) * 1000)))
             if job.disconnected is not None:
                 block = min(block, int(DISCONNECT_POLL_S * 1000))
+            job.marks.setdefault("reading", time.monotonic())
             try:
                 batch = await self.store.run(streams.read_replies(self.keys, job.request_id, last, block))
             except ProtocolError as e:
                 raise self._invalid_reply(job, e) from None
+            if batch:
+                job.marks.setdefault("replied", time.monotonic())
             if not batch:
                 # nobody answered for a while: is anyone left to? If not, ask for a worker (again), unless
                 # the function's workers keep failing to start: then say why at once (issue 15).
