@@ -332,7 +332,8 @@ class SnapshotReader:
                         - self.private_bytes(self.backbone_records.get(h.get("backbone", "")))
                     )
             with contextlib.suppress(ValueError):
-                kv_reports[wid] = int(h.get("kv_bytes") or 0)
+                # the budget it was granted where it says (its cache is whole KV blocks: a little less)
+                kv_reports[wid] = max(int(h.get("kv_bytes") or 0), int(h.get("kv_budget_bytes") or 0))
             if policy_state == "standby":
                 function = None
             elif policy_state == "bound" and not function:

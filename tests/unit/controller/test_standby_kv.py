@@ -65,6 +65,27 @@ def test_a_standby_sized_for_a_large_kv_budget_gets_it_and_is_bound(world) -> No
     assert not [a for a in executor.started[before:] if a.function == FN]  # no fresh start for it
 
 
+def test_a_standby_whose_cache_is_a_little_under_its_grant_is_still_bound(world) -> None:
+    """A worker's KV cache is whole blocks, one fewer than its budget holds (ModelRunner._num_kv_blocks):
+    judged by the cache it reports, a standby started with exactly a function's budget looked too small
+    for it (and the pool's floor would replace it again and again). Its heartbeat names the grant."""
+    store, keys, controller, _executor = world
+    controller.round()
+    size = controller.reader.sizes[FN]
+    cache = (KV_MIB - 2) * MiB  # what the blocks came to
+    fields = {
+        "state": "standby", "gpu": "g0", "backbone": "tiny", "shape": size.shape,
+        "started": int(time.time()) - 5,
+        "mem_bytes": cache + 2 * MiB, "kv_bytes": cache, "lora_bytes": size.lora_bytes,
+        "kv_budget_bytes": KV_MIB * MiB,
+    }  # fmt: skip
+    store.run(workers.heartbeat(keys, "s1", None, 5000, fields))
+    queue_request(store, keys, FN, "r1")
+    controller.round()
+    sent = [c for c in commands(store, keys, "s1") if c.get("cmd") == "bind"]
+    assert sent == [{"cmd": "bind", "function": FN}]
+
+
 def test_a_standby_with_the_default_kv_is_not_bound_to_a_function_it_cannot_hold(world) -> None:
     store, keys, controller, _executor = world
     controller.round()
