@@ -29,6 +29,7 @@ from lorafn.gateway.metrics import BodyLimitMiddleware, MetricsMiddleware
 from lorafn.gateway.relay import client_gone, redis_unavailable
 from lorafn.gateway.routes import OPENAPI_BODIES, router
 from lorafn.gateway.settings import GatewaySettings
+from lorafn.gateway.warmup import warm_response_paths
 from lorafn.store import UNAVAILABLE_ERRORS, AsyncStore
 
 log = logging.getLogger("lorafn.gateway")
@@ -43,6 +44,8 @@ def create_app(settings: GatewaySettings | None = None, store: AsyncStore | None
         # the batch runner (docs/batch.md): active in one gateway of the deployment (a Redis lease)
         batch_runner = BatchRunner(gw)
         runner = asyncio.create_task(batch_runner.run()) if settings.batch_runner else None
+        # what a first request would pay inside its latency (lazy imports, first-run code): see warmup.py
+        await warm_response_paths()
         # tokenizers and the key salt loaded before a function's first request needs them
         warm = None
         if settings.keep_warm_s:
