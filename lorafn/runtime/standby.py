@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any
 
-from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, control, workers
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, combine, control, workers
 
 log = logging.getLogger("lorafn.worker")
 
@@ -69,7 +69,8 @@ class Standby:
         """The last control command read (the bind): the bound worker goes on from there."""
         return self._cursor
 
-    def fields(self, state: str) -> dict[str, Any]:
+    def fields(self, state: str, memory: bool = True) -> dict[str, Any]:
+        """Heartbeat fields; `memory=False` leaves out the reservation (no NVML read: see `bind`)."""
         from lorafn.runtime.worker import placement_fields
 
         return {
@@ -79,14 +80,15 @@ class Standby:
             "running": 0,
             "started": int(self._started),
             "preloaded": self._preloaded[0] if self._preloaded and state == "standby" else "",
-            **placement_fields(self.settings, self.engine),
+            **placement_fields(self.settings, self.engine, memory=memory),
         }
 
-    def _beat(self, state: str = "standby", function: str | None = None, store: Store | None = None) -> None:
+    def _beat_op(self, state: str, function: str | None, memory: bool = True) -> Op[Any]:
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-        (store or self.store).run(
-            workers.heartbeat(self.keys, self.worker_id, function, ttl_ms, self.fields(state))
-        )
+        return workers.heartbeat(self.keys, self.worker_id, function, ttl_ms, self.fields(state, memory))
+
+    def _beat(self, state: str = "standby", function: str | None = None, store: Store | None = None) -> None:
+        (store or self.store).run(self._beat_op(state, function))
 
     def wait(self) -> str | None:
         """Heartbeat and read the control stream until a `bind` (its function) or a `stop` (None)."""
@@ -155,7 +157,14 @@ class Standby:
     def bind(self, function: str) -> tuple[Any, float]:
         """Load the function's adapter: (its registration record, bind ms); ValueError on failure."""
         t0 = time.perf_counter()
-        self._beat("binding", function)  # counted as the function's from now on, by the controller too
+        # One round trip: the heartbeat that makes it the function's (for the controller too) and the
+        # function's record. Without the memory fields: they would read the driver's process list (NVML,
+        # milliseconds on an H100, inside the cold start); the hash keeps the last standby beat's figures.
+        from lorafn.store.registry import get_function
+
+        _, record = self.store.run(
+            combine(self._beat_op("binding", function, memory=False), get_function(self.keys, function))
+        )
         # Loading a big adapter (or capturing graphs for a new shape) can outlast the heartbeat TTL: keep
         # beating from a thread, or the controller sees no worker and starts a second one.
         done = threading.Event()
@@ -164,7 +173,7 @@ class Standby:
         )
         beater.start()
         try:
-            return self._bind(function, t0)
+            return self._bind(function, t0, record)
         finally:
             done.set()
             beater.join(timeout=self.settings.heartbeat_s + 5)
@@ -178,12 +187,14 @@ class Standby:
         finally:
             store.close()
 
-    def _record(self, function: str) -> Any:
-        """The function's registration, checked to run on this standby's backbone (ValueError if not)."""
+    def _record(self, function: str, record: Any = None) -> Any:
+        """The function's registration (read unless given), checked to run on this standby's backbone
+        (ValueError if not)."""
         from lorafn.api import LoRAFunctionSpec
         from lorafn.store.registry import get_function
 
-        record = self.store.run(get_function(self.keys, function))
+        if record is None:
+            record = self.store.run(get_function(self.keys, function))
         if record is None:
             raise ValueError(f"function {function} is not registered")
         spec = LoRAFunctionSpec.model_validate(record.spec)
@@ -196,8 +207,8 @@ class Standby:
             raise ValueError(f"function {function} has no adapter directory")
         return record
 
-    def _bind(self, function: str, t0: float) -> tuple[Any, float]:
-        record = self._record(function)
+    def _bind(self, function: str, t0: float, record: Any) -> tuple[Any, float]:
+        record = self._record(function, record)
         t_record = time.perf_counter()
         held, self._preloaded = self._preloaded, None
         runner = getattr(self.engine, "runner", None)

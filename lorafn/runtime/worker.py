@@ -904,11 +904,12 @@ def placement_fields(settings: WorkerSettings, engine: Any, memory: bool = True)
     runner = getattr(engine, "runner", None)
     if runner is not None and hasattr(runner, "memory_parts"):
         fields["kv_bytes"], fields["lora_bytes"] = runner.memory_parts()
-    if settings.kv_budget_mib:
+    budget_mib = getattr(settings, "kv_budget_mib", None)
+    if budget_mib:
         # the grant it was started with: the cache itself is whole blocks (and one fewer, see
         # ModelRunner._num_kv_blocks), so it reports up to a block (8 MiB on a 7B) less than it was given,
         # and a standby judged by that would look too small for the functions it was sized for
-        fields["kv_budget_bytes"] = settings.kv_budget_mib << 20
+        fields["kv_budget_bytes"] = budget_mib << 20
         # the driver's figure for the whole process (context, kernels, workspaces, allocator) where it
         # can be read: the controller learns a worker's real overhead from it
         from lorafn.runtime.gpu_memory import process_bytes
