@@ -364,16 +364,15 @@ def serve_standby(settings: Any) -> int:
     worker = Worker(store, keys, engine, serving_config(settings, function, keep_alive, engine))
     worker.continue_control_after(standby.cursor)
     worker.install_signal_handlers()
-    store.run(
-        control.post_event(
-            keys,
-            control.BOUND,
-            worker=worker_id,
-            function=function,
-            ms=round(ms, 1),
-            path=control.PATH_STANDBY,
-            preloaded=int(standby.bound_preloaded),
-        )
+    bound = control.post_event(
+        keys,
+        control.BOUND,
+        worker=worker_id,
+        function=function,
+        ms=round(ms, 1),
+        path=control.PATH_STANDBY,
+        preloaded=int(standby.bound_preloaded),
     )
+    worker.send_with_next(bound, record)  # with the first read: no round trip of its own in the cold start
     log.info("worker %s serving %s", worker_id, function)  # the same line a fresh worker logs
     return worker.run()

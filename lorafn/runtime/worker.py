@@ -64,6 +64,8 @@ from lorafn.store import stats as store_stats
 from lorafn.store.protocol import Accepted, Delta, Done, Error, ReplyEvent, RequestBody, Restart
 
 log = logging.getLogger("lorafn.worker")
+# how long a worker's first heartbeat waits for its serving loop's first read (see Worker._heartbeats)
+FIRST_BEAT_WAIT_S = 0.25
 
 
 class ServingEngine(Protocol):
@@ -211,6 +213,9 @@ class Worker:
         self._started = time.time()
         self._last_busy = clock()
         self._progress_at = clock()  # the loop's last iteration: the heartbeat thread reads it
+        self._reading = threading.Event()  # the loop's first read went out (the first heartbeat waits on it)
+        self._with_next: list[Op[Any]] = []  # writes that ride on the loop's next round trip (send_with_next)
+        self._record: Any = None  # the function's registration, when the caller has it (run reads it else)
         self.served = 0
         self._taken = 0  # requests admitted (the first one is the cold start's)
         self._first_out: list[_Running] = []  # first deltas queued in `_events`, not yet sent
@@ -226,6 +231,14 @@ class Worker:
         if not self._draining:
             log.info("worker %s draining (%d running)", self.worker_id, len(self.running))
         self._draining = True
+
+    def send_with_next(self, op: Op[Any], record: Any = None) -> None:
+        """Send `op` with the loop's next round trip (its first read, when called before `run`) instead of
+        a round trip of its own; `record`: the function's registration, so `run` need not read it. A bound
+        standby posts its `bound` event so: the first read of its cold start goes out milliseconds sooner."""
+        self._with_next.append(op)
+        if record is not None:
+            self._record = record
 
     def continue_control_after(self, entry_id: str) -> None:
         """Read control commands after `entry_id` (a bound standby: after its `bind`)."""
@@ -331,7 +344,7 @@ class Worker:
         from lorafn.store.registry import get_function
 
         try:
-            record = self.store.run(get_function(self.keys, self.function))
+            record = self._record or self.store.run(get_function(self.keys, self.function))
             self.batching.load(record)
         except ValueError as e:  # a registration that does not validate: serve without SLO batching
             log.warning("worker %s: no SLO-aware batching (%s)", self.worker_id, e)
@@ -339,6 +352,11 @@ class Worker:
     def _heartbeats(self, stop: threading.Event) -> None:
         """Heartbeat thread, on its own connection: liveness must not depend on how long one engine step
         takes (a long prefill would otherwise let another worker claim requests that are still running)."""
+        # The first beat waits for the loop's first read (at most FIRST_BEAT_WAIT_S): its connection set-up
+        # and fields would otherwise compete for the GIL with the loop's start, inside a bound standby's cold
+        # start (it is registered under the function since its bind; a fresh worker's first read takes its
+        # requests whether or not it beat yet).
+        self._reading.wait(FIRST_BEAT_WAIT_S)
         store = Store(self.store.url)
         stall_s = self.config.stall_after_ttls * self.config.heartbeat_ttl_s
         withheld = False
@@ -403,10 +421,12 @@ class Worker:
             ops.append(streams.ack(self.keys, self.function, self._acks))
         if self._counters:
             ops.append(store_stats.add_counters(self.keys, self.function, **self._counters))
+        if self._with_next:
+            ops.append(combine(*self._with_next))  # one Op: nothing reads results by position from here
         return ops
 
     def _sent(self) -> None:
-        self._events, self._acks, self._counters = [], [], {}
+        self._events, self._acks, self._counters, self._with_next = [], [], {}, []
         if self._first_out or self._done_out:
             now_ms = time.time() * 1000
             for run in self._first_out:
@@ -438,6 +458,7 @@ class Worker:
 
     def _read(self, block_ms: int | None) -> int:
         """Send queued events and read new entries, in one round trip; returns how many arrived."""
+        self._reading.set()
         free = self._free_slots()
         ops = self._pending_ops()
         check = list(self.running)  # their cancel flags, read in the same round trip

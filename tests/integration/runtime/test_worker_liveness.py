@@ -130,3 +130,38 @@ def test_a_warm_request_whose_worker_died_waits_for_a_cold_start(redis_server: s
         stop_process(first, signal.SIGKILL)
         if second is not None:
             stop_process(second)
+
+
+def test_a_write_handed_to_the_loop_rides_on_its_first_read_once(redis_server: str) -> None:
+    """A bound standby posts its `bound` event with the serving loop's first read (Worker.send_with_next),
+    not in a round trip of its own inside the cold start: it is written once, together with that read,
+    and the loop serves as before."""
+    from lorafn.runtime.worker import ServingConfig, Worker
+    from lorafn.store.client import Op
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, FN, [KEY])
+    marker = f"{prefix}:marker"
+    worker = Worker(Store(redis_server), keys, FakeEngine(), ServingConfig(function=FN, block_ms=50))
+    reads: list[int] = []
+    first_read = worker._read
+
+    def counting_read(block_ms: int | None) -> int:
+        # what the marker holds when each read goes out: the write comes with the first one, not before
+        reads.append(int(store.client.get(marker) or 0))
+        return first_read(block_ms)
+
+    worker._read = counting_read  # type: ignore[method-assign]
+    worker.send_with_next(Op(lambda pipe: pipe.incr(marker), lambda r: r[0]))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        with gateway(redis_server, prefix) as url, client(url, KEY) as c:
+            r = c.post("/v1/completions", json={"model": FN, "prompt": "x y", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("x y", 3)
+    finally:
+        worker.drain()
+        thread.join(timeout=10)
+    assert reads[0] == 0 and len(reads) > 2, reads
+    assert int(store.client.get(marker)) == 1
