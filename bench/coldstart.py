@@ -37,6 +37,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lorafn.gateway.relay import MARKS  # noqa: E402  (after the path set-up above)
+
 MiB = 1 << 20
 
 
@@ -436,17 +438,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 
 
-GATEWAY_STAGES = (
-    "authorized",
-    "prepared",
-    "enqueued",
-    "reading",
-    "replied",
-    "accepted",
-    "first_delta",
-    "first_text",
-    "done",
-)
+GATEWAY_STAGES = MARKS  # the gateway's request-line marks, in the order they happen
 WORKER_STAGES = ("queued", "held", "prefill", "first_token", "gc")
 
 
