@@ -223,7 +223,15 @@ def main() -> int:
         "--concurrency",
         type=int,
         default=48,
-        help="online phase: requests in flight (0: all at once); also the runner's in-flight cap per worker",
+        help="online phase: requests in flight (0: all at once); also the runner's in-flight cap per worker "
+        "unless --batch-inflight says otherwise",
+    )
+    ap.add_argument(
+        "--batch-inflight",
+        type=int,
+        default=None,
+        help="the batch runner's in-flight cap per worker (default: --concurrency): a batch knows all its "
+        "prompts, so it may keep more in flight than an online client would (larger decode batches)",
     )
     ap.add_argument("--other-rps", type=float, default=0.0, help="online traffic on a second function")
     ap.add_argument(
@@ -261,7 +269,7 @@ def main() -> int:
     env = {
         "LORAFN_RATE_LIMIT_RPS": "0",
         "LORAFN_MAX_QUEUE": "0",
-        "LORAFN_BATCH_MAX_INFLIGHT_PER_WORKER": str(args.concurrency or 48),
+        "LORAFN_BATCH_MAX_INFLIGHT_PER_WORKER": str(args.batch_inflight or args.concurrency or 48),
         "LORAFN_BATCH_KV_OVERCOMMIT": str(args.kv_overcommit),
     }
     platform = ManagedPlatform(work / "platform", settings, env=env)
