@@ -151,18 +151,6 @@ def preimport() -> float:
     return time.perf_counter() - t0
 
 
-def freeze_heap() -> int:
-    """A full collection, then `gc.freeze()`: every object the imports made (torch and the rest) moves to
-    the permanent generation, which collections skip; the number of objects frozen. A forked child shares
-    them copy-on-write: without this each child's collections walk them, writing every object's GC header
-    (the pages they sit on are then copied into that child, per child), and its first full collection
-    spends hundreds of ms on them (`standby.settle_heap`). The child inherits the frozen generation; nothing
-    in lorafn calls `gc.unfreeze()`, and the worker's own later `gc.freeze()` only adds to it."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
 def fork_blockers() -> list[str]:
     """Why forking now would hand a child a broken process (empty: safe)."""
     out = []
@@ -525,8 +513,14 @@ def serve(
     if zygote.no_cuda:
         log.error("every fork is refused (workers are spawned instead): %s", zygote.no_cuda)
     zygote.install_signal_handlers()
-    # last, so that what the probe and the server's set-up made is frozen too: the children share it
-    frozen = freeze_heap()
+    # Last, so that what the probe and the server's set-up made is frozen too: a forked child shares these
+    # objects copy-on-write, and without the freeze each child's collections would walk them, writing
+    # their GC headers (copying their pages into that child) and spending hundreds of ms on its first full
+    # collection. The child inherits the frozen generation; nothing in lorafn unfreezes it.
+    from lorafn.runtime.standby import settle_heap
+
+    settle_heap()
+    frozen = gc.get_freeze_count()
     log.info(
         "zygote ready in %.2f s (imports), %d objects frozen, listening on %s", seconds, frozen, socket_path
     )
