@@ -925,7 +925,7 @@ def placement_fields(settings: WorkerSettings, engine: Any, memory: bool = True)
     runner = getattr(engine, "runner", None)
     if runner is not None and hasattr(runner, "memory_parts"):
         fields["kv_bytes"], fields["lora_bytes"] = runner.memory_parts()
-    budget_mib = getattr(settings, "kv_budget_mib", None)
+    budget_mib = settings.kv_budget_mib
     if budget_mib:
         # the grant it was started with: the cache itself is whole blocks (and one fewer, see
         # ModelRunner._num_kv_blocks), so it reports up to a block (8 MiB on a 7B) less than it was given,

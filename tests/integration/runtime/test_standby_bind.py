@@ -14,6 +14,15 @@ PROMPTS = [[1, 5, 9, 3, 7], [2, 4, 6], [11, 12, 13, 14, 15, 16, 17]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
+def _standby_settings() -> object:
+    """What Standby reads of a worker's settings (lorafn.runtime.worker.WorkerSettings), for a CPU standby."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        backbone="tiny", gpu="cpu/0", heartbeat_s=1.0, heartbeat_ttl_s=5.0, shape=None, kv_budget_mib=None
+    )
+
+
 def _tokens(engine: Engine) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
 
@@ -84,7 +93,6 @@ def test_a_standby_that_preloaded_one_function_serves_another_exactly(
     """Isolation: a standby that pre-loaded F's adapter (and never served F) bound to G answers exactly what
     a fresh engine with G's adapter answers, and nothing of F's adapter stays in its buffers."""
     import uuid
-    from types import SimpleNamespace
 
     import torch
 
@@ -107,7 +115,7 @@ def test_a_standby_that_preloaded_one_function_serves_another_exactly(
     for name, adapter in (("t/f", f_dir), ("t/g", g_dir)):
         spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}}
         store.run(put_function(keys, FunctionRecord(name, spec, str(tiny_model_dir), str(adapter))))
-    settings = SimpleNamespace(backbone="tiny", gpu="cpu/0", heartbeat_s=1.0, heartbeat_ttl_s=5.0, shape=None)
+    settings = _standby_settings()
     engine = Engine(EngineConfig(model=tiny_model_dir, lora_shape="q_proj:4,v_proj:4", num_kv_blocks=64))
     standby = Standby(store, keys, settings, engine, "w-iso")
     assert standby.preload("t/f") >= 0
@@ -132,7 +140,6 @@ def test_a_preloaded_bind_is_registration_only_and_a_changed_adapter_is_loaded_a
     tiny_model_dir: Path, tmp_path: Path, redis_server: str
 ) -> None:
     import uuid
-    from types import SimpleNamespace
 
     from lorafn.runtime.standby import Standby
     from lorafn.store import Keys, Store
@@ -144,7 +151,7 @@ def test_a_preloaded_bind_is_registration_only_and_a_changed_adapter_is_loaded_a
     store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
     spec = {"backbone": "tiny", "adapter": {"uri": f"file://{f_dir}"}}
     store.run(put_function(keys, FunctionRecord("t/f", spec, str(tiny_model_dir), str(f_dir))))
-    settings = SimpleNamespace(backbone="tiny", gpu="cpu/0", heartbeat_s=1.0, heartbeat_ttl_s=5.0, shape=None)
+    settings = _standby_settings()
     want = _tokens(Engine(EngineConfig(model=tiny_model_dir, adapter=f_dir, num_kv_blocks=64)))
     for changed in (False, True):
         engine = Engine(EngineConfig(model=tiny_model_dir, lora_shape="q_proj:4,v_proj:4", num_kv_blocks=64))
