@@ -1,7 +1,8 @@
 """Cold start, side by side in one run, through the real platform (`lorafn up`, gateway, Redis, controller):
 
   warm       a bound worker already serving the function (median of --repeats)
-  standby    the function's first request, served by binding a standby worker of the warm pool
+  standby    a function's first request, served by a standby worker of the warm pool (median over
+             --standby-repeats functions, one cold start each)
   fresh      the first request of a function whose backbone keeps no warm pool (a new worker process)
   no-share   a process that loads its own copy of the weights and answers one request (the baseline of
              serving without a shared backbone: spawn -> engine from safetensors -> first token)
@@ -262,17 +263,24 @@ class Platform:
         for w, h in self.workers().items():
             if h.get("function") != function:
                 continue
+            wid = wid or w
             for entry_id, body in self.redis.xrange(keys.control(w)):
                 if body.get("cmd") == "bind" and body.get("function") == function:
                     wid, bind_ms = w, int(entry_id.split("-")[0])
-        if not demand or bind_ms is None:
+        if not demand or wid is None:
             return out
-        out["request_to_bind_ms"] = float(bind_ms - min(demand))
+        # a standby that took the request itself (a claiming pre-load) got no bind command before it; one
+        # the controller sent in the race came after the worker's `accepted` and is not the cold start's
+        start = min(demand)
         for key in self.redis.scan_iter(f"{keys.prefix}:reply:*"):
             events = [(int(i.split("-")[0]), " ".join(f.values())) for i, f in self.redis.xrange(key)]
             if events and str(wid) in events[0][1] and '"accepted"' in events[0][1]:
                 first = next((t for t, e in events if '"delta"' in e), None)
-                out["bind_to_accepted_ms"] = float(events[0][0] - bind_ms)
+                if bind_ms is not None and bind_ms <= events[0][0]:
+                    out["request_to_bind_ms"] = float(bind_ms - start)
+                    out["bind_to_accepted_ms"] = float(events[0][0] - bind_ms)
+                else:
+                    out["request_to_accepted_ms"] = float(events[0][0] - start)
                 if first is not None:
                     out["accepted_to_first_delta_ms"] = float(first - events[0][0])
         return out
@@ -296,6 +304,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--standby-repeats",
+        type=int,
+        default=3,
+        help="standby cold starts to measure (one function each, the median is the row)",
+    )
     ap.add_argument("--density", type=int, default=0, help="also: invoke N small functions at once")
     ap.add_argument("--kv-mib", type=int, default=64, help="KV budget of each density function")
     ap.add_argument("--density-timeout", type=float, default=180, help="seconds each density request waits")
@@ -306,6 +320,11 @@ def main() -> None:
         help="the controller's per-worker overhead (CUDA context etc.)",
     )
     ap.add_argument("--skip-no-share", action="store_true")
+    ap.add_argument(
+        "--no-claims",
+        action="store_true",
+        help="pre-loaded standbys wait for the controller's bind (`preload_claims: false`: the before row)",
+    )
     ap.add_argument("--density-only", action="store_true", help="skip the warm/standby/fresh rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -327,44 +346,65 @@ def main() -> None:
         write_random_adapter(mc, workdir / f"adapter{i}", rank=args.rank, seed=i, target_modules="all-linear")
         for i in range(3)
     ]
+    # one function per standby cold start (each function's first request is the only cold one); the
+    # first is `warmfn`, whose worker then gives the warm row
+    cold_fns = ["warmfn"] + [f"coldfn{i}" for i in range(1, max(1, args.standby_repeats))]
+    cold_adapters = [adapters[0]] + [
+        write_random_adapter(
+            mc, workdir / f"adapter_c{i}", rank=args.rank, seed=100 + i, target_modules="all-linear"
+        )
+        for i in range(1, len(cold_fns))
+    ]
     prompt = prompt_of(args.prompt_tokens)
     results: dict[str, Any] = {"model": str(model), "device": args.device, "rank": args.rank}
     if args.device == "cuda":
         config = f"gateway_port: 0\nworker_overhead_mib: {args.overhead_mib}\ndefault_kv_mib: 2048\n"
     else:
         config = "gateway_port: 0\ndevices: 1\ndevice_memory_mib: 4096\n"
+    if args.no_claims:
+        config += "preload_claims: false\n"
     platform = Platform(workdir, args.device, config)
     try:
         platform.apply(backbone_doc("pooled", model, dtype, 1, 2), None, workdir, "bb1")
-        platform.apply(function_doc("warmfn", "pooled", adapters[0]), "k-warm", workdir, "f1")
+        if args.density_only:
+            cold_fns, cold_adapters = cold_fns[:1], cold_adapters[:1]
+        for i, (name, adapter) in enumerate(zip(cold_fns, cold_adapters, strict=True)):
+            platform.apply(function_doc(name, "pooled", adapter), f"k-{name}", workdir, f"f1_{i}")
         if not args.density_only:  # a second backbone (its own copy on the GPU) without a warm pool
             platform.apply(backbone_doc("nopool", model, dtype, 0, 0), None, workdir, "bb2")
             platform.apply(function_doc("freshfn", "nopool", adapters[1]), "k-fresh", workdir, "f2")
         from lorafn.api.adapters import validate_adapter
 
-        if not args.density_only:
-            platform.wait_standby("pooled", validate_adapter(adapters[0], model).shape_key)
-            platform.wait_preloaded("bench/warmfn")
+        shape = validate_adapter(adapters[0], model).shape_key
         url = platform.state["gateway_url"]
         rows: dict[str, dict[str, Any]] = {}
         if not args.density_only:
-            up_cpu = cpu_ms(platform.proc.pid)
-            t, rid = ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
-            rows["standby"] = {
-                "ttft_ms": t,
-                "rid": rid,
-                "up_cpu_ms": cpu_ms(platform.proc.pid) - up_cpu,
-                **platform.cold_timeline("bench/warmfn"),
-                **platform.status("bench/warmfn"),
-            }
-            print("standby", rows["standby"], flush=True)
-            # the pool's refill warms up after the bind (forward passes, graphs): let it finish, or it runs
-            # beside the warm requests and inflates them
-            platform.wait_standby("pooled", validate_adapter(adapters[0], model).shape_key)
+            samples = []
+            for name in cold_fns:
+                # the pool's refill after the previous bind warms up (forward passes, graphs): let it finish
+                # and pre-load this function, or it runs beside the request and inflates it
+                platform.wait_standby("pooled", shape)
+                platform.wait_pool_settled("pooled")
+                platform.wait_preloaded(f"bench/{name}")
+                up_cpu = cpu_ms(platform.proc.pid)
+                t, rid = ttft_ms(url, f"k-{name}", f"bench/{name}", prompt, args.max_tokens, 600)
+                sample = {
+                    "function": name,
+                    "ttft_ms": t,
+                    "rid": rid,
+                    "up_cpu_ms": cpu_ms(platform.proc.pid) - up_cpu,
+                    **platform.cold_timeline(f"bench/{name}"),
+                    **platform.status(f"bench/{name}"),
+                }
+                print("standby", sample, flush=True)
+                samples.append(sample)
+            middle = sorted(samples, key=lambda x: x["ttft_ms"])[len(samples) // 2]
+            rows["standby"] = {**middle, "all_ms": [x["ttft_ms"] for x in samples]}
+            platform.wait_standby("pooled", shape)
             platform.wait_pool_settled("pooled")
             up_cpu = cpu_ms(platform.proc.pid)
             warm = [
-                ttft_ms(url, "k-warm", "bench/warmfn", prompt, args.max_tokens, 600)
+                ttft_ms(url, "k-warmfn", "bench/warmfn", prompt, args.max_tokens, 600)
                 for _ in range(args.repeats)
             ]
             warm_up_cpu = (cpu_ms(platform.proc.pid) - up_cpu) / args.repeats
@@ -409,8 +449,10 @@ def main() -> None:
         r = rows[name]
         ctl = r.get("last_cold_start_ms", "")
         to_bind = r.get("request_to_bind_ms")
-        how = r.get("last_cold_path", "") + (
-            ", adapter pre-loaded" if r.get("last_cold_preloaded") == "1" else ""
+        how = (
+            r.get("last_cold_path", "")
+            + (", adapter pre-loaded" if r.get("last_cold_preloaded") == "1" else "")
+            + (", took the request itself" if r.get("last_cold_claimed") == "1" else "")
         )
         print(
             f"{name:<10}{r['ttft_ms']:>12.1f}{r['ttft_ms'] / w:>9.2f}{ctl:>15}"
@@ -418,7 +460,12 @@ def main() -> None:
         )
     if "standby" in rows:
         st = rows["standby"]
-        parts = ("request_to_bind_ms", "bind_to_accepted_ms", "accepted_to_first_delta_ms")
+        parts = (
+            "request_to_bind_ms",
+            "bind_to_accepted_ms",
+            "request_to_accepted_ms",
+            "accepted_to_first_delta_ms",
+        )
         print(
             "standby timeline (Redis clock): "
             + ", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} {st[k]:.0f} ms" for k in parts if k in st)

@@ -43,6 +43,10 @@ class ControllerSettings(SharedSettings):
     )
     warm_pool: bool = Field(default=True, description="keep standby workers warm (pre-loading)")
     offloading: bool = Field(default=True, description="stop standby/idle workers to make room")
+    preload_claims: bool = Field(
+        default=True,
+        description="a standby holding a function's pre-loaded adapter takes its first request itself",
+    )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="the workers' device kind (sizing)")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus /metrics port (0: off)")
     metrics_host: str = Field(default="0.0.0.0", description="address of the metrics endpoint")
@@ -76,6 +80,7 @@ def build_controller(settings: ControllerSettings) -> Controller:
         interval_s=settings.interval_s,
         lease_ttl_s=settings.lease_ttl_s,
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        preload_claims=settings.preload_claims,
         policy=PolicyConfig(
             gpu_utilization=settings.gpu_utilization,
             warm_pool=settings.warm_pool,

@@ -85,6 +85,10 @@ class ControllerConfig:
     # prefill (seen on CPU: a pre-loaded bind of 3 ms, then 3.9 s to the first token while two refills
     # warmed up). Deferred at most this long in a row, so a stream of binds never starves the pool.
     refill_delay_s: float = 2.0
+    # a pre-loaded standby takes its function's first request itself (it watches the request stream and
+    # registers as the function's worker while the function has none: no bind round through the
+    # controller inside the cold start); off: it waits for the bind as before (the bench's "before" row)
+    preload_claims: bool = True
 
 
 @dataclass
@@ -281,6 +285,7 @@ class Controller:
                         self.keys, function,
                         last_cold_start_ms=event.get("ms", ""), last_cold_path=event.get("path", ""),
                         last_cold_preloaded=event.get("preloaded", "0"),
+                        last_cold_claimed=event.get("claimed", "0"),
                         last_cold_at_ms=int(time.time() * 1000), start_failures=0, wait_reason=None,
                     )
                 )  # fmt: skip
@@ -392,7 +397,13 @@ class Controller:
                 self.metrics.preloads.inc()
                 self._preloads[action.worker_id] = _PendingBind(action.function, time.monotonic())
                 self.store.run(
-                    workers.send_control(self.keys, action.worker_id, "preload", function=action.function)
+                    workers.send_control(
+                        self.keys,
+                        action.worker_id,
+                        "preload",
+                        function=action.function,
+                        claim=int(self.config.preload_claims),
+                    )
                 )
             elif isinstance(action, Wait):
                 waiting.add(action.function)

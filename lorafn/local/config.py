@@ -71,6 +71,11 @@ class LocalConfig(SharedSettings):
     offloading: bool = Field(
         default=True, description="stop standby/idle workers to make room for a cold start"
     )
+    preload_claims: bool = Field(
+        default=True,
+        description="a standby holding a function's pre-loaded adapter takes that function's first request "
+        "itself (off: it waits for the controller's bind)",
+    )
     gpu_admission: bool = Field(
         default=False,
         description="workers of a device take turns for prefills by deadline margin (opt-in: on the H100 "

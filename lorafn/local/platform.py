@@ -142,6 +142,7 @@ class LocalPlatform:
                 holder=f"{socket.gethostname()[:40]}-{os.getpid()}-c{self._controller_generation}",
                 interval_s=self.config.poll_interval_s,
                 heartbeat_ttl_s=self.config.heartbeat_ttl_s,
+                preload_claims=self.config.preload_claims,
                 policy=PolicyConfig(
                     gpu_utilization=self.config.gpu_utilization,
                     warm_pool=self.config.warm_pool,

@@ -13,11 +13,22 @@ an adapter of another shape is loaded fresh and the graphs are captured again), 
 process); the controller starts a fresh standby in its place.
 
 `preload(function)` (a control command; DESIGN idea 4): load that function's adapter into the prepared
-buffers now and stay a standby, heartbeating `preloaded=<function>`. The standby does not consume the
-function's requests. A later bind to that function finds its adapter in place (the files unchanged since)
-and is registration only; a bind to another function overwrites every buffer first (`copy_lora` zeroes and
-copies each one; an adapter that does not fit them is loaded fresh and the buffers are zeroed before they
-are dropped), so nothing of a pre-loaded adapter reaches another tenant's requests.
+buffers now and stay a standby, heartbeating `preloaded=<function>`. A later bind to that function finds its
+adapter in place (the files unchanged since) and is registration only; a bind to another function
+overwrites every buffer first (`copy_lora` zeroes and copies each one; an adapter that does not fit them is
+loaded fresh and the buffers are zeroed before they are dropped), so nothing of a pre-loaded adapter
+reaches another tenant's requests.
+
+With `claim=1` on the preload (the controller's `preload_claims`, on by default) the standby also takes
+the function's first request itself: it builds the function's serving loop ahead (consumer group, SLO,
+latency profile: round trips that are then not in the cold start), and waits on its control stream and the
+function's request stream in one blocking read. A request wakes it as fast as it wakes a bound worker; it
+then registers as the function's worker in one atomic step that succeeds only while the function has no
+other live worker (`workers.heartbeat(only_if_alone=True)`: of several racers one wins, and a function
+that has a worker keeps it), and serves, with no bind round through the controller. The controller decided
+this when it chose the pre-load (it placed the function there); a control command read in the same wake
+(a bind elsewhere, another pre-load, a stop) goes first. The requests themselves are read with the
+consumer group as always, so one the standby is too late for is served by whoever has it.
 
 A bind that fails (the adapter is unreadable or does not fit the backbone) is reported (`bind_failed`, with
 the reason) and the process exits 3: it may hold part of a tenant's adapter, so it is not reused either.
@@ -40,6 +51,9 @@ from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, combine, control, 
 log = logging.getLogger("lorafn.worker")
 
 EXIT_BIND_FAILED = 3
+# how long a bound standby's serving loop waits before its first sweep for requests of dead workers (a
+# round trip that would otherwise come between its first read and its first prefill)
+FIRST_CLAIM_DEFER_S = 0.5
 
 
 class Standby:
@@ -60,6 +74,12 @@ class Standby:
         # (function, adapter dir, file stamps) whose adapter the prepared buffers hold, or None
         self._preloaded: tuple[str, str, tuple[tuple[int, int], ...]] | None = None
         self.bound_preloaded = False  # the bind found the function's adapter pre-loaded
+        # with a claiming pre-load: the pre-loaded function's request stream is watched after this id, and
+        # its serving loop is built ahead ((function, spec it was built from, the Worker))
+        self._watch_after: str | None = None
+        self._ready: tuple[str, Any, Any] | None = None
+        self._claimed: Any = None  # the registration read when it took its function's first request
+        self.claimed = False  # it took the first request itself (no bind command)
 
     def stop(self, *_: Any) -> None:
         self._stopping = True
@@ -83,15 +103,19 @@ class Standby:
             **placement_fields(self.settings, self.engine, memory=memory),
         }
 
-    def _beat_op(self, state: str, function: str | None, memory: bool = True) -> Op[Any]:
+    def _beat_op(
+        self, state: str, function: str | None, memory: bool = True, only_if_alone: bool = False
+    ) -> Op[Any]:
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-        return workers.heartbeat(self.keys, self.worker_id, function, ttl_ms, self.fields(state, memory))
+        fields = self.fields(state, memory)
+        return workers.heartbeat(self.keys, self.worker_id, function, ttl_ms, fields, only_if_alone)
 
     def _beat(self, state: str = "standby", function: str | None = None, store: Store | None = None) -> None:
         (store or self.store).run(self._beat_op(state, function))
 
     def wait(self) -> str | None:
-        """Heartbeat and read the control stream until a `bind` (its function) or a `stop` (None)."""
+        """Heartbeat and read the control stream until a `bind` (its function), a request of the function it
+        pre-loaded with `claim=1` that it could take (that function), or a `stop` (None)."""
         block_ms = int(self.settings.heartbeat_s * 1000)
         log.info(
             "standby %s ready (backbone %s, shape %s)",
@@ -100,16 +124,24 @@ class Standby:
             self.settings.shape,
         )
         while not self._stopping:
+            watched = self._watched()
             try:
                 self._beat()
-                commands = self.store.run(
-                    workers.read_control(self.keys, self.worker_id, self._cursor, block_ms)
-                )
+                if watched is None:
+                    read = workers.read_control(self.keys, self.worker_id, self._cursor, block_ms)
+                    commands, arrived = self.store.run(read), None
+                else:
+                    after = self._watch_after or "0-0"
+                    commands, arrived = self.store.run(
+                        workers.read_control_or_requests(
+                            self.keys, self.worker_id, self._cursor, watched, after, block_ms
+                        )
+                    )
             except UNAVAILABLE_ERRORS as e:
                 log.warning("standby %s: Redis unreachable (%s); retrying", self.worker_id, e)
                 time.sleep(1.0)
                 continue
-            for entry_id, body in commands:
+            for entry_id, body in commands:  # the controller's word first
                 self._cursor = entry_id
                 cmd = body.get("cmd")
                 if cmd in ("stop", "drain"):
@@ -117,19 +149,85 @@ class Standby:
                 if cmd == "bind" and body.get("function"):
                     return body["function"]
                 if cmd == "preload" and body.get("function"):
-                    self._preload_logged(body["function"])
+                    self._preload_logged(body["function"], claim=body.get("claim") == "1")
                     continue
                 log.warning("standby %s: ignoring control command %r", self.worker_id, body)
+            if arrived is not None and watched is not None and self._watched() == watched:
+                self._watch_after = arrived
+                try:
+                    if self._claim(watched):
+                        return watched
+                except UNAVAILABLE_ERRORS as e:
+                    log.warning("standby %s: Redis unreachable (%s); retrying", self.worker_id, e)
         return None
 
-    def _preload_logged(self, function: str) -> None:
+    def _watched(self) -> str | None:
+        """The function whose request stream the standby watches (a claiming pre-load), or None."""
+        return self._preloaded[0] if self._preloaded is not None and self._watch_after is not None else None
+
+    def _claim(self, function: str) -> bool:
+        """Register as `function`'s worker if it has no other live worker, reading its registration in the
+        same round trip; whether it did (then `bind` needs no round trip of its own)."""
+        from lorafn.store.registry import get_function
+
+        took, record = self.store.run(
+            combine(
+                self._beat_op("binding", function, memory=False, only_if_alone=True),
+                get_function(self.keys, function),
+            )
+        )
+        if not took:
+            log.debug("standby %s: %s has a worker; not taking its request", self.worker_id, function)
+            return False
+        self._claimed, self.claimed = record, True
+        return True
+
+    def _preload_logged(self, function: str, claim: bool = False) -> None:
+        self._watch_after, self._ready = None, None  # nothing of an earlier pre-load's claim is kept
         try:
             ms = self.preload(function)
+            if claim:
+                ms += self._get_ready(function)
         except (ValueError, OSError) as e:  # the standby stays usable: only this pre-load is lost
             log.warning("standby %s: pre-load of %s failed: %s", self.worker_id, function, e)
+            self._watch_after, self._ready = None, None
             return
-        log.info("standby %s pre-loaded the adapter of %s in %.1f ms", self.worker_id, function, ms)
+        log.info(
+            "standby %s pre-loaded the adapter of %s in %.1f ms%s",
+            self.worker_id, function, ms, " (takes its first request)" if claim else "",
+        )  # fmt: skip
         gc.freeze()  # what the pre-load made stays out of later collections too (O(1), see settle_heap)
+
+    def _get_ready(self, function: str) -> float:
+        """For a claiming pre-load: build `function`'s serving loop (its round trips: consumer group, SLO and
+        latency profile) and start watching its request stream after its newest entry; the ms it took."""
+        from lorafn.store import streams
+
+        t0 = time.perf_counter()
+        record = self._record(function)
+        worker = self._new_worker(function, record)
+        worker.prepare(record)
+        self._watch_after = self.store.run(streams.last_request_id(self.keys, function))
+        self._ready = (function, record.spec, worker)
+        return (time.perf_counter() - t0) * 1000
+
+    def _new_worker(self, function: str, record: Any) -> Any:
+        from lorafn.api import LoRAFunctionSpec
+        from lorafn.runtime.worker import Worker, serving_config
+
+        keep_alive = self.settings.keep_alive_seconds
+        if keep_alive is None:
+            keep_alive = float(LoRAFunctionSpec.model_validate(record.spec).scaling.keep_alive_seconds)
+        config = serving_config(self.settings, function, keep_alive, self.engine)
+        return Worker(self.store, self.keys, self.engine, config)
+
+    def worker(self, function: str, record: Any) -> Any:
+        """The serving loop for `function` after its bind: the one built ahead when it was pre-loaded with
+        a claim and its registration has not changed since, else a new one."""
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] == function and ready[1] == record.spec:
+            return ready[2]
+        return self._new_worker(function, record)
 
     def preload(self, function: str) -> float:
         """Load `function`'s adapter into the prepared buffers, staying a standby; the milliseconds it took.
@@ -157,14 +255,17 @@ class Standby:
     def bind(self, function: str) -> tuple[Any, float]:
         """Load the function's adapter: (its registration record, bind ms); ValueError on failure."""
         t0 = time.perf_counter()
-        # One round trip: the heartbeat that makes it the function's (for the controller too) and the
-        # function's record. Without the memory fields: they would read the driver's process list (NVML,
-        # milliseconds on an H100, inside the cold start); the hash keeps the last standby beat's figures.
-        from lorafn.store.registry import get_function
+        record, self._claimed = self._claimed, None
+        if record is None or not self.claimed:
+            # One round trip: the heartbeat that makes it the function's (for the controller too) and the
+            # function's record. Without the memory fields: they would read the driver's process list (NVML,
+            # milliseconds on an H100, inside the cold start); the hash keeps the last standby beat's figures.
+            # (A claim did both already.)
+            from lorafn.store.registry import get_function
 
-        _, record = self.store.run(
-            combine(self._beat_op("binding", function, memory=False), get_function(self.keys, function))
-        )
+            _, record = self.store.run(
+                combine(self._beat_op("binding", function, memory=False), get_function(self.keys, function))
+            )
         # Loading a big adapter (or capturing graphs for a new shape) can outlast the heartbeat TTL: keep
         # beating from a thread, or the controller sees no worker and starts a second one.
         done = threading.Event()
@@ -320,11 +421,12 @@ def settle_heap() -> float:
 
 def serve_standby(settings: Any) -> int:
     """`lorafn worker serve --standby`: warm up, wait for a bind, then serve the function; the exit code."""
-    from lorafn.runtime.worker import Worker, default_worker_id, make_engine, serving_config
+    from lorafn.runtime.worker import default_worker_id, make_engine
 
     keys = Keys(settings.key_prefix)
     store = Store(settings.redis_url)
     worker_id = settings.worker_id or default_worker_id()
+    settings = settings.model_copy(update={"worker_id": worker_id})  # the serving loop's id is the same
     from lorafn.store.backbones import get_backbone
 
     backbone = store.run(get_backbone(keys, settings.backbone))
@@ -356,14 +458,11 @@ def serve_standby(settings: Any) -> int:
             )
             store.run(workers.deregister(keys, worker_id, None))
         return EXIT_BIND_FAILED
-    from lorafn.api import LoRAFunctionSpec
-
-    keep_alive = settings.keep_alive_seconds
-    if keep_alive is None:
-        keep_alive = float(LoRAFunctionSpec.model_validate(record.spec).scaling.keep_alive_seconds)
-    worker = Worker(store, keys, engine, serving_config(settings, function, keep_alive, engine))
+    worker = standby.worker(function, record)
     worker.continue_control_after(standby.cursor)
     worker.install_signal_handlers()
+    # the dead-worker sweep (a round trip) after the cold request's first read and prefill, not before
+    worker.defer_first_claim_s = FIRST_CLAIM_DEFER_S
     bound = control.post_event(
         keys,
         control.BOUND,
@@ -372,6 +471,7 @@ def serve_standby(settings: Any) -> int:
         ms=round(ms, 1),
         path=control.PATH_STANDBY,
         preloaded=int(standby.bound_preloaded),
+        claimed=int(standby.claimed),
     )
     worker.send_with_next(bound, record)  # with the first read: no round trip of its own in the cold start
     log.info("worker %s serving %s", worker_id, function)  # the same line a fresh worker logs

@@ -216,6 +216,8 @@ class Worker:
         self._reading = threading.Event()  # the loop's first read went out (the first heartbeat waits on it)
         self._with_next: list[Op[Any]] = []  # writes that ride on the loop's next round trip (send_with_next)
         self._record: Any = None  # the function's registration, when the caller has it (run reads it else)
+        self._prepared = False  # consumer group and batching loaded ahead (`prepare`)
+        self.defer_first_claim_s = 0.0  # the first sweep for dead workers' requests waits this long
         self.served = 0
         self._taken = 0  # requests admitted (the first one is the cold start's)
         self._first_out: list[_Running] = []  # first deltas queued in `_events`, not yet sent
@@ -240,6 +242,15 @@ class Worker:
         if record is not None:
             self._record = record
 
+    def prepare(self, record: Any) -> None:
+        """What `run` does first, done ahead (a standby that will take its pre-loaded function's first
+        request: these round trips are then not inside the cold start): the consumer group, and the SLO and
+        latency profile from `record`, the function's registration."""
+        self._ensure_group()
+        self._record = record
+        self._load_batching()
+        self._prepared = True
+
     def continue_control_after(self, entry_id: str) -> None:
         """Read control commands after `entry_id` (a bound standby: after its `bind`)."""
         self._control_cursor = entry_id
@@ -252,8 +263,9 @@ class Worker:
         cfg = self.config
         if self._control_cursor is None:
             self._control_cursor = self.store.run(workers.last_control_id(self.keys, self.worker_id))
-        self._ensure_group()
-        self._load_batching()
+        if not self._prepared:
+            self._ensure_group()
+            self._load_batching()
         # the first heartbeat comes from the thread at once, not from here: on a GPU it reads the driver's
         # process list (NVML, milliseconds) and a bound standby, already registered under the function
         # while binding, would make its first request wait for it
@@ -262,7 +274,7 @@ class Worker:
         beater.start()
         now = self.clock()
         next_heartbeat = now + cfg.heartbeat_s
-        next_claim = now
+        next_claim = now + self.defer_first_claim_s
         last_busy = self._last_busy = now
         outage_since: float | None = None
         try:
@@ -402,6 +414,9 @@ class Worker:
             self._control_cursor = entry_id
             if body.get("cmd") in ("stop", "drain"):
                 self.drain()
+            elif body.get("cmd") == "bind" and body.get("function") == self.function:
+                # the controller's bind for the request this worker (a pre-loaded standby) took itself
+                log.debug("worker %s: already serving %s", self.worker_id, self.function)
             else:
                 log.warning("worker %s: ignoring control command %r", self.worker_id, body)
 

@@ -9,7 +9,8 @@
   worker exits. The controller turns them into function status and start-failure backoff.
 - Function status (`<p>:fn:<f>:status`): `wait_reason` (why no worker serves it right now; the gateway
   tells waiting clients), `last_cold_start_ms`, `last_cold_path` (standby | fresh),
-  `last_cold_preloaded` (1: the standby had pre-loaded the adapter), `start_failures`, `last_failure`,
+  `last_cold_preloaded` (1: the standby had pre-loaded the adapter), `last_cold_claimed` (1: that standby
+  took the request itself, without a bind command), `start_failures`, `last_failure`,
   `last_failure_at_ms`.
 - Pool (`<p>:pool`): the standby workers wanted per GPU, backbone and adapter shape (the operator
   creates standby pods from it; `lorafn status` shows it).

@@ -130,12 +130,17 @@ def read_demand(
 
 
 def stream_entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
-    """XREAD/XREADGROUP reply (RESP2 list or RESP3 dict) -> [(entry id, fields)]."""
+    """XREAD/XREADGROUP reply (RESP2 list or RESP3 dict) -> [(entry id, fields)] of every stream in it."""
+    return [entry for entries in entries_by_stream(reply).values() for entry in entries]
+
+
+def entries_by_stream(reply: Any) -> dict[str, list[tuple[str, dict[str, str]]]]:
+    """XREAD/XREADGROUP reply (RESP2 list or RESP3 dict) -> {stream key: [(entry id, fields)]}."""
     if not reply:
-        return []
+        return {}
     streams = reply.items() if isinstance(reply, dict) else reply
-    out: list[tuple[str, dict[str, str]]] = []
-    for _name, entries in streams:
+    out: dict[str, list[tuple[str, dict[str, str]]]] = {}
+    for name, entries in streams:
         if (
             isinstance(entries, list)
             and len(entries) == 1
@@ -144,9 +149,17 @@ def stream_entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
             and isinstance(entries[0][0], list | tuple)
         ):
             entries = entries[0]  # RESP3 wraps the entry list once more
-        for entry_id, fields in entries:
-            out.append((entry_id, fields or {}))
+        out.setdefault(name, []).extend((entry_id, fields or {}) for entry_id, fields in entries)
     return out
+
+
+def last_request_id(keys: Keys, function: str) -> Op[str]:
+    """The id of the newest entry of a function's request stream ("0-0" when it has none): a pre-loaded
+    standby watches for entries after it."""
+    return Op(
+        lambda pipe: pipe.xrevrange(keys.requests(function), count=1),
+        lambda r: r[0][0][0] if r[0] else "0-0",
+    )
 
 
 # -- gateway side -------------------------------------------------------------------------------

@@ -6,17 +6,28 @@ from typing import Any
 
 from lorafn.store.client import Op, eval_script
 from lorafn.store.keys import Keys
-from lorafn.store.streams import stream_entries
+from lorafn.store.streams import entries_by_stream, stream_entries
 
 
 def heartbeat(
-    keys: Keys, worker_id: str, function: str | None, ttl_ms: int, fields: dict[str, Any]
+    keys: Keys,
+    worker_id: str,
+    function: str | None,
+    ttl_ms: int,
+    fields: dict[str, Any],
+    only_if_alone: bool = False,
 ) -> Op[int]:
-    """Register or refresh a worker (lua/heartbeat.lua); returns the server time written (ms)."""
+    """Register or refresh a worker (lua/heartbeat.lua); returns the server time written (ms).
+
+    `only_if_alone`: register under `function` only while it has no other live worker, atomically; 0 (and
+    nothing written) when it has one. A pre-loaded standby takes its function's first request so: of
+    several racing for one function, one wins, and none joins a function that has a worker already."""
+    if only_if_alone and not function:
+        raise ValueError("an only-if-alone heartbeat needs the function it registers under")
     worker_keys = [keys.worker(worker_id), keys.workers()]
     if function:
         worker_keys.append(keys.function_workers(function))
-    args: list[Any] = [worker_id, int(ttl_ms)]
+    args: list[Any] = [worker_id, int(ttl_ms), "1" if only_if_alone else "0"]
     for k, v in {**fields, "function": function or ""}.items():
         args += [k, str(v)]
     return Op(lambda pipe: eval_script(pipe, "heartbeat", worker_keys, args), lambda r: int(r[0]))
@@ -88,6 +99,26 @@ def read_control(
     return Op(
         lambda pipe: pipe.xread({keys.control(worker_id): last_id}, count=16, block=block_ms),
         lambda r: stream_entries(r[0]),
+    )
+
+
+def read_control_or_requests(
+    keys: Keys, worker_id: str, last_id: str, function: str, last_request_id: str, block_ms: int | None
+) -> Op[tuple[list[tuple[str, dict[str, str]]], str | None]]:
+    """What a standby pre-loaded for `function` waits on: its control commands after `last_id` and the
+    function's requests after `last_request_id`, in one blocking read (a request wakes it as fast as it
+    wakes a bound worker). Returns (commands, the newest request id, or None when none arrived); the
+    requests themselves are read later with the consumer group, by whoever serves them."""
+    control, requests = keys.control(worker_id), keys.requests(function)
+
+    def parse(r: list[Any]) -> tuple[list[tuple[str, dict[str, str]]], str | None]:
+        by_stream = entries_by_stream(r[0])
+        arrived = by_stream.get(requests, [])
+        return by_stream.get(control, []), (arrived[-1][0] if arrived else None)
+
+    return Op(
+        lambda pipe: pipe.xread({control: last_id, requests: last_request_id}, count=16, block=block_ms),
+        parse,
     )
 
 

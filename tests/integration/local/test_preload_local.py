@@ -1,7 +1,8 @@
 """Pre-loading on one machine, as real processes: `lorafn up` on CPU keeps a standby prepared for a function's
 adapter shape, tells it to pre-load that function's adapter (it heartbeats `preloaded` and stays a standby,
-serving nothing), and the function's first request binds exactly that standby (registration only) and gets
-the same tokens as a fresh engine built with the adapter."""
+serving nothing), and the function's first request goes to exactly that standby (it takes the request
+itself; with `preload_claims: false` the controller binds it) and gets the same tokens as a fresh engine
+built with the adapter."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ pytestmark = pytest.mark.slow
 PROMPT = "the quick brown fox jumps over the lazy dog"
 
 
+@pytest.mark.parametrize("claims", [True, False], ids=["claims", "bind-only"])
 def test_a_preloaded_standby_serves_the_first_request_like_a_fresh_worker(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, claims: bool
 ) -> None:
     adapter = write_peft_adapter(
         tiny_model_dir, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
     )
-    with local_platform(tmp_path, SMALL_DEVICE, cold_start_timeout_s=60) as platform:
+    config = SMALL_DEVICE + ("" if claims else "preload_claims: false\n")
+    with local_platform(tmp_path, config, cold_start_timeout_s=60) as platform:
         state, r, up = platform.state, platform.redis, platform.up
         docs = [
             "apiVersion: lorafn.io/v1alpha1\nkind: Backbone\nmetadata: {name: tiny}\n"
@@ -61,6 +64,10 @@ def test_a_preloaded_standby_serves_the_first_request_like_a_fresh_worker(
         )
         status = r.hgetall("lorafn:fn:t/fa:status")
         assert status.get("last_cold_path") == "standby", status
+        assert status.get("last_cold_preloaded") == "1", status
+        # with claims the standby took the request itself (the controller's bind, if one was sent in the
+        # race, came to a worker already serving); without, it waited for the bind
+        assert status.get("last_cold_claimed") == ("1" if claims else "0"), status
         bound = {w: h for w, h in _workers(r).items() if h.get("function") == "t/fa"}
         assert list(bound) == [holder], (holder, bound)  # the pre-loaded standby took it
 
@@ -76,5 +83,5 @@ def test_a_preloaded_standby_serves_the_first_request_like_a_fresh_worker(
             "the adapter must change the answer for this test to mean anything"
         )
         assert got.choices[0].text == want.text
-    # the controller's bind line: a bind into the pre-loaded standby
-    assert "adapter pre-loaded" in platform.log
+    if not claims:  # the controller's bind line: a bind into the pre-loaded standby
+        assert "adapter pre-loaded" in platform.log

@@ -47,7 +47,7 @@ def test_preload_then_a_fast_bind_from_the_snapshot(world) -> None:
     shape = controller.reader.sizes[FN].shape
     _beat(store, keys, "s1", shape)
     controller.round()
-    assert commands(store, keys, "s1") == [{"cmd": "preload", "function": FN}]
+    assert commands(store, keys, "s1") == [{"cmd": "preload", "function": FN, "claim": "1"}]
     controller.round()  # sent and not yet in its heartbeat: not sent again
     assert len(commands(store, keys, "s1")) == 1
     _beat(store, keys, "s1", shape, preloaded=FN)  # the standby loaded it
