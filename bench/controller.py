@@ -69,7 +69,7 @@ def main() -> None:
             plan = decide(s, config)
             t_decide, c_decide = _times(lambda s=s: decide(s, config), args.repeats)
             free = {g: a.free_bytes for g, a in accounts(s, config.gpu_utilization).items()}
-            cold = cold_demand(s.functions, set(), refill_s(s.costs, config))
+            cold = cold_demand(s.functions, set(), refill_s(s.costs, config), config.cold_prior_rps)
             pool = [w for w in s.workers if is_pool_worker(w)]
             t_plan, c_plan = _times(
                 lambda s=s, free=free, cold=cold, pool=pool: plan_pool(s, Ledger(free), pool, cold, config),

@@ -15,15 +15,21 @@ Order of work (each step sees the memory the previous ones granted or freed):
       pre-loaded its adapter, else one prepared for its shape (one holding no other function's adapter
       first), else a shape-agnostic one, else any (a graph capture on bind; only while that still
       beats a fresh start); the smallest that fits, then the GPU with most free memory;
-   b. else Start a fresh bound worker on the GPU holding the backbone with the most free memory;
-   c. else offload (offload.py) on the GPU where it loses the least value, then Start there (each
-      Stop names its cause: a cold start, the min_replicas floor, or a scale-up under a burst);
-   d. else Wait with the reason (the GPUs' memory numbers).
+   b. else wait for a standby that can take it and is warming up (Wait says so);
+   c. else, while every GPU holding the backbone has ``max_fresh_starts_per_gpu`` fresh starts under way
+      (starting workers, bound or standby, and this plan's Starts), Wait for a start slot or a standby,
+      unless only a start now keeps its oldest request within its TTFT SLO (then it starts over the cap);
+   d. else Start a fresh bound worker on the GPU with a start slot and the most free memory;
+   e. else offload (offload.py) on the GPU where it loses the least value, then Start there (each
+      Stop names its cause: a cold start, the min_replicas floor, or a scale-up under a burst); an idle
+      bound worker whose function is expected back within ``thrash_horizon_starts`` fresh starts is
+      offloaded only for a cold start or min_replicas floor whose deadline a start now still meets;
+   f. else Wait with the reason (the GPUs' memory numbers).
    Last, offline batch backlog (``Function.batch_backlog``, docs/batch.md): a function with n live workers
    wants ``n + floor(backlog / batch_backlog_per_worker)`` (up to ``max_replicas``) and binds ready
    standbys for those it lacks (3a only: idle capacity; no start, offload or Wait). Its workers go back by
    keep-alive once the backlog is gone (step 2 keeps an idle one while a backlog is left).
-4. **Warm pool** (planner.py) with the memory left.
+4. **Warm pool** (planner.py) with the memory and the start slots left.
 5. **Pre-loading** (preload.py): which function's adapter each ready standby the plan keeps should hold.
 
 `fast_binds(snapshot, functions)` is step 3a alone for functions whose demand just arrived: the driver
@@ -71,8 +77,12 @@ class _Round:
         self.live: dict[str, list[Worker]] = defaultdict(list)
         self.standbys: dict[str, list[Worker]] = defaultdict(list)
         self.on_gpu: dict[str, list[Worker]] = defaultdict(list)
+        # fresh starts under way per GPU (processes starting, bound or standby; this plan's Starts added)
+        self.starting: dict[str, int] = defaultdict(int)
         for w in snapshot.workers:
             self.on_gpu[w.gpu].append(w)
+            if w.state == "starting":
+                self.starting[w.gpu] += 1
             if _live(w):
                 self.live[w.function or ""].append(w)
             elif w.state == "standby":
@@ -84,6 +94,8 @@ class _Round:
     ) -> None:
         self.actions.append(Stop(w.id, reason, w.gpu, detail, cause, victim))  # type: ignore[arg-type]
         self.gone.add(w.id)
+        if w.state == "starting":
+            self.starting[w.gpu] -= 1
         self.ledger.give(w.gpu, w.mem_bytes)
         if _live(w):
             self.live[w.function or ""].remove(w)
@@ -132,7 +144,9 @@ class _Round:
             if fn is not None and bound and (fn.queued == 0 or any(w.running == 0 for w in bound)):
                 warm.add(n)
         self.warm = warm
-        self.cold = cold_demand(self.snapshot.functions, warm, refill_s(self.costs, self.config))
+        self.cold = cold_demand(
+            self.snapshot.functions, warm, refill_s(self.costs, self.config), self.config.cold_prior_rps
+        )
         wants = []
         live = self.live
         for fn in self.snapshot.functions:
@@ -219,14 +233,21 @@ class _Round:
                 Wait(fn.name, f"a standby worker for it is warming up (ready in ~{left:.0f} s)")
             )
             return True
+        open_gpus = [g for g in gpus if self.start_slot(g)]
+        if not open_gpus:
+            if not self.only_a_start_now_meets(fn, gpus):
+                self.actions.append(Wait(fn.name, self.no_slot_reason(gpus)))
+                return False
+            open_gpus = list(gpus)  # over the cap: waiting would make its oldest request miss its deadline
         free = self.ledger.free
-        best = max((g for g in gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
+        best = max((g for g in open_gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
         if best is None and self.config.offloading:
-            best = self.offload_for(fn, gpus, cause)
+            best = self.offload_for(fn, open_gpus, cause)
         if best is None:
             self.actions.append(Wait(fn.name, self.no_room_reason(fn, gpus)))
             return False
         self.ledger.take(best, fn.mem_bytes)
+        self.starting[best] += 1
         self.actions.append(Start(best, fn.backbone, fn.shape, fn.name, fn.mem_bytes, "demand"))
         self.served.add(fn.name)
         # A placeholder so that live counts and later offloading see the new worker.
@@ -242,6 +263,47 @@ class _Round:
             )
         )
         return True
+
+    def start_slot(self, gpu: str) -> bool:
+        """Whether one more fresh start may begin on ``gpu`` (`PolicyConfig.max_fresh_starts_per_gpu`)."""
+        cap = self.config.max_fresh_starts_per_gpu
+        return cap is None or self.starting[gpu] < cap
+
+    def slot_wait_s(self, gpus: list[str]) -> float:
+        """About how long until a start slot opens on one of ``gpus``: the soonest a start under way there
+        should be done (one that began in this plan takes a whole fresh start)."""
+        fresh = self.costs.fresh_start_s
+        soonest = fresh
+        for g in gpus:
+            for w in self.on_gpu.get(g, ()):
+                if w.state == "starting" and w.id not in self.gone:
+                    soonest = min(soonest, max(0.0, fresh - w.age_s))
+        return soonest
+
+    def deadline_left_s(self, fn: Function) -> float | None:
+        """Seconds the function's oldest waiting request has left of its TTFT SLO (None: no SLO or nothing
+        waits)."""
+        if fn.ttft_slo_ms is None or fn.queued == 0:
+            return None
+        return fn.ttft_slo_ms / 1000.0 - fn.oldest_wait_s
+
+    def only_a_start_now_meets(self, fn: Function, gpus: list[str]) -> bool:
+        """Whether a fresh start now keeps ``fn``'s oldest request within its deadline and waiting for a
+        start slot (then starting) would not: the one case a start goes over the cap. A request that misses
+        either way waits (its start would slow the starts of requests that can still make it)."""
+        left = self.deadline_left_s(fn)
+        fresh = self.costs.fresh_start_s
+        return left is not None and fresh <= left < self.slot_wait_s(gpus) + fresh
+
+    def no_slot_reason(self, gpus: list[str]) -> str:
+        cap = self.config.max_fresh_starts_per_gpu
+        shown = ", ".join(f"{g}: {self.starting[g]}" for g in sorted(gpus)[:3])
+        more = f" and {len(gpus) - 3} more GPUs" if len(gpus) > 3 else ""
+        return (
+            f"waiting for a start slot or a standby: every GPU holding its backbone has "
+            f"max_fresh_starts_per_gpu={cap} fresh starts under way ({shown}{more}); next slot in "
+            f"~{self.slot_wait_s(gpus):.1f} s"
+        )
 
     def bind(self, fn: Function, standby: Worker) -> None:
         self.actions.append(
@@ -298,6 +360,18 @@ class _Round:
     def offload_for(self, fn: Function, gpus: list[str], cause: OffloadCause) -> str | None:
         """Stop the least valuable workers on the best GPU so that ``fn`` fits there; that GPU or None."""
         counts = {name: len(ws) for name, ws in self.live.items()}
+        guard_s = self.config.thrash_horizon_starts * self.costs.fresh_start_s
+        # A worker whose function is back soon goes only for what the user asked for (a cold start, the
+        # min_replicas floor; never for a scale-up: that function is served already), and only when a start
+        # now still meets the waiting request's deadline or the request has waited a guard horizon already
+        # (a request that misses either way does not trade its lateness for the next cold start; it does not
+        # starve either: with fresh starts slowed to ~8 s under load on the simulated replay, waiting on
+        # the deadline alone left requests queued for 40 s).
+        left = self.deadline_left_s(fn)
+        allow_guarded = cause == "min_replicas" or (
+            cause == "cold_start"
+            and ((left is not None and left >= self.costs.fresh_start_s) or fn.oldest_wait_s >= guard_s)
+        )
         best = None
         for g in gpus:
             cands = candidates(
@@ -307,6 +381,8 @@ class _Round:
                 self.cold,
                 self.costs,
                 self.protected,
+                guard_s,
+                allow_guarded,
             )
             victims = choose_victims(cands, fn.mem_bytes - self.ledger.free[g])
             if victims is None:
@@ -362,7 +438,9 @@ class _Round:
             for w in self.snapshot.workers
             if is_pool_worker(w) and w.id not in self.gone and w.id not in self.protected
         ]
-        targets, actions = plan_pool(self.snapshot, self.ledger, pool, cold, self.config, self.where)
+        cap = self.config.max_fresh_starts_per_gpu
+        slots = None if cap is None else {g: max(0, cap - self.starting[g]) for g in self.account}
+        targets, actions = plan_pool(self.snapshot, self.ledger, pool, cold, self.config, self.where, slots)
         self.actions.extend(actions)
         return targets
 

@@ -8,9 +8,14 @@ Candidates on one GPU, least valuable first:
    function's pre-loaded adapter adds that adapter's value (`preload.preload_value`), so the standbys
    of cold shapes and those pre-loaded with cold functions go first;
 2. idle bound workers (``running == 0``) before their keep-alive ends, by value density = their
-   function's arrival rate x fresh-start seconds (what its next request pays) / bytes. A function's
-   last ``min_replicas`` workers and the workers of functions with queued requests are not candidates
-   (stopping them would be undone next round).
+   function's arrival rate x fresh-start seconds (what its next request pays) / bytes; among equals the
+   longest idle first. A function's last ``min_replicas`` workers and the workers of functions with
+   queued requests are not candidates (stopping them would be undone next round);
+3. idle bound workers whose function is expected back within ``guard_s`` (`expected_return_s`): stopping
+   one makes its function start cold again at once (the thrash of the H100 replay at 1 GiB of KV: 32
+   functions that did not all fit, 74 offloads and 81 fresh starts in 120 s). They are candidates only
+   with ``allow_guarded`` (the caller's call: a request whose deadline a start now still meets), and
+   then last.
 Never a worker with requests in flight, never one draining (already going), never one the current
 plan binds or keeps (``protected``).
 
@@ -20,6 +25,7 @@ most valuable first, every victim the others make unnecessary: the smallest set 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -27,20 +33,21 @@ from lorafn.controller.policy.model import Costs, Function, Worker
 from lorafn.controller.policy.planner import ColdDemand
 from lorafn.controller.policy.preload import preload_value
 
-STANDBY, IDLE_BOUND = 0, 1
+STANDBY, IDLE_BOUND, GUARDED = 0, 1, 2
 
 
 @dataclass(frozen=True)
 class Victim:
-    """A worker that could be stopped. ``tier``: 0 standby, 1 idle bound; ``density``: value per byte."""
+    """A worker that could be stopped. ``tier``: 0 standby, 1 idle bound, 2 idle bound whose function is
+    expected back soon; ``density``: value per byte."""
 
     worker: Worker
     tier: int
     density: float
 
     @property
-    def rank(self) -> tuple[int, float, str]:
-        return (self.tier, self.density, self.worker.id)
+    def rank(self) -> tuple[int, float, float, str]:
+        return (self.tier, self.density, -self.worker.idle_s, self.worker.id)
 
 
 def standby_density(
@@ -65,6 +72,15 @@ def bound_density(worker: Worker, function: Function | None, costs: Costs) -> fl
     return rate * costs.fresh_start_s / max(1, worker.mem_bytes)
 
 
+def expected_return_s(worker: Worker, function: Function | None) -> float:
+    """Seconds until an idle bound worker's function is expected back: the sooner of its mean
+    inter-arrival time (1 / rate) and the time it has been idle. The second because arrivals are bursty
+    (the code trace's inter-arrival CoV is ~13): a function idle for s seconds is, on such a trace, about
+    as likely to be back within s more as not, and a 60 s rate of one or two arrivals says little."""
+    rate = function.arrival_rate if function is not None else 0.0
+    return min(1.0 / rate if rate > 0 else math.inf, worker.idle_s)
+
+
 def candidates(
     workers: Iterable[Worker],
     functions: Mapping[str, Function],
@@ -72,10 +88,14 @@ def candidates(
     cold: ColdDemand,
     costs: Costs,
     protected: set[str],
+    guard_s: float = 0.0,
+    allow_guarded: bool = True,
 ) -> list[Victim]:
     """The workers of one GPU that may be offloaded, least valuable first.
 
     ``live_count[f]``: f's bound and starting workers as the plan stands (for its min_replicas).
+    ``guard_s``: an idle bound worker whose function is expected back sooner (`expected_return_s`) is in
+    the last tier, and only with ``allow_guarded`` (0: no guard).
     """
     out = []
     spare = dict(live_count)
@@ -88,13 +108,16 @@ def candidates(
             fn = functions.get(w.function or "")
             if fn is not None and (fn.queued > 0 or spare.get(fn.name, 0) <= fn.min_replicas):
                 continue
-            out.append(Victim(w, IDLE_BOUND, bound_density(w, fn, costs)))
+            guarded = guard_s > 0 and expected_return_s(w, fn) < guard_s
+            if guarded and not allow_guarded:
+                continue
+            out.append(Victim(w, GUARDED if guarded else IDLE_BOUND, bound_density(w, fn, costs)))
     out.sort(key=lambda v: v.rank)
     # min_replicas: of a function's idle workers only those above its floor may go; take the least
     # valuable first (the sort above) and count them off.
     kept = []
     for v in out:
-        if v.tier == IDLE_BOUND and v.worker.function in functions:
+        if v.tier != STANDBY and v.worker.function in functions:
             name = v.worker.function or ""
             if spare.get(name, 0) <= functions[name].min_replicas:
                 continue

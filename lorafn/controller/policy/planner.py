@@ -49,7 +49,10 @@ class ColdDemand:
     A function that has no idle bound worker starts cold on its first arrival only (after that it
     has a worker), so over a window of ``window_s`` it contributes the chance of at least one
     arrival, ``1 - exp(-rate x window_s)``, not its whole rate: one hot function is one cold start.
-    ``wake[key]`` sums those chances; ``rate(key)`` = wake / window_s is the cold-start rate.
+    ``wake[key]`` sums those chances (the expected number of distinct cold functions arriving within one
+    refill window); ``rate(key)`` = wake / window_s is the cold-start rate. A cold function with no
+    observed arrivals counts at ``prior_rps`` (`PolicyConfig.cold_prior_rps`): every registered function
+    without a worker may wake up, and the first burst comes before any rate is known.
     (How big a standby must be is `standby_bytes`'s: every registered function counts there, cold or not.)
     """
 
@@ -57,6 +60,11 @@ class ColdDemand:
     window_s: float
     members: Mapping[Key, tuple[Function, ...]] = field(default_factory=dict)
     key_of: Mapping[str, Key] = field(default_factory=dict)  # cold function -> its (backbone, shape)
+    prior_rps: float = 0.0
+
+    def arrival_rate(self, f: Function) -> float:
+        """The rate a cold function counts at: observed, else the prior."""
+        return f.arrival_rate if f.arrival_rate > 0 else self.prior_rps
 
     def rate(self, key: Key) -> float:
         return self.wake.get(key, 0.0) / self.window_s
@@ -74,31 +82,37 @@ class ColdDemand:
         for k in keys:
             left = tuple(f for f in self.members[k] if f.name not in names)
             members[k] = left
-            wake[k] = sum(1.0 - math.exp(-f.arrival_rate * self.window_s) for f in left)
+            wake[k] = sum(1.0 - math.exp(-self.arrival_rate(f) * self.window_s) for f in left)
             if not left:
                 del members[k], wake[k]
         key_of = {n: k for n, k in self.key_of.items() if n not in names}
-        return ColdDemand(wake, self.window_s, members, key_of)
+        return ColdDemand(wake, self.window_s, members, key_of, self.prior_rps)
 
 
-def cold_demand(functions: Iterable[Function], warm: set[str], window_s: float) -> ColdDemand:
+def cold_demand(
+    functions: Iterable[Function], warm: set[str], window_s: float, prior_rps: float = 0.0
+) -> ColdDemand:
     """``warm``: functions whose next arrival finds a worker: an idle bound one, or bound ones keeping up
-    with an empty queue (or one in this plan)."""
+    with an empty queue (or one in this plan). ``prior_rps``: the rate of a cold function never seen
+    arriving (`ColdDemand`)."""
     if not window_s > 0:
         raise ValueError(f"window_s must be > 0, got {window_s!r}")
+    if not prior_rps >= 0:
+        raise ValueError(f"prior_rps must be >= 0, got {prior_rps!r}")
     wake: dict[Key, float] = defaultdict(float)
     members: dict[Key, list[Function]] = defaultdict(list)
     key_of: dict[str, Key] = {}
     exp = math.exp
     for f in functions:
-        if f.arrival_rate <= 0 or f.name in warm:
+        rate = f.arrival_rate if f.arrival_rate > 0 else prior_rps
+        if rate <= 0 or f.name in warm:
             continue
-        p = 1.0 - exp(-f.arrival_rate * window_s)
+        p = 1.0 - exp(-rate * window_s)
         key_of[f.name] = (f.backbone, f.shape)
         for key in ((f.backbone, f.shape), (f.backbone, None)):
             wake[key] += p
             members[key].append(f)
-    return ColdDemand(dict(wake), window_s, {k: tuple(v) for k, v in members.items()}, key_of)
+    return ColdDemand(dict(wake), window_s, {k: tuple(v) for k, v in members.items()}, key_of, prior_rps)
 
 
 def refill_s(costs: Costs, config: PolicyConfig) -> float:
@@ -243,8 +257,11 @@ def plan_pool(
     cold: ColdDemand,
     config: PolicyConfig,
     where: Mapping[str, list[str]] | None = None,
+    start_slots: Mapping[str, int] | None = None,
 ) -> tuple[list[PoolTarget], list[Start | Stop]]:
-    """Targets and the Start/Stop actions that reach them; updates ``ledger`` with them."""
+    """Targets and the Start/Stop actions that reach them; updates ``ledger`` with them. ``start_slots``:
+    fresh starts each GPU may still begin this round (`PolicyConfig.max_fresh_starts_per_gpu`; None: no
+    cap); a standby without a slot is planned again next round and its target waits with it."""
     where = holds(snapshot) if where is None else where
     pp = pool_problem(snapshot, ledger.free, pool, cold, config, where)
     solution = greedy(pp.problem)
@@ -357,13 +374,17 @@ def plan_pool(
     for w in pool:
         if w.id in keep:
             kept_count[(w.gpu, w.backbone, w.shape)] += 1
+    slots = None if start_slots is None else dict(start_slots)
     for key in sorted(target, key=_key_order):
         gpu, backbone, shape = key
         for _ in range(target[key] - kept_count[key]):
             size = size_of[key]
-            if not ledger.fits(gpu, size):  # an incumbent bigger than the item took the room
+            # an incumbent bigger than the item took the room, or the GPU's fresh starts are at the cap
+            if not ledger.fits(gpu, size) or (slots is not None and slots.get(gpu, 0) <= 0):
                 target[key] -= 1
                 continue
+            if slots is not None:
+                slots[gpu] -= 1
             ledger.take(gpu, size)
             actions.append(Start(gpu, backbone, shape, None, size, "warm pool"))
     keys = set(target) | set(existing)

@@ -90,12 +90,14 @@ def test_decide_offloads_cold_standby_before_idle_bound_never_running():
     g = gpu("g0", backbones={"llama": 13})
     functions = [
         fn("ns/new", mem_gib=14, queued=1),
-        fn("ns/idle", mem_gib=10, arrival_rate=0.1),
+        # back in ~100 s, later than a fresh start (20 s) takes: no anti-thrash guard
+        fn("ns/idle", mem_gib=10, arrival_rate=0.01),
         fn("ns/busy", mem_gib=40, arrival_rate=3.0),
     ]
     workers = [
         standby("s-cold", "g0", shape="r64", mem_gib=4),
-        bound("b-idle", "g0", "ns/idle", mem_gib=10),
+        # idle for longer than a fresh start takes: not expected back at once (no anti-thrash guard)
+        bound("b-idle", "g0", "ns/idle", mem_gib=10, idle_s=30),
         bound("b-busy", "g0", "ns/busy", mem_gib=40, running=3),
     ]
     # free = 73.6 - 13 - 54 = 6.6 GiB, 7.4 short: the 4 GiB standby is not enough, the idle bound one is
@@ -140,8 +142,11 @@ def test_decide_never_offloads_busy_workers_and_waits_with_numbers():
 def test_offloading_switched_off_waits_instead_of_stopping_idle_workers():
     # the trace replay's "no offloading" ablation: the same GPU as above, nothing is stopped for ns/new
     g = gpu("g0", backbones={"llama": 13})
-    functions = [fn("ns/new", mem_gib=14, queued=1), fn("ns/idle", mem_gib=10, arrival_rate=0.1)]
-    workers = [standby("s-cold", "g0", shape="r64", mem_gib=4), bound("b-idle", "g0", "ns/idle", mem_gib=50)]
+    functions = [fn("ns/new", mem_gib=14, queued=1), fn("ns/idle", mem_gib=10, arrival_rate=0.01)]
+    workers = [
+        standby("s-cold", "g0", shape="r64", mem_gib=4),
+        bound("b-idle", "g0", "ns/idle", mem_gib=50, idle_s=30),
+    ]
     offloads = [
         s.worker_id for s in decide(snap([g], functions, workers)).of_type(Stop) if s.reason == "offload"
     ]

@@ -154,19 +154,21 @@ def test_floor_standbys_are_prepared_for_the_most_popular_shape():
     from .helpers import GiB, fn, gpu, snap, standby
 
     floor = (Backbone("llama", 13 * GiB, min_standby_per_gpu=1, max_standby_per_gpu=4),)
+    # the floor alone: no prior for never-seen functions (that one sizes the pool above the floor)
+    config = PolicyConfig(cold_prior_rps=0.0)
     idle = [fn("ns/a", shape="r16"), fn("ns/b", shape="r16"), fn("ns/c", shape="r8")]  # no arrivals yet
-    plan = decide(snap([gpu("g0")], idle, backbones=floor))
+    plan = decide(snap([gpu("g0")], idle, backbones=floor), config)
     starts = [a for a in plan.of_type(Start) if a.function is None]
     assert [s.shape for s in starts] == ["r16"]  # two functions of r16, one of r8
     # an existing standby of the popular shape meets the floor: nothing new starts
-    plan = decide(snap([gpu("g0")], idle, [standby("s1", "g0", "r16")], backbones=floor))
+    plan = decide(snap([gpu("g0")], idle, [standby("s1", "g0", "r16")], backbones=floor), config)
     assert not plan.of_type(Start)
     # arrivals outweigh counts
     busy = [*idle[:2], fn("ns/c", shape="r8", arrival_rate=0.5)]
-    plan = decide(snap([gpu("g0")], busy, backbones=floor))
+    plan = decide(snap([gpu("g0")], busy, backbones=floor), config)
     assert "r8" in {a.shape for a in plan.of_type(Start)}
     # without functions the floor stays shape-agnostic
-    plan = decide(snap([gpu("g0")], (), backbones=floor))
+    plan = decide(snap([gpu("g0")], (), backbones=floor), config)
     assert [a.shape for a in plan.of_type(Start)] == [None]
 
 
@@ -211,7 +213,8 @@ def test_a_floor_standby_too_small_for_a_function_of_its_shape_is_replaced_once_
     # a standby bound in this round is never stopped: ns/a (2 GiB) takes the small one, a right-sized one
     # starts for the floor
     queued = [fn("ns/a", shape="r16", mem_gib=2, queued=1), functions[1]]
-    plan = decide(snap([gpu("g0")], queued, [small], backbones=floor))
+    # (the floor alone: no prior for the never-seen ns/big, which would size the pool above the floor)
+    plan = decide(snap([gpu("g0")], queued, [small], backbones=floor), PolicyConfig(cold_prior_rps=0.0))
     assert [(b.worker_id, b.function) for b in plan.of_type(Bind)] == [("small", "ns/a")]
     assert starts(plan.actions) == [("g0", "r16", 6 * GiB)] and stops(plan.actions) == []
 

@@ -194,7 +194,7 @@ def test_offload_for_a_burst_is_a_scale_up_and_spares_busy_workers() -> None:
     ]
     workers = [
         bound("b1", "g0", "ns/burst", running=4),
-        bound("b2", "g0", "ns/idle", idle_s=5),
+        bound("b2", "g0", "ns/idle", idle_s=30),  # idle longer than a fresh start (20 s): no thrash guard
         bound("b3", "g0", "ns/busy", running=1),
     ]
     plan = decide(snap([g], functions, workers))

@@ -1,0 +1,356 @@
+"""A policy-level simulation of the controller over a list of arrivals: the pure policy (`decide`,
+`fast_binds`) driven round by round against a simple model of workers, GPUs and requests, so that a
+policy change can be judged on a trace in seconds of CPU, without processes or a GPU.
+
+The model (each part as simple as the question allows; none of it is measured here):
+- one backbone, ``num_gpus`` GPUs of ``gpu_bytes``; every function and standby reserves ``worker_bytes``;
+- a fresh start (standby or bound) is ``fresh_start_s`` of work; the starts under way on one GPU (one host)
+  share ``start_parallelism`` starts' worth of speed (processor sharing: n > P starts each progress at
+  P / n), so many at once all finish late together (the H100 replay: ~2 s alone, 2-4 s with ~20 at once,
+  i.e. P ~ 10);
+- a stopped worker holds its memory for ``stop_s`` more (draining: the process exits, CUDA frees);
+- a bind takes ``bind_s``; a bound worker serves up to ``max_batch`` requests at once, each for
+  ``service_s``; its first token comes ``warm_ttft_s`` after it takes the request;
+- the controller runs a round every ``round_s`` and answers a cold function's arrival at once from the
+  last round's view (`fast_binds`); standby starts on a GPU wait ``refill_delay_s`` after a bind there
+  (at most that long in a row), as the driver does; ``fresh_start_s`` as the policy sees it is the median
+  of the last 9 measured fresh starts of bound workers (the driver's estimate), ``initial_fresh_start_s``
+  until one is measured;
+- arrival rates are what the snapshot computes: arrivals in the last ``rate_window_s`` / that window.
+
+Each request's path is as the trace replay reports it: warm (a bound worker was there), standby or fresh
+(its arrival was answered by a bind or a fresh start and it was that worker's first request), queued (it
+waited for a worker another request asked for, or for memory).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lorafn.controller.policy.actions import Bind, Start, Stop
+from lorafn.controller.policy.config import PolicyConfig
+from lorafn.controller.policy.decide import decide, fast_binds
+from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker, WorkerState
+
+GiB = 2**30
+BACKBONE = "bb"
+SHAPE = "r16"
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """The simulated platform (see the module docstring); sizes in bytes, times in seconds."""
+
+    num_functions: int
+    num_gpus: int = 1
+    gpu_bytes: int = 80 * GiB
+    backbone_bytes: int = int(12.6 * GiB)
+    worker_bytes: int = int(1.7 * GiB)
+    fresh_start_s: float = 2.0
+    start_parallelism: float = 10.0
+    stop_s: float = 0.5
+    bind_s: float = 0.05
+    warm_ttft_s: float = 0.1
+    service_s: float = 3.0
+    max_batch: int = 4
+    round_s: float = 0.2
+    tick_s: float = 0.05
+    refill_delay_s: float = 2.0
+    initial_fresh_start_s: float = 20.0
+    rate_window_s: float = 60.0
+    keep_alive_s: float = 60.0
+    max_replicas: int = 4
+    min_standby: int = 1
+    max_standby: int = 4
+    slo_ms: float = 2500.0
+    settle_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.num_functions < 1:
+            raise ValueError(f"num_functions must be >= 1, got {self.num_functions!r}")
+        for name in ("fresh_start_s", "service_s", "round_s", "tick_s", "rate_window_s", "start_parallelism"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SimSetup.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"SimSetup.max_batch must be >= 1, got {self.max_batch!r}")
+
+
+@dataclass
+class _Worker:
+    id: str
+    gpu: str
+    state: WorkerState
+    function: str | None
+    started_at: float
+    ready_at: float  # bound: when it may take requests (after a bind); draining: when it is gone
+    work_left: float = 0.0  # starting: seconds of start work left at full speed
+    fresh_for: str | None = None  # started bound to this function (a fresh start)
+    via_bind: bool = False
+    served_any: bool = False
+    running: list[float] = field(default_factory=list)  # end times of requests in flight
+    idle_since: float = 0.0
+
+
+@dataclass
+class SimResult:
+    """What a run gives, as the replay reports it."""
+
+    ttft_s: list[float]
+    paths: dict[str, int]
+    fresh_starts: int  # bound workers started for a function (cold starts that spawned a process)
+    pool_starts: int
+    binds: int
+    offloads: int
+    offloads_idle_bound: int
+    waits: int  # rounds x functions told to Wait
+    peak_workers: int
+    slo_s: float
+    unanswered: int
+
+    def row(self) -> dict[str, float | int]:
+        ttft = sorted(self.ttft_s)
+
+        def pct(q: float) -> float:
+            return ttft[min(len(ttft) - 1, int(q * len(ttft)))] * 1000 if ttft else float("nan")
+
+        return {
+            "requests": len(ttft) + self.unanswered,
+            "ttft_p50_ms": round(pct(0.5)),
+            "ttft_p90_ms": round(pct(0.9)),
+            "ttft_p99_ms": round(pct(0.99)),
+            "slo_violations_pct": round(
+                100.0
+                * (sum(t > self.slo_s for t in ttft) + self.unanswered)
+                / max(1, len(ttft) + self.unanswered),
+                1,
+            ),
+            "warm": self.paths.get("warm", 0),
+            "standby": self.paths.get("standby", 0),
+            "fresh": self.paths.get("fresh", 0),
+            "queued": self.paths.get("queued", 0),
+            "fresh_starts": self.fresh_starts,
+            "pool_starts": self.pool_starts,
+            "binds": self.binds,
+            "offloads": self.offloads,
+            "offloads_idle_bound": self.offloads_idle_bound,
+            "peak_workers": self.peak_workers,
+        }
+
+
+class Simulation:
+    """One run: ``arrivals`` = (seconds from the start, function index), in time order."""
+
+    def __init__(self, setup: SimSetup, config: PolicyConfig, arrivals: Sequence[tuple[float, int]]) -> None:
+        self.setup, self.config = setup, config
+        self.names = [f"sim/f{i:03d}" for i in range(setup.num_functions)]
+        for _, i in arrivals:
+            if not 0 <= i < setup.num_functions:
+                raise ValueError(f"arrival for function {i}: not in 0..{setup.num_functions - 1}")
+        self.arrivals = sorted((t + setup.settle_s, i) for t, i in arrivals)
+        self.workers: dict[str, _Worker] = {}
+        self.queues: dict[str, deque[tuple[float, str]]] = defaultdict(deque)  # (arrival, path hint)
+        self.history: dict[str, list[float]] = defaultdict(list)
+        self.measured: deque[float] = deque(maxlen=9)
+        self.last_bind: dict[str, float] = {}
+        self.deferred_since: dict[str, float] = {}
+        self.next_id = 0
+        self.now = 0.0
+        self.ttft: list[float] = []
+        self.paths: dict[str, int] = defaultdict(int)
+        self.counts: dict[str, int] = defaultdict(int)
+        self.peak = 0
+        self.gpus = tuple(
+            GPU(f"gpu{g}", "node0", setup.gpu_bytes, {BACKBONE: setup.backbone_bytes})
+            for g in range(setup.num_gpus)
+        )
+        self.backbone = Backbone(BACKBONE, setup.backbone_bytes, setup.min_standby, setup.max_standby)
+
+    # -- the view the policy gets ----------------------------------------------------------------
+    def fresh_start_estimate(self) -> float:
+        return statistics.median(self.measured) if self.measured else self.setup.initial_fresh_start_s
+
+    def snapshot(self) -> Snapshot:
+        s, now = self.setup, self.now
+        workers = []
+        for w in self.workers.values():
+            running = sum(1 for end in w.running if end > now)
+            workers.append(
+                Worker(
+                    w.id,
+                    w.gpu,
+                    BACKBONE,
+                    w.state,
+                    SHAPE,
+                    w.function,
+                    s.worker_bytes,
+                    idle_s=0.0 if running else max(0.0, now - w.idle_since),
+                    running=running,
+                    age_s=max(1e-3, now - w.started_at),
+                )
+            )
+        functions = []
+        for name in self.names:
+            times = self.history[name]
+            recent = len(times) - bisect.bisect_left(times, now - s.rate_window_s)
+            queue = self.queues[name]
+            functions.append(
+                Function(
+                    name,
+                    BACKBONE,
+                    SHAPE,
+                    s.worker_bytes,
+                    max_replicas=s.max_replicas,
+                    keep_alive_s=s.keep_alive_s,
+                    ttft_slo_ms=s.slo_ms,
+                    arrival_rate=recent / s.rate_window_s,
+                    queued=len(queue),
+                    oldest_wait_s=now - queue[0][0] if queue else 0.0,
+                )
+            )
+        costs = Costs(
+            fresh_start_s=self.fresh_start_estimate(),
+            bind_s=s.bind_s,
+            default_standby_bytes=s.worker_bytes,
+        )
+        return Snapshot(now, self.gpus, (self.backbone,), tuple(workers), tuple(functions), costs)
+
+    # -- applying actions ------------------------------------------------------------------------
+    def _bind(self, a: Bind) -> None:
+        w = self.workers.get(a.worker_id)
+        if w is None or w.state != "standby":
+            return
+        w.state, w.function, w.via_bind = "bound", a.function, True
+        w.ready_at, w.idle_since = self.now + self.setup.bind_s, self.now
+        self.last_bind[w.gpu] = self.now
+        self.counts["binds"] += 1
+
+    def _start(self, a: Start) -> None:
+        s, now = self.setup, self.now
+        if a.function is None:  # the driver defers a standby start just after a bind on that GPU
+            if now - self.last_bind.get(a.gpu, -1e18) < s.refill_delay_s:
+                since = self.deferred_since.setdefault(a.gpu, now)
+                if now - since < s.refill_delay_s:
+                    return
+            else:
+                self.deferred_since.pop(a.gpu, None)
+        wid = f"w{self.next_id}"
+        self.next_id += 1
+        self.workers[wid] = _Worker(
+            wid, a.gpu, "starting", a.function, now, now, work_left=s.fresh_start_s, fresh_for=a.function
+        )
+        self.counts["fresh_starts" if a.function else "pool_starts"] += 1
+
+    def _stop(self, a: Stop) -> None:
+        w = self.workers.get(a.worker_id)
+        if w is None or w.state == "draining":
+            return
+        if a.reason == "offload":
+            self.counts["offloads"] += 1
+            if w.state == "bound":
+                self.counts["offloads_idle_bound"] += 1
+        w.state, w.ready_at = "draining", self.now + self.setup.stop_s
+
+    def apply(self, actions: Sequence[object]) -> None:
+        for a in actions:
+            if isinstance(a, Stop):
+                self._stop(a)
+            elif isinstance(a, Start):
+                self._start(a)
+            elif isinstance(a, Bind):
+                self._bind(a)
+            else:
+                self.counts["waits"] += 1 if type(a).__name__ == "Wait" else 0
+
+    # -- the clock -------------------------------------------------------------------------------
+    def _progress(self) -> None:
+        """One tick of every start under way (processor sharing per GPU); drained workers go."""
+        s = self.setup
+        for wid in [w.id for w in self.workers.values() if w.state == "draining" and w.ready_at <= self.now]:
+            del self.workers[wid]
+        under_way: dict[str, int] = defaultdict(int)
+        for w in self.workers.values():
+            if w.state == "starting":
+                under_way[w.gpu] += 1
+        for w in self.workers.values():
+            if w.state == "starting":
+                w.work_left -= s.tick_s * min(1.0, s.start_parallelism / under_way[w.gpu])
+
+    def _finish_starts(self) -> None:
+        for w in self.workers.values():
+            if w.state == "starting" and w.work_left <= 1e-9:
+                if w.function is not None:
+                    w.state, w.idle_since = "bound", self.now
+                    self.measured.append(self.now - w.started_at)
+                else:
+                    w.state = "standby"
+
+    def _dispatch(self) -> None:
+        now = self.now
+        for name, queue in self.queues.items():
+            if not queue:
+                continue
+            for w in sorted(
+                (w for w in self.workers.values() if w.function == name and w.state == "bound"),
+                key=lambda w: w.id,
+            ):
+                if w.ready_at > now:
+                    continue
+                w.running = [end for end in w.running if end > now]
+                while queue and len(w.running) < self.setup.max_batch:
+                    at, hint = queue.popleft()
+                    self.ttft.append(now - at + self.setup.warm_ttft_s)
+                    if hint == "warm":
+                        path = "warm"
+                    elif not w.served_any and (w.via_bind or w.fresh_for == name):
+                        path = "standby" if w.via_bind else "fresh"
+                    else:
+                        path = "queued"
+                    self.paths[path] += 1
+                    w.served_any = True
+                    w.running.append(now + self.setup.service_s)
+                    w.idle_since = now + self.setup.service_s
+                if not queue:
+                    break
+
+    def run(self, drain_s: float = 60.0) -> SimResult:
+        s = self.setup
+        end = (self.arrivals[-1][0] if self.arrivals else s.settle_s) + drain_s
+        next_round, k = 0.0, 0
+        while self.now <= end:
+            self._finish_starts()
+            woke = []
+            while k < len(self.arrivals) and self.arrivals[k][0] <= self.now:
+                name = self.names[self.arrivals[k][1]]
+                bound = any(w.function == name and w.state == "bound" for w in self.workers.values())
+                self.queues[name].append((self.arrivals[k][0], "warm" if bound else "cold"))
+                self.history[name].append(self.arrivals[k][0])
+                if not any(w.function == name for w in self.workers.values()):
+                    woke.append(name)
+                k += 1
+            if woke:  # the driver's fast path: binds from the last round's view at once
+                self.apply(fast_binds(self.snapshot(), woke, self.config))
+            if self.now >= next_round:
+                self.apply(decide(self.snapshot(), self.config).actions)
+                next_round = self.now + s.round_s
+            self._dispatch()
+            self._progress()
+            self.peak = max(self.peak, sum(1 for w in self.workers.values() if w.state != "draining"))
+            self.now = round(self.now + s.tick_s, 9)
+        c = self.counts
+        return SimResult(
+            self.ttft,
+            dict(self.paths),
+            c["fresh_starts"],
+            c["pool_starts"],
+            c["binds"],
+            c["offloads"],
+            c["offloads_idle_bound"],
+            c["waits"],
+            self.peak,
+            s.slo_ms / 1000,
+            sum(len(q) for q in self.queues.values()),
+        )
