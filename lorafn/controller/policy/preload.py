@@ -84,7 +84,12 @@ def preload_problem(
     for f in sorted(candidates, key=lambda f: f.name):
         key = (f.backbone, f.shape)
         value = values[f.name]
-        ids = tuple(w.id for w in sorted(by_place[key], key=bin_order))
+        # only a standby the function fits (a bind refuses a smaller one, and with claims a standby holding
+        # a function's adapter serves its requests itself: on CPU a 4 GiB-KV function was served by a
+        # 16 MiB-KV standby, found by test_controller_local)
+        ids = tuple(w.id for w in sorted(by_place[key], key=bin_order) if w.mem_bytes >= f.mem_bytes)
+        if not ids:
+            continue
         held = holder.get(f.name)
         items.append(
             Item(

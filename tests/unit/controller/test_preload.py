@@ -38,6 +38,22 @@ def test_each_ready_standby_preloads_the_most_valuable_cold_function_of_its_shap
     assert sorted(_preloads(plan).values()) == ["ns/hot", "ns/rare"]
 
 
+def test_a_function_too_big_for_a_standby_is_never_preloaded_into_it() -> None:
+    # with claims a standby serves the requests of the function it holds: it must be able to take it
+    functions = [fn("ns/huge", mem_gib=6, arrival_rate=0.5), fn("ns/small", mem_gib=2, arrival_rate=0.01)]
+    where = {"llama": ["g0"]}
+
+    def preloads(standbys) -> dict[str, str]:
+        _, actions = plan_preload(functions, standbys, where, COSTS, 20.0, set())
+        return {a.worker_id: a.function for a in actions}
+
+    assert preloads([standby("s1", "g0", mem_gib=2)]) == {"s1": "ns/small"}  # ns/huge is worth more
+    assert preloads([standby("s1", "g0", mem_gib=2), standby("s2", "g0", mem_gib=6)]) == {
+        "s1": "ns/small",
+        "s2": "ns/huge",
+    }
+
+
 def test_functions_without_arrivals_fill_buffers_nobody_else_wants() -> None:
     # a newly registered function's first request is the typical cold start
     floor = (Backbone("llama", 13 * GiB, min_standby_per_gpu=1),)  # the pool keeps s1 without demand
