@@ -71,6 +71,16 @@ class LocalConfig(SharedSettings):
     offloading: bool = Field(
         default=True, description="stop standby/idle workers to make room for a cold start"
     )
+    # the controller's burst policy (PolicyConfig; defaults there): switches for the replay's ablations
+    cold_prior_rps: float | None = Field(
+        default=None, ge=0, description="rate the warm pool assumes for a never-seen function (0: off)"
+    )
+    max_fresh_starts_per_gpu: int | None = Field(
+        default=None, ge=0, description="fresh worker starts at once per device (0: no cap)"
+    )
+    thrash_horizon_starts: float | None = Field(
+        default=None, ge=0, description="offloading spares workers back within this many starts (0: off)"
+    )
     preload_claims: bool = Field(
         default=True,
         description="a standby holding a function's pre-loaded adapter takes that function's first request "

@@ -20,7 +20,7 @@ from pathlib import Path
 from lorafn.api.sizing import MiB
 from lorafn.controller.driver import Controller, ControllerConfig
 from lorafn.controller.policy.actions import Start
-from lorafn.controller.policy.config import PolicyConfig
+from lorafn.controller.policy.config import PolicyConfig, burst_overrides
 from lorafn.controller.snapshot import SizingConfig, default_sizing
 from lorafn.local.config import LocalConfig, PlatformState
 from lorafn.local.executor import LocalExecutor, gpu_id
@@ -147,6 +147,11 @@ class LocalPlatform:
                     gpu_utilization=self.config.gpu_utilization,
                     warm_pool=self.config.warm_pool,
                     offloading=self.config.offloading,
+                    **burst_overrides(
+                        self.config.cold_prior_rps,
+                        self.config.max_fresh_starts_per_gpu,
+                        self.config.thrash_horizon_starts,
+                    ),
                 ),
             ),
         )

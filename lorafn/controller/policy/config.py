@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -97,3 +98,18 @@ class PolicyConfig:
             raise ValueError(f"thrash_horizon_starts must be >= 0, got {self.thrash_horizon_starts!r}")
         if self.refill_s is not None and not self.refill_s > 0:
             raise ValueError(f"refill_s must be > 0 or None, got {self.refill_s!r}")
+
+
+def burst_overrides(
+    cold_prior_rps: float | None, max_fresh_starts_per_gpu: int | None, thrash_horizon_starts: float | None
+) -> dict[str, Any]:
+    """`PolicyConfig` keyword arguments from a service's settings (`lorafn up`'s config), where None keeps
+    PolicyConfig's default and a start cap of 0 means no cap (settings files have no None to say it)."""
+    out: dict[str, Any] = {}
+    if cold_prior_rps is not None:
+        out["cold_prior_rps"] = cold_prior_rps
+    if max_fresh_starts_per_gpu is not None:
+        out["max_fresh_starts_per_gpu"] = max_fresh_starts_per_gpu or None
+    if thrash_horizon_starts is not None:
+        out["thrash_horizon_starts"] = thrash_horizon_starts
+    return out

@@ -224,3 +224,12 @@ def test_simulated_burst_anticipation_turns_fresh_starts_into_binds():
     )
     assert before.fresh_starts > after.fresh_starts
     assert after.paths.get("standby", 0) > before.paths.get("standby", 0)
+
+
+def test_burst_overrides_keep_defaults_for_none_and_read_a_zero_cap_as_none():
+    from lorafn.controller.policy.config import burst_overrides
+
+    assert PolicyConfig(**burst_overrides(None, None, None)) == PolicyConfig()
+    off = PolicyConfig(**burst_overrides(0.0, 0, 0.0))
+    assert (off.cold_prior_rps, off.max_fresh_starts_per_gpu, off.thrash_horizon_starts) == (0.0, None, 0.0)
+    assert PolicyConfig(**burst_overrides(None, 3, None)).max_fresh_starts_per_gpu == 3
