@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# How a step above 16 rows (prefill chunks, decode batches > 16) adds the LoRA expands y += t·Bᵀ (see
+# EngineConfig.lora_expand); the first is the default.
+LORA_EXPANDS = ("grouped", "per_projection", "in_kernels")
 
 
 @dataclass
@@ -58,6 +61,12 @@ class EngineConfig:
     # step of at most 16 rows runs one skinny-GEMM launch per projection group with the LoRA shrink in it);
     # False keeps the cuBLAS + addmm path everywhere (the benchmarks' baseline)
     fused_decode: bool = True
+    # CUDA, steps above 16 rows (prefill, decode batches > 16): how the LoRA expands y += t·Bᵀ are added
+    # to the cuBLAS outputs. "grouped": one Triton launch per projection group (q/k/v, gate/up, o, down;
+    # triton_ops.lora_expand); "per_projection": one addmm_ per projection (the path before it);
+    # "in_kernels": inside the elementwise kernels that follow (RoPE, SiLU·up, add + RMSNorm; fused path
+    # only, else per projection). The shrink is one GEMM per group in all three. CPU: per projection.
+    lora_expand: str = "grouped"
     # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an
     # execution plan per exact shape, and on the H100 the first prefill of each new chunk length paid
     # ~65 ms of host time for it (a standby's first request prefilled in 110 ms, the next one in 28 ms;
@@ -75,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"cuda_stack_bytes: must be in [16, 1 MiB], got {self.cuda_stack_bytes}")
         if self.lora_shape is not None and self.adapter is not None:
             raise ValueError("lora_shape: only for an engine without an adapter (a standby); got both")
+        if self.lora_expand not in LORA_EXPANDS:
+            raise ValueError(f"lora_expand: {self.lora_expand!r} is not one of {LORA_EXPANDS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):

@@ -106,6 +106,7 @@ class ModelRunner:
             max_position=max_model_len,
             use_triton_attention=use_triton,
             fused_decode=use_triton and config.fused_decode,
+            lora_expand=config.lora_expand,
         )
         self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
         self.num_blocks = self._num_kv_blocks()

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafn.runtime.attention import paged_decode_attention, prefill_attention, write_kv
-from lorafn.runtime.config import ModelConfig
+from lorafn.runtime.config import LORA_EXPANDS, ModelConfig
 from lorafn.runtime.lora import LoRAGroup, LoRAWeights
 from lorafn.runtime.weights import WeightSource
 
@@ -88,14 +88,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def lora_project(x: torch.Tensor, outputs: dict[str, torch.Tensor], group: LoRAGroup | None) -> None:
+def lora_project(
+    x: torch.Tensor, outputs: dict[str, torch.Tensor], group: LoRAGroup | None, ops=None
+) -> None:
     """Adds s·(x·Aᵀ)·Bᵀ into each output of the group, in place: one shrink GEMM for the group (its A
-    matrices concatenated), then one addmm per target (the add happens in the GEMM's epilogue)."""
+    matrices concatenated), then the expands (`add_expands`)."""
     if group is None:
         return
     t = F.linear(x, group.a_cat)  # [T, sum of ranks]
-    for proj, off, rank, b_t in group.targets:
-        outputs[proj].addmm_(t[:, off : off + rank], b_t)
+    add_expands(t, [(outputs[p], off, rank, b_t) for p, off, rank, b_t in group.targets], ops)
+
+
+def add_expands(
+    t: torch.Tensor, targets: list[tuple[torch.Tensor, int, int, torch.Tensor]], ops=None
+) -> None:
+    """y += t[:, off:off+rank]·b_t for each (y, off, rank, b_t) of one projection group, in place. With
+    `ops` (triton_ops, CUDA) in one launch for the group (`triton_ops.lora_expand`), else one `addmm_` per
+    projection (the add happens in the GEMM's epilogue). Both accumulate in float32 and round once: the
+    same math; the launch count is what differs (eager prefill of a 7B with r16 all-linear: 7 expands per
+    layer -> 4)."""
+    if ops is not None:
+        ops.lora_expand(t, targets)
+        return
+    for y, off, rank, b_t in targets:
+        y.addmm_(t[:, off : off + rank], b_t)
 
 
 class LlamaModel:
@@ -111,8 +127,12 @@ class LlamaModel:
         max_position: int | None = None,
         use_triton_attention: bool = False,
         fused_decode: bool = False,
+        lora_expand: str = "grouped",
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
+        if lora_expand not in LORA_EXPANDS:
+            raise ValueError(f"lora_expand: {lora_expand!r} is not one of {LORA_EXPANDS}")
+        self.lora_expand = lora_expand  # EngineConfig.lora_expand
         self.use_triton_attention = use_triton_attention
         # On CUDA with Triton: fused RMSNorm(+residual), RoPE and SiLU·up (models/triton_ops.py).
         self.ops = None
@@ -120,6 +140,8 @@ class LlamaModel:
             from lorafn.runtime.models import triton_ops
 
             self.ops = triton_ops
+        # the ops that add a group's expands in one launch (add_expands), or None: one addmm_ each
+        self.expand_ops = self.ops if lora_expand == "grouped" else None
         names = set(source.names())
 
         def get(name: str) -> torch.Tensor:
@@ -237,7 +259,7 @@ class LlamaModel:
             groups = lora_layers[i] if lora_layers is not None else {}
             x, h = self._norm(h, delta, layer["input_layernorm"])
             qkv = {p: self._linear(x, layer, p) for p in ("q_proj", "k_proj", "v_proj")}
-            lora_project(x, qkv, groups.get("q_proj"))
+            lora_project(x, qkv, groups.get("q_proj"), self.expand_ops)
             if ops is not None:
                 q = ops.rope(qkv["q_proj"], nh, self.cos, self.sin, batch.positions)
                 k = ops.rope(qkv["k_proj"], nkv, self.cos, self.sin, batch.positions)
@@ -249,16 +271,16 @@ class LlamaModel:
             write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
             o = {"o_proj": self._linear(attn, layer, "o_proj")}
-            lora_project(attn, o, groups.get("o_proj"))
+            lora_project(attn, o, groups.get("o_proj"), self.expand_ops)
             x, h = self._norm(h, o["o_proj"], layer["post_attention_layernorm"])
             gu = {p: self._linear(x, layer, p) for p in ("gate_proj", "up_proj")}
-            lora_project(x, gu, groups.get("gate_proj"))
+            lora_project(x, gu, groups.get("gate_proj"), self.expand_ops)
             if ops is not None:
                 act = ops.silu_mul(gu["gate_proj"], gu["up_proj"])
             else:
                 act = F.silu(gu["gate_proj"]) * gu["up_proj"]
             d = {"down_proj": self._linear(act, layer, "down_proj")}
-            lora_project(act, d, groups.get("down_proj"))
+            lora_project(act, d, groups.get("down_proj"), self.expand_ops)
             delta = d["down_proj"]
         h = h + delta
         if batch.logits_indices is not None:
@@ -273,11 +295,16 @@ class LlamaModel:
         norm, q/k/v GEMMs + the group's LoRA shrink, RoPE + q/k/v expands + cache writes, attention, o GEMM +
         shrink, add + o expand + norm, gate/up GEMMs + shrink, SiLU·up + expands, down GEMM + shrink (its
         expand joins the next layer's add + norm). A step of at most fused_decode.MAX_TOKENS rows (decode)
-        runs each GEMM group as one skinny-GEMM launch; a larger one (prefill) through cuBLAS, and then the
-        fused expands save it 7 addmm, 2 RoPE and 2 index_copy launches per layer."""
+        runs each GEMM group as one skinny-GEMM launch; a larger one (prefill, decode batches > 16) through
+        cuBLAS, and adds its expands as `lora_expand` says: one launch per group right after the GEMMs
+        (grouped), one addmm_ per projection, or in the fused kernels as a small step does (in_kernels: no
+        launch, but each of the kernel's programs reads its rows of B again, rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
         h = F.embedding(batch.input_ids, self.embed)
+        # a large step adds its expands after the cuBLAS GEMMs unless lora_expand says in the kernels: there
+        # every program of an elementwise kernel reads its rank rows of B again (B's bytes x rows)
+        settle = batch.input_ids.shape[0] > fd.MAX_TOKENS and self.lora_expand != "in_kernels"
         delta: torch.Tensor | None = None
         delta_lora = None
         for i, layer in enumerate(self.layers):
@@ -287,6 +314,8 @@ class LlamaModel:
             else:
                 h, x = ops.add_rms_norm(h, delta, layer["input_layernorm"], eps, lora=delta_lora)
             (q, k, v), qkv_lora = _group_gemm(fd, x, layer, ("q_proj", "k_proj", "v_proj"), groups)
+            if settle:
+                qkv_lora = _settle_expands((q, k, v), qkv_lora, self.expand_ops)
             k_cache, v_cache = kv_caches[i]
             q, k, v = fd.rope_lora_kv(
                 q,
@@ -304,10 +333,16 @@ class LlamaModel:
             )
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
             (o,), o_lora = _group_gemm(fd, attn, layer, ("o_proj",), groups)
+            if settle:
+                o_lora = _settle_expands((o,), o_lora, self.expand_ops)
             h, x = ops.add_rms_norm(h, o, layer["post_attention_layernorm"], eps, lora=o_lora and o_lora[0])
             (gate, up), gu_lora = _group_gemm(fd, x, layer, ("gate_proj", "up_proj"), groups)
+            if settle:
+                gu_lora = _settle_expands((gate, up), gu_lora, self.expand_ops)
             act = fd.silu_mul_lora(gate, up, gu_lora)
             (delta,), d_lora = _group_gemm(fd, act, layer, ("down_proj",), groups)
+            if settle:
+                d_lora = _settle_expands((delta,), d_lora, self.expand_ops)
             delta_lora = d_lora and d_lora[0]
         assert delta is not None  # a model has layers
         _h, x = ops.add_rms_norm(h, delta, self.norm, eps, lora=delta_lora)
@@ -327,6 +362,15 @@ def _group_gemm(fd, x: torch.Tensor, layer: dict, projs: tuple[str, ...], groups
     t, *outs = _linear_many(fd, x, [group.a_cat, *weights])
     by_proj = {p: fd.Expand(t, off, rank, b_t) for p, off, rank, b_t in group.targets}
     return outs, tuple(by_proj.get(p) for p in projs)
+
+
+def _settle_expands(outs, expands, ops) -> None:
+    """Adds a group's expands (one Expand or None per output, from `_group_gemm`) into its outputs now
+    (`add_expands`); returns None: the kernels that follow have nothing left to add."""
+    if expands is not None:
+        targets = [(y, e.offset, e.rank, e.b_t) for y, e in zip(outs, expands, strict=True) if e is not None]
+        add_expands(next(e for e in expands if e is not None).t, targets, ops)
+    return None
 
 
 def _linear_many(fd, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:

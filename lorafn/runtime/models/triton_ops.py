@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafn.runtime.models.fused_decode import Expand, lora_add_tile, lora_args
+from lorafn.runtime.models.fused_decode import DOT_PRECISION, Expand, lora_add_tile, lora_args
+
+MAX_EXPAND_OUTPUTS = 3  # a projection group's members: q/k/v (gate/up: 2, o and down: 1)
 
 
 @triton.jit
@@ -179,3 +181,136 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 2048
     _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit(do_not_specialize=["M"])
+def _lora_expand_kernel(
+    T,
+    Y0,
+    Y1,
+    Y2,
+    B0,
+    B1,
+    B2,
+    N0,
+    N1,
+    N2,
+    OFF0,
+    OFF1,
+    OFF2,
+    R0,
+    R1,
+    R2,
+    STRIDE_Y0,
+    STRIDE_Y1,
+    STRIDE_Y2,
+    M,
+    stride_t,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # axis 0: the output column tiles of every member, member after member (as seg_gemm lays out its
+    # segments); axis 1: row tiles. An absent member has N = 0 and owns no program.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    end0 = tl.cdiv(N0, BLOCK_N)
+    end1 = end0 + tl.cdiv(N1, BLOCK_N)
+    y = Y0
+    b = B0
+    n = N0
+    off = OFF0
+    rank = R0
+    stride_y = STRIDE_Y0
+    first = 0
+    if pid_n >= end0:
+        y = Y1
+        b = B1
+        n = N1
+        off = OFF1
+        rank = R1
+        stride_y = STRIDE_Y1
+        first = end0
+    if pid_n >= end1:
+        y = Y2
+        b = B2
+        n = N2
+        off = OFF2
+        rank = R2
+        stride_y = STRIDE_Y2
+        first = end1
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok = rm < M
+    n_ok = rn < n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):  # one iteration up to rank BLOCK_R (64)
+        r_ok = (r0 + rr) < rank
+        t = tl.load(
+            T + rm[:, None] * stride_t + off + r0 + rr[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0
+        )
+        bt = tl.load(b + (r0 + rr)[:, None] * n + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(t, bt, input_precision=PRECISION)
+    mask = m_ok[:, None] & n_ok[None, :]
+    ptrs = y + rm[:, None] * stride_y + rn[None, :]
+    c = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (c + acc).to(y.dtype.element_ty), mask=mask)  # rounded once, as addmm_'s epilogue
+
+
+def lora_expand(t: torch.Tensor, targets: list[tuple[torch.Tensor, int, int, torch.Tensor]]) -> None:
+    """y += t[:, off:off+rank] · b_t for each (y, off, rank, b_t) of one projection group, in place and in
+    ONE launch (the members share the group's shrink t [M, sum of ranks]). What `addmm_` per member
+    computes: the products accumulated in float32, added to y in float32 and rounded once to its dtype.
+
+    y: [M, N_i] (rows may be strided, columns contiguous: the base GEMMs' outputs); b_t: [rank_i, N_i]
+    contiguous, the adapter's own buffers (LoRAGroup.targets): a bind's copy_lora / clear_lora refresh
+    them in place, so CUDA graphs over this launch stay valid. 1..3 members."""
+    if not 1 <= len(targets) <= MAX_EXPAND_OUTPUTS:
+        raise ValueError(f"lora_expand: 1..{MAX_EXPAND_OUTPUTS} targets, got {len(targets)}")
+    m = t.shape[0]
+    if t.stride(1) != 1:
+        raise ValueError(f"lora_expand: t {tuple(t.shape)} stride {t.stride()}: columns must be contiguous")
+    for y, off, rank, b_t in targets:
+        if (
+            y.shape != (m, b_t.shape[1])
+            or y.stride(1) != 1
+            or not b_t.is_contiguous()
+            or b_t.shape[0] != rank
+            or not 0 <= off <= t.shape[1] - rank
+        ):
+            raise ValueError(
+                f"lora_expand: output {tuple(y.shape)} stride {y.stride()} does not fit its expand "
+                f"(t {tuple(t.shape)}, offset {off}, rank {rank}, b_t {tuple(b_t.shape)} "
+                f"contiguous={b_t.is_contiguous()})"
+            )
+    outputs = [y for y, _o, _r, _b in targets]
+    pad = MAX_EXPAND_OUTPUTS - len(outputs)
+    ys = list(outputs) + [outputs[0]] * pad
+    bs = [b for _y, _o, _r, b in targets] + [targets[0][3]] * pad
+    ns = [y.shape[1] for y in outputs] + [0] * pad
+    offs = [o for _y, o, _r, _b in targets] + [0] * pad
+    ranks = [r for _y, _o, r, _b in targets] + [0] * pad
+    strides = [y.stride(0) for y in outputs] + [0] * pad
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 128
+    # tl.dot needs K >= 16; ranks above 64 loop over blocks of 64
+    block_r = min(max(16, triton.next_power_of_2(max(ranks))), 64)
+    grid = (sum(triton.cdiv(n, block_n) for n in ns), triton.cdiv(m, block_m))
+    _lora_expand_kernel[grid](
+        t,
+        *ys,
+        *bs,
+        *ns,
+        *offs,
+        *ranks,
+        *strides,
+        m,
+        t.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        PRECISION=DOT_PRECISION[t.dtype],
+        num_warps=4,
+    )

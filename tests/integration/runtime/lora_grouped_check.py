@@ -1,0 +1,154 @@
+"""Run by test_lora_grouped.py in a child with TRITON_INTERPRET=1: the CUDA model code (Triton kernels
+interpreted on CPU tensors) with each `lora_expand` mode against the plain torch CPU forward (one addmm_
+per projection), float32.
+
+    python -m tests.integration.runtime.lora_grouped_check MODEL_DIR NAME=ADAPTER_DIR ...
+
+Prints one line per check and `ok` last; exits non-zero (an AssertionError) on the first difference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from lorafn.runtime.config import LORA_EXPANDS, ModelConfig
+from lorafn.runtime.kv_cache import KVCache
+from lorafn.runtime.local_weights import SafetensorsWeightSource
+from lorafn.runtime.lora import LoRAWeights, clear_lora, copy_lora, load_lora, zero_lora
+from lorafn.runtime.models import triton_ops
+from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
+
+TOL = 2e-6  # relative (norm) difference allowed between modes: float32 accumulation order only
+DEV = torch.device("cpu")
+
+
+def _steps(cfg: ModelConfig) -> list[ForwardBatch]:
+    """A 24-token prompt of sequence 0 (above the 16-row limit: a large step), a 21-token prompt of
+    sequence 1 beside a decode of sequence 0 (22 rows: a mixed large step), then a decode (a small step)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> torch.Tensor:
+        return torch.randint(5, cfg.vocab_size - 5, (n,), generator=gen)
+
+    steps = [
+        ForwardBatch(
+            ids(24), torch.arange(24), torch.arange(24), 0, None, None, [PrefillSpan(0, 24, 0)], None
+        )
+    ]
+    steps.append(
+        ForwardBatch(
+            ids(22),
+            torch.cat([torch.tensor([24]), torch.arange(21)]),
+            torch.cat([torch.tensor([24]), 32 + torch.arange(21)]),
+            1,
+            torch.tensor([[0, 1]], dtype=torch.int32),
+            torch.tensor([25], dtype=torch.int32),
+            [PrefillSpan(1, 21, 0)],
+            None,
+        )
+    )
+    steps.append(
+        ForwardBatch(
+            ids(1),
+            torch.tensor([25]),
+            torch.tensor([25]),
+            1,
+            torch.tensor([[0, 1]], dtype=torch.int32),
+            torch.tensor([26], dtype=torch.int32),
+            [],
+            None,
+        )
+    )
+    return steps
+
+
+def _forward(
+    model_dir: Path, cfg: ModelConfig, lora: LoRAWeights | None, *, triton: bool, fused: bool, mode: str
+) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """(logits of every step, the KV cache after them, lora_expand launches) of one model variant."""
+    model = LlamaModel(
+        cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
+        use_triton_attention=triton, fused_decode=fused, lora_expand=mode,
+    )  # fmt: skip
+    assert (model.fused is not None) == fused, "the fused path did not turn on"
+    kv = KVCache(cfg, 8, 16, DEV, torch.float32)
+    launches = 0
+    real = triton_ops.lora_expand
+
+    def counted(t, targets) -> None:
+        nonlocal launches
+        launches += 1
+        real(t, targets)
+
+    triton_ops.lora_expand = counted
+    try:
+        logits = [model.forward(step, kv.layers) for step in _steps(cfg)]
+    finally:
+        triton_ops.lora_expand = real
+    return logits, kv.data.clone(), launches
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _same(name: str, got, want) -> None:
+    logits, kv, _ = got
+    ref_logits, ref_kv, _ = want
+    for i, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
+        assert _rel(a, b) < TOL, f"{name}: step {i} logits differ by {_rel(a, b):.2e}"
+    assert _rel(kv, ref_kv) < TOL, f"{name}: KV cache differs by {_rel(kv, ref_kv):.2e}"
+
+
+def main(argv: list[str]) -> None:
+    model_dir = Path(argv[0])
+    adapters = {name: Path(path) for name, path in (a.split("=", 1) for a in argv[1:])}
+    cfg = ModelConfig.from_dir(model_dir)
+    base_ref = _forward(model_dir, cfg, None, triton=False, fused=False, mode="per_projection")
+    large_steps = 2  # steps of more than 16 rows in _steps
+    for n, (name, path) in enumerate(adapters.items()):
+        lora = load_lora(path, cfg, DEV, torch.float32)
+        groups = sum(len(layer) for layer in lora.layers)
+        ref = _forward(model_dir, cfg, lora, triton=False, fused=False, mode="per_projection")
+        assert _rel(ref[0][0], base_ref[0][0]) > 1e-3, f"{name}: the adapter changes nothing"
+        # every mode for the first adapter; the grouped one (the default) for every adapter (interpreting
+        # Triton is slow: ~5-15 s a variant)
+        for fused in (False, True):
+            for mode in LORA_EXPANDS if n == 0 else LORA_EXPANDS[:1]:
+                got = _forward(model_dir, cfg, lora, triton=True, fused=fused, mode=mode)
+                _same(f"{name} fused={fused} {mode}", got, ref)
+                # grouped: one launch per projection group per step (fused: per large step only)
+                want = (large_steps if fused else len(_steps(cfg))) * groups if mode == "grouped" else 0
+                assert got[2] == want, (
+                    f"{name} fused={fused} {mode}: {got[2]} lora_expand launches, want {want}"
+                )
+                print(
+                    f"{name} fused={fused} {mode}: same as per-projection torch ({got[2]} grouped launches)"
+                )
+    # a standby's prepared buffers: copy_lora of each adapter into all-linear buffers of the widest rank
+    # gives that adapter's output through the grouped launches, clear_lora the base model's
+    widest = max(max(load_lora(p, cfg, DEV, torch.float32).ranks.values()) for p in adapters.values())
+    shape = ",".join(f"{m}:{widest}" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"))  # fmt: skip
+    buffers = zero_lora(shape, cfg, DEV, torch.float32)
+    for name, path in list(adapters.items())[1:3]:  # a group with a member missing, then mixed ranks
+        lora = load_lora(path, cfg, DEV, torch.float32)
+        copy_lora(buffers, lora)
+        want = _forward(model_dir, cfg, lora, triton=False, fused=False, mode="per_projection")
+        _same(
+            f"buffers <- {name}",
+            _forward(model_dir, cfg, buffers, triton=True, fused=True, mode="grouped"),
+            want,
+        )
+        print(f"copy_lora({name}) into {shape}: the adapter's output")
+    clear_lora(buffers)
+    _same("cleared", _forward(model_dir, cfg, buffers, triton=True, fused=True, mode="grouped"), base_ref)
+    print("clear_lora: the base model's output")
+    print("ok")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,61 @@
+"""Grouped LoRA expands (one launch per projection group, triton_ops.lora_expand) against one addmm_ per
+projection: the CUDA model code run on CPU tensors with Triton's interpreter, float32, for adapters of
+several shapes (all-linear r16, q/v only r8: a group with a member missing, mixed ranks through
+rank_pattern, rslora, a rank above the kernel's 64-wide rank block), the unfused and the fused forward
+(every `lora_expand` mode for the first adapter); and a standby's prepared buffers: copy_lora of an
+adapter gives its output through the grouped launches, clear_lora the base model's.
+lora_grouped_check.py does the work in a child process (TRITON_INTERPRET must be set before triton is
+imported); ~4 minutes on a 2-core VM."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runtime.engine_helpers import write_hf_model, write_peft_adapter
+
+ROOT = Path(__file__).resolve().parents[3]
+
+ADAPTERS = {
+    "r16-all-linear": dict(r=16, lora_alpha=32, target_modules="all-linear"),
+    "r8-qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "mixed-ranks": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules="all-linear",
+        rank_pattern={"k_proj": 4, "v_proj": 2, "up_proj": 12, "o_proj": 1},
+        alpha_pattern={"down_proj": 5},
+    ),
+    "r16-rslora": dict(r=16, lora_alpha=8, target_modules="all-linear", use_rslora=True),
+    "r80-qkv": dict(r=80, lora_alpha=40, target_modules=["q_proj", "k_proj", "v_proj"]),
+}
+
+
+def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Path) -> None:
+    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+        pytest.skip("Triton wheels exist for Linux x86-64 only")
+    import triton  # noqa: F401  (a dev dependency on Linux x86-64: its absence is a failure there)
+
+    model = write_hf_model(tmp_path / "m", tiny_model_dir, "llama")
+    args = [str(model)]
+    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
+        args.append(f"{name}={write_peft_adapter(model, tmp_path / name, seed=11 + i, **kwargs)}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.runtime.lora_grouped_check", *args],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=580,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+        proc.stdout[-2000:] + proc.stderr[-4000:]
+    )
+    for i, name in enumerate(ADAPTERS):  # the first adapter in every mode, each in grouped, fused and not
+        assert proc.stdout.count(f"{name} fused=") == (6 if i == 0 else 2), proc.stdout
+    assert "clear_lora: the base model's output" in proc.stdout
