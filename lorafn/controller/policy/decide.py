@@ -440,7 +440,13 @@ class _Round:
         ]
         cap = self.config.max_fresh_starts_per_gpu
         slots = None if cap is None else {g: max(0, cap - self.starting[g]) for g in self.account}
-        targets, actions = plan_pool(self.snapshot, self.ledger, pool, cold, self.config, self.where, slots)
+        claimed: dict[tuple[str, str], int] = defaultdict(int)
+        for w in self.snapshot.workers:
+            if w.id in self.claimed and w.id not in self.gone:
+                claimed[(w.gpu, w.backbone)] += 1
+        targets, actions = plan_pool(
+            self.snapshot, self.ledger, pool, cold, self.config, self.where, slots, claimed
+        )
         self.actions.extend(actions)
         return targets
 

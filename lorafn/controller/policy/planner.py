@@ -213,8 +213,13 @@ def pool_problem(
     cold: ColdDemand,
     config: PolicyConfig,
     where: Mapping[str, list[str]] | None = None,
+    claimed: Mapping[tuple[str, str], int] | None = None,
 ) -> PoolProblem:
-    """The knapsack instance of one round (see the module docstring)."""
+    """The knapsack instance of one round (see the module docstring). ``claimed``: (gpu, backbone) -> standbys
+    still starting that this round's demand waits for (`decide`): pool processes until they bind, so they
+    take their place under ``max_standby_per_gpu`` (the Kubernetes executor clamps pool pods to it: a
+    replacement asked for beside them pushed the claimed pod out, and the function waited on a new one every
+    round)."""
     where = holds(snapshot) if where is None else where
     capacity = {g: max(0, n) for g, n in free.items()}
     incumbents: dict[Key, list[Worker]] = defaultdict(list)
@@ -231,7 +236,7 @@ def pool_problem(
         if not gpus or b.max_standby_per_gpu == 0:
             continue
         for g in gpus:
-            limits[(g, b.name)] = b.max_standby_per_gpu
+            limits[(g, b.name)] = max(0, b.max_standby_per_gpu - (claimed or {}).get((g, b.name), 0))
         kmax = b.max_standby_per_gpu * len(gpus)
         shapes = sorted({s for (name, s) in cold.wake if name == b.name and s is not None})
         for shape in shapes:
@@ -268,12 +273,14 @@ def plan_pool(
     config: PolicyConfig,
     where: Mapping[str, list[str]] | None = None,
     start_slots: Mapping[str, int] | None = None,
+    claimed: Mapping[tuple[str, str], int] | None = None,
 ) -> tuple[list[PoolTarget], list[Start | Stop]]:
     """Targets and the Start/Stop actions that reach them; updates ``ledger`` with them. ``start_slots``:
     fresh starts each GPU may still begin this round (`PolicyConfig.max_fresh_starts_per_gpu`; None: no
     cap); a standby without a slot is planned again next round and its target waits with it."""
     where = holds(snapshot) if where is None else where
-    pp = pool_problem(snapshot, ledger.free, pool, cold, config, where)
+    claimed = claimed or {}
+    pp = pool_problem(snapshot, ledger.free, pool, cold, config, where, claimed)
     solution = greedy(pp.problem)
     room = dict(pp.problem.capacity)
     target: dict[tuple[str, str, str | None], int] = defaultdict(int)
@@ -327,7 +334,9 @@ def plan_pool(
         # what the popular shape's registered functions need of a standby (0 without functions)
         need = functions_need(snapshot, (b.name, popular)) if popular is not None else 0
         for gpu in where.get(b.name, ()):
-            missing = b.min_standby_per_gpu - per_gpu_backbone[(gpu, b.name)]
+            # (the floor, like the limit, counts the claimed standbys: pool processes until they bind)
+            floor = min(b.min_standby_per_gpu, b.max_standby_per_gpu - claimed.get((gpu, b.name), 0))
+            missing = floor - per_gpu_backbone[(gpu, b.name)]
             if missing <= 0:
                 continue
             spare = [w for w in by_place.get((gpu, b.name), ()) if w.id not in keep]

@@ -233,3 +233,19 @@ def test_burst_overrides_keep_defaults_for_none_and_read_a_zero_cap_as_none():
     off = PolicyConfig(**burst_overrides(0.0, 0, 0.0))
     assert (off.cold_prior_rps, off.max_fresh_starts_per_gpu, off.thrash_horizon_starts) == (0.0, None, 0.0)
     assert PolicyConfig(**burst_overrides(None, 3, None)).max_fresh_starts_per_gpu == 3
+
+
+def test_a_claimed_warming_standby_keeps_its_place_under_max_standby():
+    # the Kubernetes executor clamps pool pods to warmPool.maxStandby: a replacement asked for beside a
+    # claimed standby pushed the claimed pod out, and the function waited on a new one every round (found
+    # by tests/integration/controller once the prior kept the pool at its maximum)
+    bb = (Backbone("llama", 13 * GiB, min_standby_per_gpu=0, max_standby_per_gpu=2),)
+    warming = [Worker(f"p{i}", "g0", "llama", "starting", "r16", None, 2 * GiB, age_s=0.5) for i in range(2)]
+    functions = [fn("ns/a", queued=1)] + [fn(f"ns/f{i}", arrival_rate=0.5) for i in range(8)]
+    plan = decide(snap([gpu("g0")], functions, warming, bb, FAST))
+    assert "warming up" in plan.of_type(Wait)[0].reason
+    assert pool_starts(plan) == 0 and not plan.of_type(Stop)
+    # with the floor too
+    floor = (dataclasses.replace(bb[0], min_standby_per_gpu=2),)
+    plan = decide(snap([gpu("g0")], functions, warming, floor, FAST), PolicyConfig(cold_prior_rps=0.0))
+    assert pool_starts(plan) == 0 and not plan.of_type(Stop)
