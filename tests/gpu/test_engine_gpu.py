@@ -232,3 +232,148 @@ def test_engine_turns_cudnn_attention_off_and_prefill_matches_math(tiny_model_di
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     del engine
     _free()
+
+
+# --- grouped LoRA expands (EngineConfig.lora_expand; triton_ops.lora_expand) -------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [17, 32, 64, 512, 513])
+@pytest.mark.parametrize(
+    "widths,ranks",
+    [
+        ((4096, 4096, 4096), (16, 16, 16)),  # llama-2-7b q/k/v
+        ((4096, 1024, 1024), (8, 16, 4)),  # GQA q/k/v, mixed ranks
+        ((11008, 11008), (16, 16)),  # gate/up
+        ((4096, 4096), (8, 8)),  # q and v only (k absent)
+        ((4096,), (80,)),  # o or down, a rank above the 64-wide rank block
+    ],
+)
+def test_lora_expand_kernel_matches_addmm(dtype, rows, widths, ranks) -> None:
+    """One launch per group = addmm_ per projection: float32 within 1e-5, bf16 within a bf16 rounding step
+    of the output (both accumulate in float32 and round once; only the summation order may differ)."""
+    from lorafn.runtime.models import triton_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    t = torch.randn(rows, sum(ranks), device="cuda", generator=gen, dtype=dtype)
+    offs = [sum(ranks[:i]) for i in range(len(ranks))]
+    wide = torch.randn(rows, sum(widths) + 64, device="cuda", generator=gen, dtype=dtype)
+    ys = [wide[:, sum(widths[:i]) : sum(widths[: i + 1])] for i in range(len(widths))]  # strided rows
+    bs = [
+        torch.randn(r, n, device="cuda", generator=gen, dtype=dtype) / 4
+        for r, n in zip(ranks, widths, strict=True)
+    ]
+    want = [y.clone().addmm_(t[:, o : o + r], b) for y, o, r, b in zip(ys, offs, ranks, bs, strict=True)]
+    untouched = wide[:, sum(widths) :].clone()
+    triton_ops.lora_expand(t, list(zip(ys, offs, ranks, bs, strict=True)))
+    for y, w in zip(ys, want, strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, w, atol=1e-5, rtol=1e-5)
+        else:  # at most one bf16 step apart (2^-7 relative), and almost everywhere equal
+            torch.testing.assert_close(y.float(), w.float(), atol=1e-2, rtol=2**-7)
+            assert (y != w).float().mean().item() < 0.05
+    assert torch.equal(wide[:, sum(widths) :], untouched)  # nothing written beyond the outputs
+
+
+def test_tiny_lora_expand_modes_same_tokens_fp32(tiny_model_dir: Path, tiny_gpu_adapter: Path) -> None:
+    """fp32: grouped, per-projection and in-kernel expands give the same greedy tokens, with decode batches
+    above 16 rows (40 sequences: the large path, replayed from the bucket-64 graph) and without graphs."""
+    prompts = mixed_prompts(seed=9, lengths=tuple(3 + (7 * i) % 50 for i in range(40)), vocab=1000)
+    outs = {}
+    for mode in ("grouped", "per_projection", "in_kernels"):
+        for graphs in (True, False):
+            engine = Engine(
+                EngineConfig(
+                    model=tiny_model_dir,
+                    adapter=tiny_gpu_adapter,
+                    device="cuda",
+                    dtype="float32",
+                    use_cuda_graphs=graphs,
+                    max_num_seqs=48,
+                    num_kv_blocks=512,
+                    lora_expand=mode,
+                )
+            )
+            assert engine.runner.model.lora_expand == mode
+            outs[(mode, graphs)] = engine_greedy(engine, prompts, 16)
+            del engine
+            _free()
+    assert all(o == outs[("per_projection", False)] for o in outs.values())
+
+
+class _Resident:
+    """A WeightSource over tensors already on the GPU: several models of one test share one copy."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from lorafn.runtime.local_weights import SafetensorsWeightSource
+
+        files = SafetensorsWeightSource(model_dir)
+        self.tensors = {n: files.get(n, torch.device("cuda"), torch.bfloat16) for n in files.names()}
+        files.close()
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self.tensors[name].to(device=device, dtype=dtype)
+
+    def read_only(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.tensors.clear()
+
+
+def test_llama7b_lora_expand_modes_prefill_bf16(llama7b_dir, adapter7b) -> None:
+    """bf16, llama-2-7b, r16 all-linear: a 512-token prefill, then a step of one decode beside a 100-token
+    prefill (both large steps). bf16 roundings differ in order between the modes, so each is compared with
+    the float32 forward (per projection), as test_fused_decode_gpu does: grouped and in-kernel expands may
+    not be further from it than per-projection ones (x1.5 + 1e-3), and the adapter must change the logits
+    far more than that distance (a member left out or added twice then fails)."""
+    from lorafn.runtime.kv_cache import KVCache
+    from lorafn.runtime.lora import load_lora
+    from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
+
+    cfg = ModelConfig.from_dir(llama7b_dir)
+    dev = torch.device("cuda")
+    source = _Resident(llama7b_dir)
+    lora = load_lora(adapter7b, cfg, dev, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(10, 31000, (612,), device=dev, generator=gen)
+    steps = [
+        ForwardBatch(ids[:512], torch.arange(512, device=dev), torch.arange(512, device=dev), 0, None, None,
+                     [PrefillSpan(0, 512, 0)], torch.tensor([511], device=dev)),
+        ForwardBatch(ids[511:612], torch.cat([torch.tensor([512]), torch.arange(100)]).to(dev),
+                     torch.cat([torch.tensor([512]), 528 + torch.arange(100)]).to(dev), 1,
+                     torch.arange(33, dtype=torch.int32, device=dev)[None, :],
+                     torch.tensor([513], dtype=torch.int32, device=dev), [PrefillSpan(1, 100, 0)], None),
+    ]  # fmt: skip
+
+    def run(adapter, mode: str, dtype: torch.dtype = torch.bfloat16):
+        model = LlamaModel(cfg, source, dev, dtype, adapter, max_position=1024,
+                           use_triton_attention=True, fused_decode=True, lora_expand=mode)  # fmt: skip
+        kv = KVCache(cfg, 48, 16, dev, dtype)
+        logits = [model.forward(s, kv.layers).float() for s in steps]
+        out = logits, kv.data.float()
+        del model, kv
+        _free()
+        return out
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    ref = run(load_lora(adapter7b, cfg, dev, torch.float32), "per_projection", torch.float32)
+    base = run(None, "per_projection", torch.float32)
+    plain = run(lora, "per_projection")
+    plain_dist = [rel(a, r) for a, r in zip(plain[0], ref[0], strict=True)]
+    for i, (r, b) in enumerate(zip(ref[0], base[0], strict=True)):
+        assert rel(r, b) > 2 * plain_dist[i] + 1e-3, f"step {i}: the adapter changes too little to tell modes"
+    for mode in ("grouped", "in_kernels"):
+        got = run(lora, mode)
+        for i, (a, r) in enumerate(zip(got[0], ref[0], strict=True)):
+            assert rel(a, r) <= 1.5 * plain_dist[i] + 1e-3, (
+                f"{mode} step {i}: {rel(a, r):.4f} vs {plain_dist[i]:.4f}"
+            )
+        assert rel(got[1], ref[1]) <= 1.5 * rel(plain[1], ref[1]) + 1e-3, mode
+    source.close()
+    _free()
