@@ -233,21 +233,31 @@ class Platform:
             time.sleep(0.25)
         print(f"the pool of {backbone} did not settle within {timeout_s} s; measuring anyway", flush=True)
 
-    def wait_preloaded(self, function: str, timeout_s: float = 60) -> bool:
-        """Until a standby heartbeats that it holds `function`'s adapter (the controller's pre-loading)."""
+    def wait_preloaded(self, functions: list[str], timeout_s: float = 60) -> str:
+        """Until a standby heartbeats that it holds the adapter of one of `functions` (the controller's
+        pre-loading); that function (the first of them if none was pre-loaded in time)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if any(
-                h.get("state") == "standby" and h.get("preloaded") == function
-                for h in self.workers().values()
-            ):
-                return True
+            held = {h.get("preloaded") for h in self.workers().values() if h.get("state") == "standby"}
+            for function in functions:
+                if function in held:
+                    return function
             time.sleep(0.2)
-        print(f"no standby pre-loaded {function} within {timeout_s} s; measuring anyway", flush=True)
-        return False
+        print(f"no standby pre-loaded any of {functions} within {timeout_s} s; measuring anyway", flush=True)
+        return functions[0]
 
-    def status(self, function: str) -> dict[str, str]:
-        return self.redis.hgetall(f"lorafn:fn:{function}:status")
+    def status(self, function: str, since_ms: float | None = None, timeout_s: float = 10) -> dict[str, str]:
+        """The function's status hash; with `since_ms`, once it records a cold start after then (the
+        controller writes it on the round after the worker's `bound` event: the reply can come first)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.redis.hgetall(f"lorafn:fn:{function}:status")
+            if since_ms is None or int(status.get("last_cold_at_ms") or 0) >= since_ms:
+                return status
+            if time.monotonic() > deadline:
+                print(f"{function}: no cold start recorded within {timeout_s} s", flush=True)
+                return status
+            time.sleep(0.1)
 
     def cold_timeline(self, function: str) -> dict[str, float]:
         """Where the first request of `function` spent its time, on Redis's clock (entry ids are server
@@ -379,14 +389,15 @@ def main() -> None:
         url = platform.state["gateway_url"]
         rows: dict[str, dict[str, Any]] = {}
         if not args.density_only:
-            samples = []
-            for name in cold_fns:
+            samples, remaining = [], [f"bench/{n}" for n in cold_fns]
+            while remaining:
                 # the pool's refill after the previous bind warms up (forward passes, graphs): let it finish
-                # and pre-load this function, or it runs beside the request and inflates it
+                # and pre-load a function, or it runs beside the request and inflates it
                 platform.wait_standby("pooled", shape)
                 platform.wait_pool_settled("pooled")
-                platform.wait_preloaded(f"bench/{name}")
-                up_cpu = cpu_ms(platform.proc.pid)
+                name = platform.wait_preloaded(remaining).split("/", 1)[1]
+                remaining.remove(f"bench/{name}")
+                up_cpu, sent_ms = cpu_ms(platform.proc.pid), time.time() * 1000
                 t, rid = ttft_ms(url, f"k-{name}", f"bench/{name}", prompt, args.max_tokens, 600)
                 sample = {
                     "function": name,
@@ -394,12 +405,12 @@ def main() -> None:
                     "rid": rid,
                     "up_cpu_ms": cpu_ms(platform.proc.pid) - up_cpu,
                     **platform.cold_timeline(f"bench/{name}"),
-                    **platform.status(f"bench/{name}"),
+                    **platform.status(f"bench/{name}", since_ms=sent_ms),
                 }
                 print("standby", sample, flush=True)
                 samples.append(sample)
             middle = sorted(samples, key=lambda x: x["ttft_ms"])[len(samples) // 2]
-            rows["standby"] = {**middle, "all_ms": [x["ttft_ms"] for x in samples]}
+            rows["standby"] = {**middle, "all_ms": [x["ttft_ms"] for x in samples], "samples": samples}
             platform.wait_standby("pooled", shape)
             platform.wait_pool_settled("pooled")
             up_cpu = cpu_ms(platform.proc.pid)
@@ -417,12 +428,13 @@ def main() -> None:
             }
             print("warm", rows["warm"], flush=True)
             up_cpu = cpu_ms(platform.proc.pid)
+            sent_ms = time.time() * 1000
             t, rid = ttft_ms(url, "k-fresh", "bench/freshfn", prompt, args.max_tokens, 600)
             rows["fresh"] = {
                 "ttft_ms": t,
                 "rid": rid,
                 "up_cpu_ms": cpu_ms(platform.proc.pid) - up_cpu,
-                **platform.status("bench/freshfn"),
+                **platform.status("bench/freshfn", since_ms=sent_ms),
             }
             print("fresh", rows["fresh"], flush=True)
         if args.density:
@@ -430,8 +442,9 @@ def main() -> None:
     finally:
         platform.stop()
     for row in rows.values():  # the processes' own lines, complete once they stopped
-        if row.get("rid"):
-            row.update(request_stages(platform.state_dir / "logs", row["rid"]))
+        for r in [row, *row.get("samples", [])]:
+            if r.get("rid"):
+                r.update(request_stages(platform.state_dir / "logs", r["rid"]))
     if not args.skip_no_share and not args.density_only:
         rows["no-share"] = {"ttft_ms": no_share_ms(model, adapters[0], args.device, prompt)}
     results["rows"] = rows
@@ -471,6 +484,14 @@ def main() -> None:
             + ", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} {st[k]:.0f} ms" for k in parts if k in st)
         )
     print(stage_table(rows))
+    for sample in rows.get("standby", {}).get("samples", []):
+        print(
+            f"standby sample {sample['function']}: TTFT {sample['ttft_ms']:.1f} ms, "
+            f"worker queued {sample.get('wk_queued_ms', float('nan')):.1f} ms, "
+            f"prefill {sample.get('wk_prefill_ms', float('nan')):.1f} ms, "
+            f"claimed {sample.get('last_cold_claimed', '?')}, "
+            f"pre-loaded {sample.get('last_cold_preloaded', '?')}"
+        )
     print("target (issue 10): standby cold start <= 1.15 x warm TTFT")
     if "density" in rows:
         d = rows["density"]

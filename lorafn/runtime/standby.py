@@ -266,6 +266,8 @@ class Standby:
             _, record = self.store.run(
                 combine(self._beat_op("binding", function, memory=False), get_function(self.keys, function))
             )
+        if record is not None and self._holds(function, record.adapter_dir):
+            return self._bind(function, t0, record)  # registration only: no time for a heartbeat to lapse
         # Loading a big adapter (or capturing graphs for a new shape) can outlast the heartbeat TTL: keep
         # beating from a thread, or the controller sees no worker and starts a second one.
         done = threading.Event()
@@ -308,12 +310,17 @@ class Standby:
             raise ValueError(f"function {function} has no adapter directory")
         return record
 
+    def _holds(self, function: str, adapter_dir: str) -> bool:
+        """Whether the prepared buffers hold `function`'s adapter, its files unchanged since the pre-load."""
+        return self._preloaded == (function, adapter_dir, _stamp(adapter_dir))
+
     def _bind(self, function: str, t0: float, record: Any) -> tuple[Any, float]:
         record = self._record(function, record)
         t_record = time.perf_counter()
-        held, self._preloaded = self._preloaded, None
+        fits = self._holds(function, record.adapter_dir)
+        self._preloaded = None
         runner = getattr(self.engine, "runner", None)
-        if held is not None and held == (function, record.adapter_dir, _stamp(record.adapter_dir)):
+        if fits:
             runner.prepared = False  # the buffers hold this function's adapter: they are its own now
             how = "pre-loaded"
             self.bound_preloaded = True
