@@ -22,8 +22,9 @@ Order of work (each step sees the memory the previous ones granted or freed):
    d. else Start a fresh bound worker on the GPU with a start slot and the most free memory;
    e. else offload (offload.py) on the GPU where it loses the least value, then Start there (each
       Stop names its cause: a cold start, the min_replicas floor, or a scale-up under a burst); an idle
-      bound worker whose function is expected back within ``thrash_horizon_starts`` fresh starts is
-      offloaded only for a cold start or min_replicas floor whose deadline a start now still meets;
+      bound worker whose function is expected back within ``thrash_horizon_starts`` fresh starts goes
+      last, never for a scale-up, and for a cold start only when a start now still meets its request's
+      deadline or the request has waited that horizon already;
    f. else Wait with the reason (the GPUs' memory numbers).
    Last, offline batch backlog (``Function.batch_backlog``, docs/batch.md): a function with n live workers
    wants ``n + floor(backlog / batch_backlog_per_worker)`` (up to ``max_replicas``) and binds ready
