@@ -27,7 +27,8 @@ Out (actions.py): `Plan(actions, pool, account)`:
 
 Modules: account (memory account), backoff (failed starts), offload (victims under pressure),
 knapsack (generic greedy with precedence), exact (exact solver for small instances), planner (the
-warm pool), decide (one round), synthetic (seeded random snapshots for tests and the benchmark).
+warm pool), decide (one round), synthetic (seeded random snapshots for tests and the benchmark), simulate
+(the policy driven round by round over a trace's arrivals against a model of workers: bench/policy_replay.py).
 """
 
 from lorafn.controller.policy.account import MemoryAccount
