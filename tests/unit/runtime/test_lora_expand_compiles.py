@@ -1,0 +1,35 @@
+"""triton_ops.lora_expand's kernel compiles for an H100 (sm_90) on a machine without a GPU: Triton's
+interpreter (test_lora_grouped.py) runs the kernel's math in numpy and never lowers it, so this is the CPU
+check that the code generator accepts it (every row-tile height, bf16 and float32, ranks up to and above
+the rank block)."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "ieee")])
+@pytest.mark.parametrize("block_m,block_r", [(16, 16), (32, 16), (64, 64)])
+def test_lora_expand_kernel_compiles_for_sm90(dtype: str, precision: str, block_m: int, block_r: int) -> None:
+    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+        pytest.skip("Triton wheels exist for Linux x86-64 only")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lorafn.runtime.models import triton_ops
+
+    fn = triton_ops._lora_expand_kernel
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=block_r, PRECISION=precision)
+    pointers = ("T", "Y0", "Y1", "Y2", "B0", "B1", "B2")
+    signature = {
+        n: f"*{dtype}" if n in pointers else "constexpr" if n in constexprs else "i32" for n in fn.arg_names
+    }
+    src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert kernel.metadata.num_warps == 4
+    # bf16: tl.dot on the tensor cores; float32 "ieee" (the exactness tests' dtype) is plain FMAs
+    assert ("mma" in kernel.asm["ptx"]) == (dtype == "bf16")
