@@ -123,6 +123,38 @@ def measure_engine(
     return result
 
 
+def profile_prefill(engine: Engine, prompt_len: int, vocab: int) -> dict[str, tuple[int, float]]:
+    """{kernel family: (kernels, µs)} of one prefill of `prompt_len` tokens (mean of 3; CUPTI)."""
+    from decode_profile import kernel_table  # (it imports this module: imported here, when needed)
+
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompt = random_prompts(1, prompt_len, vocab, 7)
+    return kernel_table(lambda: engine.generate(prompt, greedy), steps=3)
+
+
+def print_prefill_kernels(f: dict, names: list[str], top: int = 14) -> None:
+    """Side by side: kernels and µs per prefill by family, the largest `top` families, then the totals."""
+    runs = [(n, f[n]["prefill_kernels"]) for n in names if "prefill_kernels" in f.get(n, {})]
+    if not runs:
+        return
+    families = sorted(
+        {k for _n, t in runs for k in t}, key=lambda k: -max(t.get(k, (0, 0.0))[1] for _n, t in runs)
+    )
+    print(f"\nwhere one prefill of {f['prompt_len']} tokens goes (kernels / µs, CUDA time):")
+    print(f"{'kernel family':<62}" + "".join(f" {n[:18]:>18}" for n, _t in runs))
+    for k in families[:top]:
+        print(
+            f"{k[:62]:<62}"
+            + "".join(f" {t.get(k, (0, 0.0))[0]:>6} {t.get(k, (0, 0.0))[1]:>11.0f}" for _n, t in runs)
+        )
+    print(
+        f"{'total':<62}"
+        + "".join(
+            f" {sum(c for c, _u in t.values()):>6} {sum(u for _c, u in t.values()):>11.0f}" for _n, t in runs
+        )
+    )
+
+
 def measure_hf(
     model_dir: Path,
     adapter: Path,
@@ -189,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         "--expand-modes",
         default=",".join(LORA_EXPANDS[1:]),
         help=f"lora_expand modes measured beside the default {LORA_EXPANDS[0]!r} (comma-separated, or '')",
+    )
+    ap.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="CUDA: a kernel table of one prefill per engine (torch.profiler, as bench/decode_profile.py)",
     )
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -268,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"{name}_graph_capture_s"] = engine.runner.graph_capture_s
         figures["weight_bytes"] = engine.runner.model.weight_bytes()
         figures[name] = measure_engine(engine, prompt_len, run_batches, decode_tokens, mc.vocab_size)
+        if args.profile_prefill and device.type == "cuda":
+            figures[name]["prefill_kernels"] = profile_prefill(engine, prompt_len, mc.vocab_size)
         del engine
         gc.collect()
         if device.type == "cuda":
@@ -284,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["hbm_floor_tpot_s"] = floor
 
     print_table(figures, batches, tiny)
+    print_prefill_kernels(figures, [name for name, *_rest in runs])
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
     return 0
