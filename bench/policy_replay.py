@@ -9,6 +9,12 @@ with the same --functions/--rate/--duration/--trace-start. The platform is a mod
 module): its figures compare policies with each other, not with the GPU; the defaults are the H100
 replay's (llama-2-7b bf16 backbone 12.6 GiB, ~2 s fresh starts, ~10 at full speed at once).
 
+"before" is this build with the three switches off; two fixes made with them are not switches (a claimed
+starting standby keeps its place under maxStandby; pre-loading only into a standby the function fits). The
+policy of commit b722e86 (before all of it) on the same simulator, host running 4 starts at full speed:
+KV 512 MiB: SLO violations 5.8%, 12 fresh starts, 12 queued; KV 1024 MiB, 120 s: 18.3%, 73 fresh starts,
+73 offloads (59 of idle bound workers), TTFT p99 13.6 s (the H100 run at f304ad6: 55%, 81, 74).
+
     python bench/policy_replay.py [--functions 32] [--rate 4] [--duration 90] [--kv-mib 512]
                                   [--max-standby 4] [--start-parallelism 10] [--variants ...]
 """
