@@ -377,3 +377,34 @@ def test_llama7b_lora_expand_modes_prefill_bf16(llama7b_dir, adapter7b) -> None:
         assert rel(got[1], ref[1]) <= 1.5 * rel(plain[1], ref[1]) + 1e-3, mode
     source.close()
     _free()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [17, 64, 512, 513])
+@pytest.mark.parametrize("ranks", [(16, 16), (8, 0), (0, 80)])
+def test_silu_mul_expand_matches_addmm_then_silu_mul(dtype, rows, ranks) -> None:
+    """gate/up expands inside SiLU·up (a large step's grouped path) = addmm_ per projection then the torch
+    SiLU·up; float32 within 1e-5, bf16 within one bf16 rounding step (summation order only)."""
+    from lorafn.runtime.models import triton_ops
+    from lorafn.runtime.models.fused_decode import Expand
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    n = 11008
+    t = torch.randn(rows, sum(ranks) + 8, device="cuda", generator=gen, dtype=dtype)
+    gate_up = torch.randn(rows, 2 * n, device="cuda", generator=gen, dtype=dtype)
+    gate, up = gate_up[:, :n], gate_up[:, n:]  # strided rows, as two GEMM outputs of one buffer would be
+    bs = [torch.randn(r, n, device="cuda", generator=gen, dtype=dtype) / 4 for r in ranks]
+    expands = (
+        Expand(t, 0, ranks[0], bs[0]) if ranks[0] else None,
+        Expand(t, ranks[0], ranks[1], bs[1]) if ranks[1] else None,
+    )
+    g, u = gate.clone(), up.clone()
+    for y, e in ((g, expands[0]), (u, expands[1])):
+        if e is not None:
+            y.addmm_(t[:, e.offset : e.offset + e.rank], e.b_t)
+    want = (torch.nn.functional.silu(g.float()).to(dtype).float() * u.float()).to(dtype)
+    got = triton_ops.silu_mul_expand(gate, up, expands)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-6)

@@ -296,9 +296,10 @@ class LlamaModel:
         shrink, add + o expand + norm, gate/up GEMMs + shrink, SiLU·up + expands, down GEMM + shrink (its
         expand joins the next layer's add + norm). A step of at most fused_decode.MAX_TOKENS rows (decode)
         runs each GEMM group as one skinny-GEMM launch; a larger one (prefill, decode batches > 16) through
-        cuBLAS, and adds its expands as `lora_expand` says: one launch per group right after the GEMMs
-        (grouped), one addmm_ per projection, or in the fused kernels as a small step does (in_kernels: no
-        launch, but each of the kernel's programs reads its rows of B again, rows x B bytes)."""
+        cuBLAS, and adds its expands as `lora_expand` says: grouped, one launch per group right after the
+        GEMMs (gate/up: inside SiLU·up, on row tiles); one addmm_ per projection; or in the fused kernels as
+        a small step does (in_kernels: no launch, but each of the kernel's programs reads its rows of B
+        again, rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
         h = F.embedding(batch.input_ids, self.embed)
@@ -337,9 +338,14 @@ class LlamaModel:
                 o_lora = _settle_expands((o,), o_lora, self.expand_ops)
             h, x = ops.add_rms_norm(h, o, layer["post_attention_layernorm"], eps, lora=o_lora and o_lora[0])
             (gate, up), gu_lora = _group_gemm(fd, x, layer, ("gate_proj", "up_proj"), groups)
-            if settle:
-                gu_lora = _settle_expands((gate, up), gu_lora, self.expand_ops)
-            act = fd.silu_mul_lora(gate, up, gu_lora)
+            if settle and gu_lora is not None and self.expand_ops is not None:
+                # grouped: the gate/up expands on the tensor cores inside SiLU·up (one launch, as without
+                # an adapter; a separate expand would write gate/up back and read them again)
+                act = ops.silu_mul_expand(gate, up, gu_lora)
+            else:
+                if settle:
+                    gu_lora = _settle_expands((gate, up), gu_lora, self.expand_ops)
+                act = fd.silu_mul_lora(gate, up, gu_lora)
             (delta,), d_lora = _group_gemm(fd, act, layer, ("down_proj",), groups)
             if settle:
                 d_lora = _settle_expands((delta,), d_lora, self.expand_ops)

@@ -183,6 +183,23 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _expand_tile(
+    acc, T, rm, m_ok, stride_t, off, rank, B, rn, n_ok, n, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr
+):
+    """acc + t[rm, off:off+rank] · B[:, rn] (B: [rank, n] contiguous) in float32 (tl.dot: the tensor cores
+    for bf16/fp16; float32 models get IEEE FMAs, see fused_decode.DOT_PRECISION)."""
+    rr = tl.arange(0, BLOCK_R)
+    for r0 in range(0, rank, BLOCK_R):
+        r_ok = (r0 + rr) < rank
+        t = tl.load(
+            T + rm[:, None] * stride_t + off + r0 + rr[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0
+        )
+        b = tl.load(B + (r0 + rr)[:, None] * n + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(t, b, input_precision=PRECISION)
+    return acc
+
+
 # Not specialized: M, the offsets and the ranks. Triton compiles a variant per integer argument equal to 1
 # or divisible by 16; each is compiled (or read from its cache) and loaded on first use, which for M would
 # be inside a request of a new prefill length, and for ranks/offsets per adapter shape. (Checked: this
@@ -246,17 +263,10 @@ def _lora_expand_kernel(
         first = end1
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rr = tl.arange(0, BLOCK_R)
     m_ok = rm < M
     n_ok = rn < n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):  # one iteration up to rank BLOCK_R (64)
-        r_ok = (r0 + rr) < rank
-        t = tl.load(
-            T + rm[:, None] * stride_t + off + r0 + rr[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0
-        )
-        bt = tl.load(b + (r0 + rr)[:, None] * n + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(t, bt, input_precision=PRECISION)
+    acc = _expand_tile(acc, T, rm, m_ok, stride_t, off, rank, b, rn, n_ok, n, BLOCK_R, PRECISION)
     mask = m_ok[:, None] & n_ok[None, :]
     ptrs = y + rm[:, None] * stride_y + rn[None, :]
     c = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -318,3 +328,91 @@ def lora_expand(t: torch.Tensor, targets: list[tuple[torch.Tensor, int, int, tor
         PRECISION=DOT_PRECISION[t.dtype],
         num_warps=4,
     )
+
+
+@triton.jit(do_not_specialize=["M", "off_g", "off_u", "rank_g", "rank_u"])
+def _silu_mul_expand_kernel(
+    G,
+    U,
+    OUT,
+    T,
+    BG,
+    BU,
+    stride_g,
+    stride_u,
+    stride_t,
+    off_g,
+    off_u,
+    rank_g,
+    rank_u,
+    M,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_ok = rm < M
+    n_ok = rn < N
+    mask = m_ok[:, None] & n_ok[None, :]
+    dt = OUT.dtype.element_ty
+    eg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    eg = _expand_tile(eg, T, rm, m_ok, stride_t, off_g, rank_g, BG, rn, n_ok, N, BLOCK_R, PRECISION)
+    eu = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    eu = _expand_tile(eu, T, rm, m_ok, stride_t, off_u, rank_u, BU, rn, n_ok, N, BLOCK_R, PRECISION)
+    g = tl.load(G + rm[:, None] * stride_g + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rm[:, None] * stride_u + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = (g + eg).to(dt).to(tl.float32)  # each expand added in float32 and rounded once, as addmm_
+    u = (u + eu).to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(OUT + rm[:, None] * N + rn[None, :], (act * u).to(dt), mask=mask)
+
+
+def silu_mul_expand(
+    gate: torch.Tensor, up: torch.Tensor, lora: tuple[Expand | None, Expand | None]
+) -> torch.Tensor:
+    """silu(gate + t·B_gateᵀ) * (up + t·B_upᵀ) for a large step: the gate/up group's expands on the tensor
+    cores, inside the SiLU·up kernel (no extra launch, and gate/up are not written back and read again as
+    after `lora_expand`); the same roundings as `lora_expand` + `silu_mul` and as
+    fused_decode.silu_mul_lora, whose per-row programs re-read B for every row (fine for a decode step of
+    <= 16 rows, not for a prefill). gate, up [M, N] (rows may be strided); [M, N] contiguous."""
+    m, n = gate.shape
+    present = [e for e in lora if e is not None]
+    if (
+        not present
+        or any(e.t is not present[0].t for e in present)
+        or gate.stride(1) != 1
+        or up.stride(1) != 1
+    ):
+        raise ValueError("silu_mul_expand: expands of one group (one t) and outputs with contiguous columns")
+    t = present[0].t
+    out = torch.empty(m, n, device=gate.device, dtype=gate.dtype)
+    eg, eu = lora
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 128
+    block_r = min(max(16, triton.next_power_of_2(max(e.rank for e in present))), 64)
+    _silu_mul_expand_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        gate,
+        up,
+        out,
+        t,
+        eg.b_t if eg is not None else gate,
+        eu.b_t if eu is not None else gate,
+        gate.stride(0),
+        up.stride(0),
+        t.stride(0),
+        eg.offset if eg is not None else 0,
+        eu.offset if eu is not None else 0,
+        eg.rank if eg is not None else 0,
+        eu.rank if eu is not None else 0,
+        m,
+        n,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        PRECISION=DOT_PRECISION[t.dtype],
+        num_warps=4,
+    )
+    return out

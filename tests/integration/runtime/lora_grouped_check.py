@@ -68,7 +68,8 @@ def _steps(cfg: ModelConfig) -> list[ForwardBatch]:
 def _forward(
     model_dir: Path, cfg: ModelConfig, lora: LoRAWeights | None, *, triton: bool, fused: bool, mode: str
 ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """(logits of every step, the KV cache after them, lora_expand launches) of one model variant."""
+    """(logits of every step, the KV cache after them, grouped expand launches: lora_expand and
+    silu_mul_expand) of one model variant."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
         use_triton_attention=triton, fused_decode=fused, lora_expand=mode,
@@ -76,18 +77,23 @@ def _forward(
     assert (model.fused is not None) == fused, "the fused path did not turn on"
     kv = KVCache(cfg, 8, 16, DEV, torch.float32)
     launches = 0
-    real = triton_ops.lora_expand
+    real = {name: getattr(triton_ops, name) for name in ("lora_expand", "silu_mul_expand")}
 
-    def counted(t, targets) -> None:
-        nonlocal launches
-        launches += 1
-        real(t, targets)
+    def counting(fn):
+        def counted(*args):
+            nonlocal launches
+            launches += 1
+            return fn(*args)
 
-    triton_ops.lora_expand = counted
+        return counted
+
+    for name, fn in real.items():
+        setattr(triton_ops, name, counting(fn))
     try:
         logits = [model.forward(step, kv.layers) for step in _steps(cfg)]
     finally:
-        triton_ops.lora_expand = real
+        for name, fn in real.items():
+            setattr(triton_ops, name, fn)
     return logits, kv.data.clone(), launches
 
 
@@ -120,7 +126,8 @@ def main(argv: list[str]) -> None:
             for mode in LORA_EXPANDS if n == 0 else LORA_EXPANDS[:1]:
                 got = _forward(model_dir, cfg, lora, triton=True, fused=fused, mode=mode)
                 _same(f"{name} fused={fused} {mode}", got, ref)
-                # grouped: one launch per projection group per step (fused: per large step only)
+                # grouped: one launch per projection group per step (fused: per large step only; the
+                # gate/up one is silu_mul_expand, which also computes SiLU·up)
                 want = (large_steps if fused else len(_steps(cfg))) * groups if mode == "grouped" else 0
                 assert got[2] == want, (
                     f"{name} fused={fused} {mode}: {got[2]} lora_expand launches, want {want}"

@@ -1,7 +1,7 @@
-"""triton_ops.lora_expand's kernel compiles for an H100 (sm_90) on a machine without a GPU: Triton's
-interpreter (test_lora_grouped.py) runs the kernel's math in numpy and never lowers it, so this is the CPU
-check that the code generator accepts it (every row-tile height, bf16 and float32, ranks up to and above
-the rank block)."""
+"""The grouped-expand kernels of triton_ops (lora_expand, silu_mul_expand) compile for an H100 (sm_90) on a
+machine without a GPU: Triton's interpreter (test_lora_grouped.py) runs their math in numpy and never
+lowers them, so this is the CPU check that the code generator accepts them (every row-tile height, bf16
+and float32, one rank block and several)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import sys
 import pytest
 
 
+@pytest.mark.parametrize("kernel", ["_lora_expand_kernel", "_silu_mul_expand_kernel"])
 @pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "ieee")])
 @pytest.mark.parametrize("block_m,block_r", [(16, 16), (32, 16), (64, 64)])
-def test_lora_expand_kernel_compiles_for_sm90(dtype: str, precision: str, block_m: int, block_r: int) -> None:
+def test_expand_kernels_compile_for_sm90(
+    kernel: str, dtype: str, precision: str, block_m: int, block_r: int
+) -> None:
     if not (sys.platform == "linux" and platform.machine() == "x86_64"):
         pytest.skip("Triton wheels exist for Linux x86-64 only")
     import triton
@@ -22,9 +25,9 @@ def test_lora_expand_kernel_compiles_for_sm90(dtype: str, precision: str, block_
 
     from lorafn.runtime.models import triton_ops
 
-    fn = triton_ops._lora_expand_kernel
+    fn = getattr(triton_ops, kernel)
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=block_r, PRECISION=precision)
-    pointers = ("T", "Y0", "Y1", "Y2", "B0", "B1", "B2")
+    pointers = ("T", "Y0", "Y1", "Y2", "B0", "B1", "B2", "G", "U", "OUT", "BG", "BU")
     signature = {
         n: f"*{dtype}" if n in pointers else "constexpr" if n in constexprs else "i32" for n in fn.arg_names
     }
