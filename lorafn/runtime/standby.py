@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any
 
-from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, combine, control, workers
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, combine, control, streams, workers
 
 log = logging.getLogger("lorafn.worker")
 
@@ -80,6 +80,7 @@ class Standby:
         self._ready: tuple[str, Any, Any] | None = None
         self._claimed: Any = None  # the registration read when it took its function's first request
         self.claimed = False  # it took the first request itself (no bind command)
+        self.claim_marks: dict[str, float] = {}
 
     def stop(self, *_: Any) -> None:
         self._stopping = True
@@ -154,8 +155,11 @@ class Standby:
                 log.warning("standby %s: ignoring control command %r", self.worker_id, body)
             if arrived is not None and watched is not None and self._watched() == watched:
                 self._watch_after = arrived
+                # unix ms: the request's enqueue (its entry id), this wake-up, the claim's answer
+                self.claim_marks = {"enqueued": streams.entry_ms(arrived), "woke": time.time() * 1000}
                 try:
                     if self._claim(watched):
+                        self.claim_marks["claimed"] = time.time() * 1000
                         return watched
                 except UNAVAILABLE_ERRORS as e:
                     log.warning("standby %s: Redis unreachable (%s); retrying", self.worker_id, e)
@@ -185,9 +189,12 @@ class Standby:
     def _preload_logged(self, function: str, claim: bool = False) -> None:
         self._watch_after, self._ready = None, None  # nothing of an earlier pre-load's claim is kept
         try:
+            # the stream's end before the pre-load: a request arriving while it runs still wakes the claim
+            after = self.store.run(streams.last_request_id(self.keys, function)) if claim else None
             ms = self.preload(function)
             if claim:
                 ms += self._get_ready(function)
+                self._watch_after = after
         except (ValueError, OSError) as e:  # the standby stays usable: only this pre-load is lost
             log.warning("standby %s: pre-load of %s failed: %s", self.worker_id, function, e)
             self._watch_after, self._ready = None, None
@@ -200,14 +207,11 @@ class Standby:
 
     def _get_ready(self, function: str) -> float:
         """For a claiming pre-load: build `function`'s serving loop (its round trips: consumer group, SLO and
-        latency profile) and start watching its request stream after its newest entry; the ms it took."""
-        from lorafn.store import streams
-
+        latency profile); the ms it took."""
         t0 = time.perf_counter()
         record = self._record(function)
         worker = self._new_worker(function, record)
         worker.prepare(record)
-        self._watch_after = self.store.run(streams.last_request_id(self.keys, function))
         self._ready = (function, record.spec, worker)
         return (time.perf_counter() - t0) * 1000
 
@@ -482,4 +486,11 @@ def serve_standby(settings: Any) -> int:
     )
     worker.send_with_next(bound, record)  # with the first read: no round trip of its own in the cold start
     log.info("worker %s serving %s", worker_id, function)  # the same line a fresh worker logs
+    if standby.claimed and standby.claim_marks:
+        m, now = standby.claim_marks, time.time() * 1000
+        log.info(
+            "standby %s took the request of %s: woke %.1f ms after its enqueue, claim %.1f ms, "
+            "bind and loop set-up %.1f ms",
+            worker_id, function, m["woke"] - m["enqueued"], m["claimed"] - m["woke"], now - m["claimed"],
+        )  # fmt: skip
     return worker.run()

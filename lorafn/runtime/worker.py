@@ -62,6 +62,7 @@ from lorafn.runtime.step_profile import StepProfiler
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, streams, workers
 from lorafn.store import stats as store_stats
 from lorafn.store.protocol import Accepted, Delta, Done, Error, ReplyEvent, RequestBody, Restart
+from lorafn.store.streams import entry_ms
 
 log = logging.getLogger("lorafn.worker")
 # how long a worker's first heartbeat waits for its serving loop's first read (see Worker._heartbeats)
@@ -182,12 +183,6 @@ def request_timing(run: _Running, done_ms: float) -> dict[str, float]:
         out["first_token"] = max(0.0, run.first_sent_ms - run.arrival_ms)
     out["total"] = max(0.0, done_ms - run.arrival_ms)
     return out
-
-
-def entry_ms(entry_id: str) -> float:
-    """The unix ms a stream entry id carries (`<ms>-<seq>`), the time Redis enqueued it."""
-    head = entry_id.partition("-")[0]
-    return float(head) if head.isdigit() else time.time() * 1000
 
 
 class Worker:

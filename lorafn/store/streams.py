@@ -24,6 +24,7 @@ holds only queued and running work.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +152,12 @@ def entries_by_stream(reply: Any) -> dict[str, list[tuple[str, dict[str, str]]]]
             entries = entries[0]  # RESP3 wraps the entry list once more
         out.setdefault(name, []).extend((entry_id, fields or {}) for entry_id, fields in entries)
     return out
+
+
+def entry_ms(entry_id: str) -> float:
+    """The unix ms a stream entry id carries (`<ms>-<seq>`), the time Redis enqueued it."""
+    head = entry_id.partition("-")[0]
+    return float(head) if head.isdigit() else time.time() * 1000
 
 
 def last_request_id(keys: Keys, function: str) -> Op[str]:

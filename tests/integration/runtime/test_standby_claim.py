@@ -75,7 +75,7 @@ def test_only_if_alone_heartbeat_lets_one_racer_in(setup, redis_server: str) -> 
 
 
 def test_a_claiming_preload_takes_the_first_request_and_serves_it(setup, redis_server: str) -> None:  # type: ignore[no-untyped-def]
-    store, keys, engine, adapter = setup
+    store, keys, engine, _ = setup
     standby = _standby(store, keys, engine)
     before = _request(keys, redis_server)  # already there before the pre-load: the demand path's, not its
     store.run(workers.send_control(keys, "w-claim", "preload", function="t/f", claim=1))
@@ -84,7 +84,7 @@ def test_a_claiming_preload_takes_the_first_request_and_serves_it(setup, redis_s
     import time
 
     deadline = time.monotonic() + 30
-    while client.hget(keys.worker("w-claim"), "preloaded") != "t/f":
+    while client.hget(keys.worker("w-claim"), "preloaded") != "t/f" or standby._watched() != "t/f":
         assert time.monotonic() < deadline, "the standby never reported the pre-load"
         time.sleep(0.05)
     assert thread.is_alive(), "a request from before the pre-load must not wake a claim"
