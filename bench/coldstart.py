@@ -1,6 +1,8 @@
 """Cold start, side by side in one run, through the real platform (`lorafn up`, gateway, Redis, controller):
 
-  warm       a bound worker already serving the function (median of --repeats)
+  warm       a bound worker already serving the function (median of --repeats; each request a prompt
+             length the run has not sent before, as each cold request is)
+  warm-same  the same worker, one prompt repeated (what a repeated prompt hides)
   standby    a function's first request, served by a standby worker of the warm pool (median over
              --standby-repeats functions, one cold start each)
   fresh      the first request of a function whose backbone keeps no warm pool (a new worker process)
@@ -331,6 +333,11 @@ def main() -> None:
     )
     ap.add_argument("--skip-no-share", action="store_true")
     ap.add_argument(
+        "--same-prompt",
+        action="store_true",
+        help="send one prompt every time (default: each timed request a new length near --prompt-tokens)",
+    )
+    ap.add_argument(
         "--no-claims",
         action="store_true",
         help="pre-loaded standbys wait for the controller's bind (`preload_claims: false`: the before row)",
@@ -366,6 +373,15 @@ def main() -> None:
         for i in range(1, len(cold_fns))
     ]
     prompt = prompt_of(args.prompt_tokens)
+    lengths = iter(range(args.prompt_tokens + 1, args.prompt_tokens + 10_000))
+
+    def next_prompt() -> str:
+        # every timed request a length no worker of the run has seen (unless --same-prompt): a first
+        # request of a length pays one-time costs (kernel choices, allocator growth) that a repeat of the
+        # same prompt hides, and a standby's cold request always pays them; warm repeats of one prompt
+        # would be measured without them
+        return prompt if args.same_prompt else prompt_of(next(lengths))
+
     results: dict[str, Any] = {"model": str(model), "device": args.device, "rank": args.rank}
     if args.device == "cuda":
         config = f"gateway_port: 0\nworker_overhead_mib: {args.overhead_mib}\ndefault_kv_mib: 2048\n"
@@ -389,6 +405,19 @@ def main() -> None:
         url = platform.state["gateway_url"]
         rows: dict[str, dict[str, Any]] = {}
         if not args.density_only:
+            # first: a fresh start (its own backbone, no pool), which also runs the client's first streamed
+            # request (lazy imports and set-up in the `openai` package: ~10 ms once per process, which
+            # the first timed request would otherwise carry)
+            up_cpu = cpu_ms(platform.proc.pid)
+            sent_ms = time.time() * 1000
+            t, rid = ttft_ms(url, "k-fresh", "bench/freshfn", next_prompt(), args.max_tokens, 600)
+            rows["fresh"] = {
+                "ttft_ms": t,
+                "rid": rid,
+                "up_cpu_ms": cpu_ms(platform.proc.pid) - up_cpu,
+                **platform.status("bench/freshfn", since_ms=sent_ms),
+            }
+            print("fresh", rows["fresh"], flush=True)
             samples, remaining = [], [f"bench/{n}" for n in cold_fns]
             while remaining:
                 # the pool's refill after the previous bind warms up (forward passes, graphs): let it finish
@@ -398,7 +427,7 @@ def main() -> None:
                 name = platform.wait_preloaded(remaining).split("/", 1)[1]
                 remaining.remove(f"bench/{name}")
                 up_cpu, sent_ms = cpu_ms(platform.proc.pid), time.time() * 1000
-                t, rid = ttft_ms(url, f"k-{name}", f"bench/{name}", prompt, args.max_tokens, 600)
+                t, rid = ttft_ms(url, f"k-{name}", f"bench/{name}", next_prompt(), args.max_tokens, 600)
                 sample = {
                     "function": name,
                     "ttft_ms": t,
@@ -415,7 +444,7 @@ def main() -> None:
             platform.wait_pool_settled("pooled")
             up_cpu = cpu_ms(platform.proc.pid)
             warm = [
-                ttft_ms(url, "k-warmfn", "bench/warmfn", prompt, args.max_tokens, 600)
+                ttft_ms(url, "k-warmfn", "bench/warmfn", next_prompt(), args.max_tokens, 600)
                 for _ in range(args.repeats)
             ]
             warm_up_cpu = (cpu_ms(platform.proc.pid) - up_cpu) / args.repeats
@@ -427,16 +456,17 @@ def main() -> None:
                 "up_cpu_ms": warm_up_cpu,
             }
             print("warm", rows["warm"], flush=True)
-            up_cpu = cpu_ms(platform.proc.pid)
-            sent_ms = time.time() * 1000
-            t, rid = ttft_ms(url, "k-fresh", "bench/freshfn", prompt, args.max_tokens, 600)
-            rows["fresh"] = {
-                "ttft_ms": t,
-                "rid": rid,
-                "up_cpu_ms": cpu_ms(platform.proc.pid) - up_cpu,
-                **platform.status("bench/freshfn", since_ms=sent_ms),
-            }
-            print("fresh", rows["fresh"], flush=True)
+            if not args.same_prompt:  # the same warm worker, one prompt repeated: what repeats hide
+                again = [
+                    ttft_ms(url, "k-warmfn", "bench/warmfn", prompt, args.max_tokens, 600)
+                    for _ in range(args.repeats)
+                ]
+                rows["warm-same"] = {
+                    "ttft_ms": statistics.median(t for t, _ in again),
+                    "all_ms": [t for t, _ in again],
+                    "rid": sorted(again)[len(again) // 2][1],
+                }
+                print("warm-same", rows["warm-same"], flush=True)
         if args.density:
             rows["density"] = density(platform, workdir, adapters[2], args, prompt)
     finally:
@@ -456,7 +486,7 @@ def main() -> None:
         f"prompt {args.prompt_tokens} tokens"
     )
     print(f"{'path':<10}{'TTFT ms':>12}{'x warm':>9}{'controller ms':>15}{'request->bind':>15}  how")
-    for name in ("warm", "standby", "fresh", "no-share"):
+    for name in ("warm", "warm-same", "standby", "fresh", "no-share"):
         if name not in rows:
             continue
         r = rows[name]
@@ -516,7 +546,7 @@ def stage_table(rows: dict[str, dict[str, Any]]) -> str:
     -> first token, first token = enqueued -> first delta sent, gc = the garbage collector's time while the
     request ran); the client's TTFT beside them; `up cpu`: CPU ms the `lorafn up` process (supervisor,
     controller rounds) used during the request (the warm row: per request)."""
-    names = [n for n in ("warm", "standby", "fresh") if n in rows and "gw_done_ms" in rows[n]]
+    names = [n for n in ("warm", "warm-same", "standby", "fresh") if n in rows and "gw_done_ms" in rows[n]]
     if not names:
         return "(no per-request lines found in the logs)"
     cols = [f"gw {s}" for s in GATEWAY_STAGES] + [f"wk {s}" for s in WORKER_STAGES] + ["up cpu"]
