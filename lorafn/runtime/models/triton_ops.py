@@ -18,6 +18,12 @@ from lorafn.runtime.models.fused_decode import DOT_PRECISION, Expand, lora_add_t
 MAX_EXPAND_OUTPUTS = 3  # a projection group's members: q/k/v (gate/up: 2, o and down: 1)
 
 
+def _next_pow2(n: int) -> int:
+    """triton.next_power_of_2 in plain Python: that one costs ~3 µs a call from the host, and an eager
+    prefill calls these wrappers several times per layer."""
+    return 1 << (n - 1).bit_length()
+
+
 @triton.jit
 def _add_rms_norm_kernel(
     X,
@@ -74,7 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         0,
         eps,
         N=n,
-        BLOCK=triton.next_power_of_2(n),
+        BLOCK=_next_pow2(n),
         HAS_RES=False,
         HAS_LORA=False,
         LORA_R=0,
@@ -105,7 +111,7 @@ def add_rms_norm(
         rank,
         eps,
         N=n,
-        BLOCK=triton.next_power_of_2(n),
+        BLOCK=_next_pow2(n),
         HAS_RES=True,
         HAS_LORA=lora is not None,
         LORA_R=lora.rank if lora is not None else 0,
@@ -156,7 +162,7 @@ def rope(
         x.stride(0),
         num_heads,
         HALF=half,
-        BLOCK=triton.next_power_of_2(half),
+        BLOCK=_next_pow2(half),
         num_warps=1,
     )
     return out
@@ -179,7 +185,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     n = gate.numel()
     block = 2048
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(-(-n // block),)](gate, up, out, n, BLOCK=block, num_warps=4)
     return out
 
 
@@ -281,37 +287,42 @@ def lora_expand(t: torch.Tensor, targets: list[tuple[torch.Tensor, int, int, tor
     y: [M, N_i] (rows may be strided, columns contiguous: the base GEMMs' outputs); b_t: [rank_i, N_i]
     contiguous, the adapter's own buffers (LoRAGroup.targets): a bind's copy_lora / clear_lora refresh
     them in place, so CUDA graphs over this launch stay valid. 1..3 members."""
+    # host time matters here (an eager prefill calls this 3x per layer): plain int arithmetic (see
+    # _next_pow2), one pass over the members, checks that cost no copies
     if not 1 <= len(targets) <= MAX_EXPAND_OUTPUTS:
         raise ValueError(f"lora_expand: 1..{MAX_EXPAND_OUTPUTS} targets, got {len(targets)}")
-    m = t.shape[0]
+    m, width = t.shape
     if t.stride(1) != 1:
         raise ValueError(f"lora_expand: t {tuple(t.shape)} stride {t.stride()}: columns must be contiguous")
+    ys, bs, ns, offs, ranks, strides = [], [], [], [], [], []
+    tiles = 0
+    block_n = 128
     for y, off, rank, b_t in targets:
-        if (
-            y.shape != (m, b_t.shape[1])
-            or y.stride(1) != 1
-            or not b_t.is_contiguous()
-            or b_t.shape[0] != rank
-            or not 0 <= off <= t.shape[1] - rank
-        ):
+        rows, n = y.shape
+        y_stride, y_col = y.stride()
+        if rows != m or y_col != 1 or tuple(b_t.shape) != (rank, n) or not 0 <= off <= width - rank:
             raise ValueError(
                 f"lora_expand: output {tuple(y.shape)} stride {y.stride()} does not fit its expand "
-                f"(t {tuple(t.shape)}, offset {off}, rank {rank}, b_t {tuple(b_t.shape)} "
-                f"contiguous={b_t.is_contiguous()})"
+                f"(t {tuple(t.shape)}, offset {off}, rank {rank}, b_t {tuple(b_t.shape)})"
             )
-    outputs = [y for y, _o, _r, _b in targets]
-    pad = MAX_EXPAND_OUTPUTS - len(outputs)
-    ys = list(outputs) + [outputs[0]] * pad
-    bs = [b for _y, _o, _r, b in targets] + [targets[0][3]] * pad
-    ns = [y.shape[1] for y in outputs] + [0] * pad
-    offs = [o for _y, o, _r, _b in targets] + [0] * pad
-    ranks = [r for _y, _o, r, _b in targets] + [0] * pad
-    strides = [y.stride(0) for y in outputs] + [0] * pad
+        ys.append(y)
+        bs.append(b_t)
+        ns.append(n)
+        offs.append(off)
+        ranks.append(rank)
+        strides.append(y_stride)
+        tiles += -(-n // block_n)
+    pad = MAX_EXPAND_OUTPUTS - len(targets)
+    ys += [ys[0]] * pad
+    bs += [bs[0]] * pad
+    ns += [0] * pad
+    offs += [0] * pad
+    ranks += [0] * pad
+    strides += [0] * pad
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 128
     # tl.dot needs K >= 16; ranks above 64 loop over blocks of 64
-    block_r = min(max(16, triton.next_power_of_2(max(ranks))), 64)
-    grid = (sum(triton.cdiv(n, block_n) for n in ns), triton.cdiv(m, block_m))
+    block_r = 16 if max(ranks) <= 16 else 32 if max(ranks) <= 32 else 64
+    grid = (tiles, -(-m // block_m))
     _lora_expand_kernel[grid](
         t,
         *ys,
@@ -392,8 +403,9 @@ def silu_mul_expand(
     eg, eu = lora
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 128
-    block_r = min(max(16, triton.next_power_of_2(max(e.rank for e in present))), 64)
-    _silu_mul_expand_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+    widest = max(e.rank for e in present)
+    block_r = 16 if widest <= 16 else 32 if widest <= 32 else 64
+    _silu_mul_expand_kernel[(-(-n // block_n), -(-m // block_m))](
         gate,
         up,
         out,
