@@ -408,3 +408,40 @@ def test_silu_mul_expand_matches_addmm_then_silu_mul(dtype, rows, ranks) -> None
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     else:
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [17, 512, 513])
+@pytest.mark.parametrize("heads,kv_heads,ranks", [(32, 32, (16, 16, 16)), (32, 8, (8, 0, 64))])
+def test_rope_expand_kv_matches_rope_lora_kv(dtype, rows, heads, kv_heads, ranks) -> None:
+    """q/k/v expands on row tiles inside RoPE + cache writes (a large step's grouped path) = fused_decode's
+    per-row rope_lora_kv (the small-step kernel): outputs and both caches; float32 within 1e-5, bf16
+    within one bf16 rounding step (summation order only)."""
+    from lorafn.runtime.models import fused_decode as fd
+    from lorafn.runtime.models import triton_ops
+    from lorafn.runtime.models.fused_decode import Expand
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    d = 128
+    widths = (heads * d, kv_heads * d, kv_heads * d)
+    t = torch.randn(rows, sum(ranks) + 4, device="cuda", generator=gen, dtype=dtype)
+    qkv = torch.randn(rows, sum(widths), device="cuda", generator=gen, dtype=dtype)
+    q, k, v = qkv.split(widths, dim=1)  # strided rows, as one buffer's columns
+    offs = (0, ranks[0], ranks[0] + ranks[1])
+    lora = tuple(
+        Expand(t, o, r, torch.randn(r, n, device="cuda", generator=gen, dtype=dtype) / 4) if r else None
+        for o, r, n in zip(offs, ranks, widths, strict=True)
+    )
+    cos = torch.randn(1024, d, device="cuda", generator=gen).to(dtype)
+    sin = torch.randn(1024, d, device="cuda", generator=gen).to(dtype)
+    positions = torch.randint(0, 1024, (rows,), device="cuda", generator=gen)
+    slots = torch.randperm(64 * 16, device="cuda", generator=gen)[:rows]
+    caches = [torch.zeros(64, 16, kv_heads, d, device="cuda", dtype=dtype) for _ in range(4)]
+    want = fd.rope_lora_kv(q, k, v, lora, heads, kv_heads, cos, sin, positions, caches[0], caches[1], slots)
+    got = triton_ops.rope_expand_kv(
+        q, k, v, lora, heads, kv_heads, cos, sin, positions, caches[2], caches[3], slots
+    )
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2**-6)
+    for a, b in [*zip(got, want, strict=True), (caches[2], caches[0]), (caches[3], caches[1])]:
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    assert caches[2].abs().sum() > 0 and caches[3].abs().sum() > 0

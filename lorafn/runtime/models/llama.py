@@ -296,8 +296,9 @@ class LlamaModel:
         shrink, add + o expand + norm, gate/up GEMMs + shrink, SiLU·up + expands, down GEMM + shrink (its
         expand joins the next layer's add + norm). A step of at most fused_decode.MAX_TOKENS rows (decode)
         runs each GEMM group as one skinny-GEMM launch; a larger one (prefill, decode batches > 16) through
-        cuBLAS, and adds its expands as `lora_expand` says: grouped, one launch per group right after the
-        GEMMs (gate/up: inside SiLU·up, on row tiles); one addmm_ per projection; or in the fused kernels as
+        cuBLAS, and adds its expands as `lora_expand` says: grouped, on the tensor cores over tiles of rows,
+        q/k/v inside RoPE + the cache writes and gate/up inside SiLU·up (no launch of their own), o and
+        down one launch each right after their GEMM; one addmm_ per projection; or in the fused kernels as
         a small step does (in_kernels: no launch, but each of the kernel's programs reads its rows of B
         again, rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
@@ -315,10 +316,14 @@ class LlamaModel:
             else:
                 h, x = ops.add_rms_norm(h, delta, layer["input_layernorm"], eps, lora=delta_lora)
             (q, k, v), qkv_lora = _group_gemm(fd, x, layer, ("q_proj", "k_proj", "v_proj"), groups)
-            if settle:
-                qkv_lora = _settle_expands((q, k, v), qkv_lora, self.expand_ops)
             k_cache, v_cache = kv_caches[i]
-            q, k, v = fd.rope_lora_kv(
+            # grouped, large step: the q/k/v expands on row tiles inside RoPE + the K/V-cache writes
+            rope = (
+                ops.rope_expand_kv if settle and qkv_lora and self.expand_ops is not None else fd.rope_lora_kv
+            )
+            if settle and rope is fd.rope_lora_kv:
+                qkv_lora = _settle_expands((q, k, v), qkv_lora, self.expand_ops)
+            q, k, v = rope(
                 q,
                 k,
                 v,

@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafn.runtime.models.fused_decode import DOT_PRECISION, Expand, lora_add_tile, lora_args
+from lorafn.runtime.models.fused_decode import (
+    DOT_PRECISION,
+    Expand,
+    _rope_half_pair,
+    lora_add_tile,
+    lora_args,
+)
 
 MAX_EXPAND_OUTPUTS = 3  # a projection group's members: q/k/v (gate/up: 2, o and down: 1)
 
@@ -428,3 +434,178 @@ def silu_mul_expand(
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _head_tile(X, stride_x, T, stride_t, off, rank, B, out_f, rm, m_ok, cols, c_ok, dt: tl.constexpr,
+               BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """A [rows, half-head] tile of a projection's output with its LoRA expand added in float32 and rounded
+    once to the activation dtype (as addmm_); float32 values. rank 0: no expand (nothing read from B)."""
+    mask = m_ok[:, None] & c_ok[None, :]
+    x = tl.load(X + rm[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    e = tl.zeros(x.shape, dtype=tl.float32)
+    e = _expand_tile(e, T, rm, m_ok, stride_t, off, rank, B, cols, c_ok, out_f, BLOCK_R, PRECISION)
+    return (x + e).to(dt).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M", "off_q", "off_k", "off_v", "rank_q", "rank_k", "rank_v"])
+def _rope_expand_kv_kernel(
+    Q,
+    K,
+    V,
+    QO,
+    KO,
+    VO,
+    KC,
+    VC,
+    SLOTS,
+    COS,
+    SIN,
+    POS,
+    T,
+    BQ,
+    BK,
+    BV,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_t,
+    off_q,
+    off_k,
+    off_v,
+    rank_q,
+    rank_k,
+    rank_v,
+    num_heads,
+    num_kv_heads,
+    M,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # programs: (row tile, head); q heads first, then the k/v heads (as fused_decode's rope_lora_kv)
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    m_ok = rm < M
+    c_ok = offs < HALF
+    mask = m_ok[:, None] & c_ok[None, :]
+    dt = QO.dtype.element_ty
+    head_dim = 2 * HALF
+    pos = tl.load(POS + rm, mask=m_ok, other=0).to(tl.int64)
+    table = pos[:, None] * head_dim + offs[None, :]
+    c1 = tl.load(COS + table, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + table + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + table, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + table + HALF, mask=mask, other=0.0).to(tl.float32)
+    if h < num_heads:
+        out_f = num_heads * head_dim
+        cols = h * head_dim + offs
+        x1 = _head_tile(Q, stride_q, T, stride_t, off_q, rank_q, BQ, out_f, rm, m_ok, cols, c_ok, dt, BLOCK_R,
+                        PRECISION)  # fmt: skip
+        x2 = _head_tile(Q, stride_q, T, stride_t, off_q, rank_q, BQ, out_f, rm, m_ok, cols + HALF, c_ok, dt,
+                        BLOCK_R, PRECISION)  # fmt: skip
+        o1, o2 = _rope_half_pair(x1, x2, c1, c2, s1, s2, dt)
+        out = QO + rm[:, None] * out_f + cols[None, :]
+        tl.store(out, o1, mask=mask)
+        tl.store(out + HALF, o2, mask=mask)
+    else:
+        out_f = num_kv_heads * head_dim
+        cols = (h - num_heads) * head_dim + offs
+        k1 = _head_tile(K, stride_k, T, stride_t, off_k, rank_k, BK, out_f, rm, m_ok, cols, c_ok, dt, BLOCK_R,
+                        PRECISION)  # fmt: skip
+        k2 = _head_tile(K, stride_k, T, stride_t, off_k, rank_k, BK, out_f, rm, m_ok, cols + HALF, c_ok, dt,
+                        BLOCK_R, PRECISION)  # fmt: skip
+        v1 = _head_tile(V, stride_v, T, stride_t, off_v, rank_v, BV, out_f, rm, m_ok, cols, c_ok, dt, BLOCK_R,
+                        PRECISION)  # fmt: skip
+        v2 = _head_tile(V, stride_v, T, stride_t, off_v, rank_v, BV, out_f, rm, m_ok, cols + HALF, c_ok, dt,
+                        BLOCK_R, PRECISION)  # fmt: skip
+        o1, o2 = _rope_half_pair(k1, k2, c1, c2, s1, s2, dt)
+        slot = tl.load(SLOTS + rm, mask=m_ok, other=0).to(tl.int64)
+        k_out = KO + rm[:, None] * out_f + cols[None, :]
+        k_cached = KC + slot[:, None] * out_f + cols[None, :]
+        tl.store(k_out, o1, mask=mask)
+        tl.store(k_out + HALF, o2, mask=mask)
+        tl.store(k_cached, o1, mask=mask)
+        tl.store(k_cached + HALF, o2, mask=mask)
+        v_out = VO + rm[:, None] * out_f + cols[None, :]
+        v_cached = VC + slot[:, None] * out_f + cols[None, :]
+        tl.store(v_out, v1.to(dt), mask=mask)
+        tl.store(v_out + HALF, v2.to(dt), mask=mask)
+        tl.store(v_cached, v1.to(dt), mask=mask)
+        tl.store(v_cached + HALF, v2.to(dt), mask=mask)
+
+
+def rope_expand_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lora: tuple[Expand | None, Expand | None, Expand | None],
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_decode.rope_lora_kv for a large step (same arguments, same roundings): the q/k/v expands on
+    the tensor cores over tiles of rows, inside the RoPE + K/V-cache-write kernel, so the q/k/v group's
+    expand costs no launch of its own and q/k/v are not written back and read again (rope_lora_kv's
+    programs are one row each, and each re-reads its rank rows of B: fine for <= 16 rows, not a prefill).
+    q [T, H·D], k, v [T, Hkv·D] (rows may be strided, columns contiguous) -> (q, k, v) as [T, heads, D]."""
+    tokens = q.shape[0]
+    head_dim = cos.shape[-1]
+    present = [e for e in lora if e is not None]
+    if not present or any(e.t is not present[0].t for e in present):
+        raise ValueError("rope_expand_kv: the expands of one group (one t), at least one")
+    t = present[0].t
+    qo = torch.empty(tokens, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    ko = torch.empty(tokens, num_kv_heads, head_dim, device=q.device, dtype=q.dtype)
+    vo = torch.empty_like(ko)
+    eq, ek, ev = lora
+    half = head_dim // 2
+    block_m = 16 if tokens <= 16 else 32
+    widest = max(e.rank for e in present)
+    block_r = 16 if widest <= 16 else 32 if widest <= 32 else 64
+    _rope_expand_kv_kernel[(-(-tokens // block_m), num_heads + num_kv_heads)](
+        q,
+        k,
+        v,
+        qo,
+        ko,
+        vo,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        cos,
+        sin,
+        positions,
+        t,
+        eq.b_t if eq is not None else q,
+        ek.b_t if ek is not None else q,
+        ev.b_t if ev is not None else q,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        t.stride(0),
+        eq.offset if eq is not None else 0,
+        ek.offset if ek is not None else 0,
+        ev.offset if ev is not None else 0,
+        eq.rank if eq is not None else 0,
+        ek.rank if ek is not None else 0,
+        ev.rank if ev is not None else 0,
+        num_heads,
+        num_kv_heads,
+        tokens,
+        HALF=half,
+        BLOCK=max(16, _next_pow2(half)),  # tl.dot needs tiles at least 16 wide
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        PRECISION=DOT_PRECISION[t.dtype],
+        num_warps=4,
+    )
+    return qo, ko, vo

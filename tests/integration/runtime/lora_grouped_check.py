@@ -68,8 +68,8 @@ def _steps(cfg: ModelConfig) -> list[ForwardBatch]:
 def _forward(
     model_dir: Path, cfg: ModelConfig, lora: LoRAWeights | None, *, triton: bool, fused: bool, mode: str
 ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """(logits of every step, the KV cache after them, grouped expand launches: lora_expand and
-    silu_mul_expand) of one model variant."""
+    """(logits of every step, the KV cache after them, grouped expand launches: lora_expand,
+    silu_mul_expand and rope_expand_kv) of one model variant."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
         use_triton_attention=triton, fused_decode=fused, lora_expand=mode,
@@ -77,7 +77,7 @@ def _forward(
     assert (model.fused is not None) == fused, "the fused path did not turn on"
     kv = KVCache(cfg, 8, 16, DEV, torch.float32)
     launches = 0
-    real = {name: getattr(triton_ops, name) for name in ("lora_expand", "silu_mul_expand")}
+    real = {name: getattr(triton_ops, name) for name in ("lora_expand", "silu_mul_expand", "rope_expand_kv")}
 
     def counting(fn):
         def counted(*args):
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> None:
                 got = _forward(model_dir, cfg, lora, triton=True, fused=fused, mode=mode)
                 _same(f"{name} fused={fused} {mode}", got, ref)
                 # grouped: one launch per projection group per step (fused: per large step only; the
-                # gate/up one is silu_mul_expand, which also computes SiLU·up)
+                # q/k/v one is rope_expand_kv, the gate/up one silu_mul_expand)
                 want = (large_steps if fused else len(_steps(cfg))) * groups if mode == "grouped" else 0
                 assert got[2] == want, (
                     f"{name} fused={fused} {mode}: {got[2]} lora_expand launches, want {want}"

@@ -1,7 +1,7 @@
-"""The grouped-expand kernels of triton_ops (lora_expand, silu_mul_expand) compile for an H100 (sm_90) on a
-machine without a GPU: Triton's interpreter (test_lora_grouped.py) runs their math in numpy and never
-lowers them, so this is the CPU check that the code generator accepts them (every row-tile height, bf16
-and float32, one rank block and several)."""
+"""The grouped-expand kernels of triton_ops (lora_expand, silu_mul_expand, rope_expand_kv) compile for an
+H100 (sm_90) on a machine without a GPU: Triton's interpreter (test_lora_grouped.py) runs their math in
+numpy and never lowers them, so this is the CPU check that the code generator accepts them (every row-tile
+height, bf16 and float32, one rank block and several)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("kernel", ["_lora_expand_kernel", "_silu_mul_expand_kernel"])
+@pytest.mark.parametrize(
+    "kernel", ["_lora_expand_kernel", "_silu_mul_expand_kernel", "_rope_expand_kv_kernel"]
+)
 @pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "ieee")])
 @pytest.mark.parametrize("block_m,block_r", [(16, 16), (32, 16), (64, 64)])
 def test_expand_kernels_compile_for_sm90(
@@ -26,10 +28,38 @@ def test_expand_kernels_compile_for_sm90(
     from lorafn.runtime.models import triton_ops
 
     fn = getattr(triton_ops, kernel)
-    constexprs = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=block_r, PRECISION=precision)
-    pointers = ("T", "Y0", "Y1", "Y2", "B0", "B1", "B2", "G", "U", "OUT", "BG", "BU")
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=block_r, PRECISION=precision, HALF=64, BLOCK=64)
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+    pointers = (
+        "T",
+        "Y0",
+        "Y1",
+        "Y2",
+        "B0",
+        "B1",
+        "B2",
+        "G",
+        "U",
+        "OUT",
+        "BG",
+        "BU",
+        "Q",
+        "K",
+        "V",
+        "QO",
+        "KO",
+    )
+    pointers += ("VO", "KC", "VC", "COS", "SIN", "BQ", "BK", "BV")
+    indices = ("SLOTS", "POS")  # int64 tensors
     signature = {
-        n: f"*{dtype}" if n in pointers else "constexpr" if n in constexprs else "i32" for n in fn.arg_names
+        n: f"*{dtype}"
+        if n in pointers
+        else "*i64"
+        if n in indices
+        else "constexpr"
+        if n in constexprs
+        else "i32"
+        for n in fn.arg_names
     }
     src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
