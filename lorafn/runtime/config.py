@@ -62,9 +62,9 @@ class EngineConfig:
     # False keeps the cuBLAS + addmm path everywhere (the benchmarks' baseline)
     fused_decode: bool = True
     # CUDA, steps above 16 rows (prefill, decode batches > 16): how the LoRA expands y += t·Bᵀ are added
-    # to the cuBLAS outputs. "grouped": one Triton launch per projection group on the tensor cores
-    # (o, down: triton_ops.lora_expand; on the fused path q/k/v inside RoPE + the cache writes and gate/up
-    # inside SiLU·up, so those two cost no launch of their own);
+    # to the cuBLAS outputs. "grouped": on the tensor cores, per projection group: on the fused path inside
+    # the kernel that reads the group's output anyway (RoPE + cache writes, SiLU·up, add + RMSNorm; no
+    # launch of their own), else one triton_ops.lora_expand launch per group;
     # "per_projection": one addmm_ per projection (the path before it);
     # "in_kernels": inside the elementwise kernels that follow (RoPE, SiLU·up, add + RMSNorm; fused path
     # only, else per projection). The shrink is one GEMM per group in all three. CPU: per projection.

@@ -445,3 +445,27 @@ def test_rope_expand_kv_matches_rope_lora_kv(dtype, rows, heads, kv_heads, ranks
     for a, b in [*zip(got, want, strict=True), (caches[2], caches[0]), (caches[3], caches[1])]:
         torch.testing.assert_close(a.float(), b.float(), **tol)
     assert caches[2].abs().sum() > 0 and caches[3].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [17, 512, 513])
+@pytest.mark.parametrize("rank", [16, 80])
+def test_add_rms_norm_expand_matches_add_rms_norm(dtype, rows, rank) -> None:
+    """o/down expands on row tiles inside add + RMSNorm (a large step's grouped path) = the per-row
+    add_rms_norm with the same expand (the small-step kernel): residual and normed output; float32 within
+    1e-5, bf16 within one bf16 rounding step (summation order only)."""
+    from lorafn.runtime.models import triton_ops
+    from lorafn.runtime.models.fused_decode import Expand
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + rank)
+    n = 4096
+    t = torch.randn(rows, rank + 16, device="cuda", generator=gen, dtype=dtype)
+    lora = Expand(t, 16, rank, torch.randn(rank, n, device="cuda", generator=gen, dtype=dtype) / 8)
+    h = torch.randn(rows, n, device="cuda", generator=gen, dtype=dtype)
+    delta = torch.randn(rows, n, device="cuda", generator=gen, dtype=dtype)
+    weight = torch.randn(n, device="cuda", generator=gen, dtype=dtype)
+    want = triton_ops.add_rms_norm(h, delta, weight, 1e-5, lora=lora)
+    got = triton_ops.add_rms_norm_expand(h, delta, weight, 1e-5, lora)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2**-6)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **tol)

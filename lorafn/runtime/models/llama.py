@@ -296,17 +296,28 @@ class LlamaModel:
         shrink, add + o expand + norm, gate/up GEMMs + shrink, SiLU·up + expands, down GEMM + shrink (its
         expand joins the next layer's add + norm). A step of at most fused_decode.MAX_TOKENS rows (decode)
         runs each GEMM group as one skinny-GEMM launch; a larger one (prefill, decode batches > 16) through
-        cuBLAS, and adds its expands as `lora_expand` says: grouped, on the tensor cores over tiles of rows,
-        q/k/v inside RoPE + the cache writes and gate/up inside SiLU·up (no launch of their own), o and
-        down one launch each right after their GEMM; one addmm_ per projection; or in the fused kernels as
-        a small step does (in_kernels: no launch, but each of the kernel's programs reads its rows of B
-        again, rows x B bytes)."""
+        cuBLAS, and adds its expands as `lora_expand` says: grouped, on the tensor cores over tiles of rows
+        inside the kernel that reads the projection's output anyway (q/k/v: RoPE + cache writes; o, down:
+        add + RMSNorm; gate/up: SiLU·up; triton_ops), so LoRA costs the 4 shrink GEMMs per layer and no
+        other launch; one addmm_ per projection; or in the fused kernels as a small step does (in_kernels:
+        no launch either, but each of the kernel's programs is one row and reads its rank rows of B again,
+        rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
         h = F.embedding(batch.input_ids, self.embed)
         # a large step adds its expands after the cuBLAS GEMMs unless lora_expand says in the kernels: there
         # every program of an elementwise kernel reads its rank rows of B again (B's bytes x rows)
         settle = batch.input_ids.shape[0] > fd.MAX_TOKENS and self.lora_expand != "in_kernels"
+        # grouped, large step: every expand inside the kernel that reads its projection's output anyway, on
+        # the tensor cores over tiles of rows (q/k/v: RoPE + cache writes; o, down: add + RMSNorm; gate/up:
+        # SiLU·up)
+        tiled = settle and self.expand_ops is not None
+
+        def add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, lora) -> tuple:
+            if tiled and lora is not None:
+                return ops.add_rms_norm_expand(h, delta, weight, eps, lora)
+            return ops.add_rms_norm(h, delta, weight, eps, lora=lora)
+
         delta: torch.Tensor | None = None
         delta_lora = None
         for i, layer in enumerate(self.layers):
@@ -314,14 +325,11 @@ class LlamaModel:
             if delta is None:
                 x = ops.rms_norm(h, layer["input_layernorm"], eps)
             else:
-                h, x = ops.add_rms_norm(h, delta, layer["input_layernorm"], eps, lora=delta_lora)
+                h, x = add_norm(h, delta, layer["input_layernorm"], delta_lora)
             (q, k, v), qkv_lora = _group_gemm(fd, x, layer, ("q_proj", "k_proj", "v_proj"), groups)
             k_cache, v_cache = kv_caches[i]
-            # grouped, large step: the q/k/v expands on row tiles inside RoPE + the K/V-cache writes
-            rope = (
-                ops.rope_expand_kv if settle and qkv_lora and self.expand_ops is not None else fd.rope_lora_kv
-            )
-            if settle and rope is fd.rope_lora_kv:
+            rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
+            if settle and not tiled:
                 qkv_lora = _settle_expands((q, k, v), qkv_lora, self.expand_ops)
             q, k, v = rope(
                 q,
@@ -339,24 +347,22 @@ class LlamaModel:
             )
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
             (o,), o_lora = _group_gemm(fd, attn, layer, ("o_proj",), groups)
-            if settle:
+            if settle and not tiled:
                 o_lora = _settle_expands((o,), o_lora, self.expand_ops)
-            h, x = ops.add_rms_norm(h, o, layer["post_attention_layernorm"], eps, lora=o_lora and o_lora[0])
+            h, x = add_norm(h, o, layer["post_attention_layernorm"], o_lora and o_lora[0])
             (gate, up), gu_lora = _group_gemm(fd, x, layer, ("gate_proj", "up_proj"), groups)
-            if settle and gu_lora is not None and self.expand_ops is not None:
-                # grouped: the gate/up expands on the tensor cores inside SiLU·up (one launch, as without
-                # an adapter; a separate expand would write gate/up back and read them again)
+            if tiled and gu_lora is not None:
                 act = ops.silu_mul_expand(gate, up, gu_lora)
             else:
                 if settle:
                     gu_lora = _settle_expands((gate, up), gu_lora, self.expand_ops)
                 act = fd.silu_mul_lora(gate, up, gu_lora)
             (delta,), d_lora = _group_gemm(fd, act, layer, ("down_proj",), groups)
-            if settle:
+            if settle and not tiled:
                 d_lora = _settle_expands((delta,), d_lora, self.expand_ops)
             delta_lora = d_lora and d_lora[0]
         assert delta is not None  # a model has layers
-        _h, x = ops.add_rms_norm(h, delta, self.norm, eps, lora=delta_lora)
+        _h, x = add_norm(h, delta, self.norm, delta_lora)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
         return _linear_many(fd, x, [self.lm_head])[0].float()

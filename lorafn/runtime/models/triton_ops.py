@@ -609,3 +609,94 @@ def rope_expand_kv(
         num_warps=4,
     )
     return qo, ko, vo
+
+
+@triton.jit(do_not_specialize=["M", "off", "rank"])
+def _add_rms_norm_expand_kernel(
+    H,
+    D,
+    W,
+    OUT,
+    RES_OUT,
+    T,
+    B,
+    stride_t,
+    off,
+    rank,
+    eps,
+    M,
+    N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # two passes over the row tile's columns: (1) delta + its expand (rounded once), + h (rounded), stored
+    # as the residual, sum of squares; (2) the residual read back (this program's own writes, after a
+    # barrier) and normalized. Roundings as _add_rms_norm_kernel with an expand.
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_ok = rm < M
+    dt = RES_OUT.dtype.element_ty
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        mask = m_ok[:, None] & n_ok[None, :]
+        at = rm[:, None] * N + rn[None, :]
+        delta = tl.load(D + at, mask=mask, other=0.0).to(tl.float32)
+        delta = _expand_tile(delta, T, rm, m_ok, stride_t, off, rank, B, rn, n_ok, N, BLOCK_R, PRECISION)
+        x = tl.load(H + at, mask=mask, other=0.0).to(tl.float32) + delta.to(dt).to(tl.float32)
+        x = x.to(dt)
+        tl.store(RES_OUT + at, x, mask=mask)
+        xf = x.to(tl.float32)
+        sumsq += tl.sum(xf * xf, axis=1)
+    tl.debug_barrier()  # pass 2 reads what other threads of this program stored in pass 1
+    inv = tl.rsqrt(sumsq / N + eps)
+    for n0 in range(0, N, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        mask = m_ok[:, None] & n_ok[None, :]
+        at = rm[:, None] * N + rn[None, :]
+        xf = tl.load(RES_OUT + at, mask=mask, other=0.0).to(tl.float32)
+        normed = (xf * inv[:, None]).to(dt).to(tl.float32)
+        w = tl.load(W + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(OUT + at, (w[None, :] * normed).to(dt), mask=mask)
+
+
+def add_rms_norm_expand(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, lora: Expand
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm(h, delta, weight, eps, lora)` for a large step: (h + delta + t·Bᵀ, its RMSNorm) with the
+    expand on the tensor cores over tiles of rows, so the o/down expand costs no launch of its own and
+    delta is not written back and read again (add_rms_norm's programs are one row each and read all of B:
+    fine for <= 16 rows, not for a prefill). h, delta [T, N] contiguous."""
+    m, n = h.shape
+    if delta.shape != (m, n) or not (h.is_contiguous() and delta.is_contiguous()) or lora.b_t.shape[1] != n:
+        raise ValueError(
+            f"add_rms_norm_expand: h {tuple(h.shape)}, delta {tuple(delta.shape)} (contiguous) and b_t "
+            f"{tuple(lora.b_t.shape)} must share their width"
+        )
+    res = torch.empty_like(h)
+    out = torch.empty_like(h)
+    block_m = 16 if m <= 16 else 32
+    _add_rms_norm_expand_kernel[(-(-m // block_m),)](
+        h,
+        delta,
+        weight,
+        out,
+        res,
+        lora.t,
+        lora.b_t,
+        lora.t.stride(0),
+        lora.offset,
+        lora.rank,
+        eps,
+        m,
+        N=n,
+        BLOCK_M=block_m,
+        BLOCK_N=128,
+        BLOCK_R=16 if lora.rank <= 16 else 32 if lora.rank <= 32 else 64,
+        PRECISION=DOT_PRECISION[lora.t.dtype],
+        num_warps=4,
+    )
+    return res, out

@@ -68,8 +68,8 @@ def _steps(cfg: ModelConfig) -> list[ForwardBatch]:
 def _forward(
     model_dir: Path, cfg: ModelConfig, lora: LoRAWeights | None, *, triton: bool, fused: bool, mode: str
 ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """(logits of every step, the KV cache after them, grouped expand launches: lora_expand,
-    silu_mul_expand and rope_expand_kv) of one model variant."""
+    """(logits of every step, the KV cache after them, grouped expand launches: lora_expand, and on the
+    fused path the kernels with a group's expand inside) of one model variant."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
         use_triton_attention=triton, fused_decode=fused, lora_expand=mode,
@@ -77,7 +77,8 @@ def _forward(
     assert (model.fused is not None) == fused, "the fused path did not turn on"
     kv = KVCache(cfg, 8, 16, DEV, torch.float32)
     launches = 0
-    real = {name: getattr(triton_ops, name) for name in ("lora_expand", "silu_mul_expand", "rope_expand_kv")}
+    names = ("lora_expand", "silu_mul_expand", "rope_expand_kv", "add_rms_norm_expand")
+    real = {name: getattr(triton_ops, name) for name in names}
 
     def counting(fn):
         def counted(*args):
@@ -126,8 +127,8 @@ def main(argv: list[str]) -> None:
             for mode in LORA_EXPANDS if n == 0 else LORA_EXPANDS[:1]:
                 got = _forward(model_dir, cfg, lora, triton=True, fused=fused, mode=mode)
                 _same(f"{name} fused={fused} {mode}", got, ref)
-                # grouped: one launch per projection group per step (fused: per large step only; the
-                # q/k/v one is rope_expand_kv, the gate/up one silu_mul_expand)
+                # grouped: one launch per projection group per step (fused: per large step only, each
+                # group's expand inside the kernel that follows its GEMM)
                 want = (large_steps if fused else len(_steps(cfg))) * groups if mode == "grouped" else 0
                 assert got[2] == want, (
                     f"{name} fused={fused} {mode}: {got[2]} lora_expand launches, want {want}"
