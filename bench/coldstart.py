@@ -4,7 +4,8 @@
              length the run has not sent before, as each cold request is)
   warm-same  the same worker, one prompt repeated (what a repeated prompt hides)
   standby    a function's first request, served by a standby worker of the warm pool (median over
-             --standby-repeats functions, one cold start each)
+             --standby-repeats functions, one cold start each); each but the first is followed at once
+             by one warm request, and the ratio per pair is printed too (drift-free)
   fresh      the first request of a function whose backbone keeps no warm pool (a new worker process)
   no-share   a process that loads its own copy of the weights and answers one request (the baseline of
              serving without a shared backbone: spawn -> engine from safetensors -> first token)
@@ -364,7 +365,7 @@ def main() -> None:
         for i in range(3)
     ]
     # one function per standby cold start (each function's first request is the only cold one); the
-    # first is `warmfn`, whose worker then gives the warm row
+    # first measured (whichever a standby pre-loads first) gives the warm rows
     cold_fns = ["warmfn"] + [f"coldfn{i}" for i in range(1, max(1, args.standby_repeats))]
     cold_adapters = [adapters[0]] + [
         write_random_adapter(
@@ -405,9 +406,11 @@ def main() -> None:
         url = platform.state["gateway_url"]
         rows: dict[str, dict[str, Any]] = {}
         if not args.density_only:
-            # first: a fresh start (its own backbone, no pool), which also runs the client's first streamed
-            # request (lazy imports and set-up in the `openai` package: ~10 ms once per process, which
-            # the first timed request would otherwise carry)
+            # first: a fresh start (its own backbone, no pool), once the pool is up and quiet; it also runs
+            # the client's first streamed request (lazy imports and set-up in the `openai` package: ~10 ms
+            # once per process, which the first timed standby request would otherwise carry)
+            platform.wait_standby("pooled", shape)
+            platform.wait_pool_settled("pooled")
             up_cpu = cpu_ms(platform.proc.pid)
             sent_ms = time.time() * 1000
             t, rid = ttft_ms(url, "k-fresh", "bench/freshfn", next_prompt(), args.max_tokens, 600)
@@ -418,7 +421,11 @@ def main() -> None:
                 **platform.status("bench/freshfn", since_ms=sent_ms),
             }
             print("fresh", rows["fresh"], flush=True)
-            samples, remaining = [], [f"bench/{n}" for n in cold_fns]
+            # the first one's worker then gives the warm requests; after each later cold start, one warm
+            # request at once: a pair measured under the same conditions (the GPU's speed drifts between
+            # runs and within one: warm prefills of 25-35 ms in one run, 40-52 ms in the next)
+            samples, pairs, remaining = [], [], [f"bench/{n}" for n in cold_fns]
+            warm_fn = ""
             while remaining:
                 # the pool's refill after the previous bind warms up (forward passes, graphs): let it finish
                 # and pre-load a function, or it runs beside the request and inflates it
@@ -436,15 +443,25 @@ def main() -> None:
                     **platform.cold_timeline(f"bench/{name}"),
                     **platform.status(f"bench/{name}", since_ms=sent_ms),
                 }
+                warm_fn = warm_fn or name  # the first one's worker gives the warm requests
+                if name != warm_fn:
+                    w, _ = ttft_ms(
+                        url, f"k-{warm_fn}", f"bench/{warm_fn}", next_prompt(), args.max_tokens, 600
+                    )
+                    sample["paired_warm_ms"] = w
+                    pairs.append((t, w))
                 print("standby", sample, flush=True)
                 samples.append(sample)
             middle = sorted(samples, key=lambda x: x["ttft_ms"])[len(samples) // 2]
             rows["standby"] = {**middle, "all_ms": [x["ttft_ms"] for x in samples], "samples": samples}
+            if pairs:
+                rows["standby"]["paired_ratio_median"] = statistics.median(c / w for c, w in pairs)
+                rows["standby"]["paired_warm_median_ms"] = statistics.median(w for _, w in pairs)
             platform.wait_standby("pooled", shape)
             platform.wait_pool_settled("pooled")
             up_cpu = cpu_ms(platform.proc.pid)
             warm = [
-                ttft_ms(url, "k-warmfn", "bench/warmfn", next_prompt(), args.max_tokens, 600)
+                ttft_ms(url, f"k-{warm_fn}", f"bench/{warm_fn}", next_prompt(), args.max_tokens, 600)
                 for _ in range(args.repeats)
             ]
             warm_up_cpu = (cpu_ms(platform.proc.pid) - up_cpu) / args.repeats
@@ -458,7 +475,7 @@ def main() -> None:
             print("warm", rows["warm"], flush=True)
             if not args.same_prompt:  # the same warm worker, one prompt repeated: what repeats hide
                 again = [
-                    ttft_ms(url, "k-warmfn", "bench/warmfn", prompt, args.max_tokens, 600)
+                    ttft_ms(url, f"k-{warm_fn}", f"bench/{warm_fn}", prompt, args.max_tokens, 600)
                     for _ in range(args.repeats)
                 ]
                 rows["warm-same"] = {
@@ -514,6 +531,17 @@ def main() -> None:
             + ", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} {st[k]:.0f} ms" for k in parts if k in st)
         )
     print(stage_table(rows))
+    st = rows.get("standby", {})
+    if "paired_ratio_median" in st:
+        print(
+            f"paired: each later standby cold start then one warm request at once: warm median "
+            f"{st['paired_warm_median_ms']:.1f} ms, standby / warm per pair: median "
+            f"{st['paired_ratio_median']:.2f} ("
+            + ", ".join(
+                f"{x['ttft_ms'] / x['paired_warm_ms']:.2f}" for x in st["samples"] if "paired_warm_ms" in x
+            )
+            + ")"
+        )
     for sample in rows.get("standby", {}).get("samples", []):
         print(
             f"standby sample {sample['function']}: TTFT {sample['ttft_ms']:.1f} ms, "
