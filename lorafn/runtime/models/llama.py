@@ -297,9 +297,10 @@ class LlamaModel:
         expand joins the next layer's add + norm). A step of at most fused_decode.MAX_TOKENS rows (decode)
         runs each GEMM group as one skinny-GEMM launch; a larger one (prefill, decode batches > 16) through
         cuBLAS, and adds its expands as `lora_expand` says: grouped, on the tensor cores over tiles of rows
-        inside the kernel that reads the projection's output anyway (q/k/v: RoPE + cache writes; o, down:
-        add + RMSNorm; gate/up: SiLU·up; triton_ops), so LoRA costs the 4 shrink GEMMs per layer and no
-        other launch; one addmm_ per projection; or in the fused kernels as a small step does (in_kernels:
+        inside the kernel that reads the projection's output anyway (q/k/v: RoPE + cache writes; gate/up:
+        SiLU·up; o, down: add + RMSNorm from TILED_NORM_MIN_ROWS rows, else one lora_expand launch each;
+        triton_ops), so LoRA costs the 4 shrink GEMMs per layer and at most 2 launches more; one addmm_ per
+        projection; or in the fused kernels as a small step does (in_kernels:
         no launch either, but each of the kernel's programs is one row and reads its rank rows of B again,
         rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
@@ -314,8 +315,12 @@ class LlamaModel:
         tiled = settle and self.expand_ops is not None
 
         def add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, lora) -> tuple:
+            """(h + delta + its expand, the norm of it): o and down's expands (see TILED_NORM_MIN_ROWS)."""
             if tiled and lora is not None:
-                return ops.add_rms_norm_expand(h, delta, weight, eps, lora)
+                if h.shape[0] >= ops.TILED_NORM_MIN_ROWS:
+                    return ops.add_rms_norm_expand(h, delta, weight, eps, lora)
+                ops.lora_expand(lora.t, [(delta, lora.offset, lora.rank, lora.b_t)])
+                lora = None
             return ops.add_rms_norm(h, delta, weight, eps, lora=lora)
 
         delta: torch.Tensor | None = None

@@ -663,6 +663,13 @@ def _add_rms_norm_expand_kernel(
         tl.store(OUT + at, (w[None, :] * normed).to(dt), mask=mask)
 
 
+# add_rms_norm_expand runs one program per 16 rows (a row's norm needs all its columns): below ~128
+# programs most of an H100's 132 SMs would idle, and a separate lora_expand launch (programs over rows and
+# columns) + the per-row add_rms_norm is the better choice. A guess until measured (bench/engine.py
+# --profile-prefill): a 2048-token prefill chunk has 128 row tiles, a 512-token prompt 32.
+TILED_NORM_MIN_ROWS = 2048
+
+
 def add_rms_norm_expand(
     h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, lora: Expand
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -678,7 +685,7 @@ def add_rms_norm_expand(
         )
     res = torch.empty_like(h)
     out = torch.empty_like(h)
-    block_m = 16 if m <= 16 else 32
+    block_m = 16  # the most programs tl.dot allows (see TILED_NORM_MIN_ROWS)
     _add_rms_norm_expand_kernel[(-(-m // block_m),)](
         h,
         delta,

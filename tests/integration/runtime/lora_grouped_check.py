@@ -136,6 +136,15 @@ def main(argv: list[str]) -> None:
                 print(
                     f"{name} fused={fused} {mode}: same as per-projection torch ({got[2]} grouped launches)"
                 )
+        if n == 0:  # o/down expands inside add + RMSNorm: only from TILED_NORM_MIN_ROWS rows (2048) otherwise
+            floor, triton_ops.TILED_NORM_MIN_ROWS = triton_ops.TILED_NORM_MIN_ROWS, 1
+            try:
+                got = _forward(model_dir, cfg, lora, triton=True, fused=True, mode="grouped")
+            finally:
+                triton_ops.TILED_NORM_MIN_ROWS = floor
+            _same(f"{name} tiled norm", got, ref)
+            assert got[2] == large_steps * groups, got[2]
+            print(f"{name} with the o/down expands inside add + RMSNorm: same as per-projection torch")
     # a standby's prepared buffers: copy_lora of each adapter into all-linear buffers of the widest rank
     # gives that adapter's output through the grouped launches, clear_lora the base model's
     widest = max(max(load_lora(p, cfg, DEV, torch.float32).ranks.values()) for p in adapters.values())

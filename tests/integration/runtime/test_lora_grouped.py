@@ -58,4 +58,5 @@ def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Pa
     )
     for i, name in enumerate(ADAPTERS):  # the first adapter in every mode, each in grouped, fused and not
         assert proc.stdout.count(f"{name} fused=") == (6 if i == 0 else 2), proc.stdout
+    assert "o/down expands inside add + RMSNorm: same" in proc.stdout
     assert "clear_lora: the base model's output" in proc.stdout
