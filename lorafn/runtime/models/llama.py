@@ -300,14 +300,13 @@ class LlamaModel:
         inside the kernel that reads the projection's output anyway (q/k/v: RoPE + cache writes; gate/up:
         SiLU·up; o, down: add + RMSNorm from TILED_NORM_MIN_ROWS rows, else one lora_expand launch each;
         triton_ops), so LoRA costs the 4 shrink GEMMs per layer and at most 2 launches more; one addmm_ per
-        projection; or in the fused kernels as a small step does (in_kernels:
-        no launch either, but each of the kernel's programs is one row and reads its rank rows of B again,
-        rows x B bytes)."""
+        projection; or in the fused kernels as a small step does (in_kernels: no launch either, but each of
+        the kernel's programs is one row and reads its rank rows of B again, rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
         h = F.embedding(batch.input_ids, self.embed)
-        # a large step adds its expands after the cuBLAS GEMMs unless lora_expand says in the kernels: there
-        # every program of an elementwise kernel reads its rank rows of B again (B's bytes x rows)
+        # a large step keeps its expands out of the per-row decode kernels (each of their programs reads its
+        # rank rows of B again: B's bytes x rows) unless lora_expand is in_kernels
         settle = batch.input_ids.shape[0] > fd.MAX_TOKENS and self.lora_expand != "in_kernels"
         # grouped, large step: every expand inside the kernel that reads its projection's output anyway, on
         # the tensor cores over tiles of rows (q/k/v: RoPE + cache writes; o, down: add + RMSNorm; gate/up:
