@@ -8,7 +8,7 @@ from lorafn.runtime.config import LORA_EXPANDS, EngineConfig
 
 
 def test_lora_expand_modes() -> None:
-    assert LORA_EXPANDS[0] == "grouped" == EngineConfig(model="m").lora_expand  # the default
+    assert LORA_EXPANDS[0] == "per_projection" == EngineConfig(model="m").lora_expand  # the default
     for mode in LORA_EXPANDS:
         assert EngineConfig(model="m", lora_expand=mode).lora_expand == mode
     with pytest.raises(ValueError, match="lora_expand: 'fused'"):
