@@ -127,7 +127,7 @@ class LlamaModel:
         max_position: int | None = None,
         use_triton_attention: bool = False,
         fused_decode: bool = False,
-        lora_expand: str = "grouped",
+        lora_expand: str = LORA_EXPANDS[0],
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
         if lora_expand not in LORA_EXPANDS:
