@@ -471,6 +471,7 @@ def serve_standby(settings: Any) -> int:
         return EXIT_BIND_FAILED
     worker = standby.worker(function, record)
     worker.continue_control_after(standby.cursor)
+    worker.registered = True  # its bind or claim heartbeat registered it under the function
     worker.install_signal_handlers()
     # the dead-worker sweep (a round trip) after the cold request's first read and prefill, not before
     worker.defer_first_claim_s = FIRST_CLAIM_DEFER_S

@@ -208,8 +208,12 @@ class Worker:
         self._started = time.time()
         self._last_busy = clock()
         self._progress_at = clock()  # the loop's last iteration: the heartbeat thread reads it
-        # the loop's first request got its first token out (the first heartbeat waits for it, see _heartbeats)
+        # the loop's first read went out / its first request got its first token out (the first heartbeat
+        # waits for one of them, see _heartbeats)
+        self._reading = threading.Event()
         self._answered = threading.Event()
+        # registered under the function already (a bound standby: its bind or claim heartbeat did it)
+        self.registered = False
         self._with_next: list[Op[Any]] = []  # writes that ride on the loop's next round trip (send_with_next)
         self._record: Any = None  # the function's registration, when the caller has it (run reads it else)
         self._prepared = False  # consumer group and batching loaded ahead (`prepare`)
@@ -360,14 +364,14 @@ class Worker:
     def _heartbeats(self, stop: threading.Event) -> None:
         """Heartbeat thread, on its own connection: liveness must not depend on how long one engine step
         takes (a long prefill would otherwise let another worker claim requests that are still running)."""
-        # The first beat waits until the loop's first request has its first token out (at most
-        # FIRST_BEAT_WAIT_S): its connection set-up and fields (NVML) take the GIL, and the loop, back from
-        # a round trip, waits for the GIL up to the interpreter's switch interval (5 ms): on the H100 a bound
-        # standby's first read came ~4 ms after its loop started while the first beat ran. It is registered
-        # under the function since its bind; a fresh worker's first read takes its requests whether or not it
-        # beat yet.
+        # The first beat's connection set-up and fields (NVML) take the GIL, and the loop, back from a round
+        # trip, waits for the GIL up to the interpreter's switch interval (5 ms): on the H100 a bound
+        # standby's first read came ~4 ms after its loop started while the first beat ran. A bound standby
+        # (registered under the function since its bind or claim) so beats once its first request has its
+        # first token out; a fresh worker once its first read went out (it is not registered yet: until
+        # it beats, the gateway counts every request as a cold start). Either at most FIRST_BEAT_WAIT_S.
         store = Store(self.store.url)
-        self._answered.wait(FIRST_BEAT_WAIT_S)
+        (self._answered if self.registered else self._reading).wait(FIRST_BEAT_WAIT_S)
         stall_s = self.config.stall_after_ttls * self.config.heartbeat_ttl_s
         withheld = False
         try:
@@ -473,6 +477,7 @@ class Worker:
 
     def _read(self, block_ms: int | None) -> int:
         """Send queued events and read new entries, in one round trip; returns how many arrived."""
+        self._reading.set()
         free = self._free_slots()
         ops = self._pending_ops()
         check = list(self.running)  # their cancel flags, read in the same round trip
