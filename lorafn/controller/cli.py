@@ -47,6 +47,16 @@ class ControllerSettings(SharedSettings):
         default=True,
         description="a standby holding a function's pre-loaded adapter takes its first request itself",
     )
+    # the burst policy (PolicyConfig; None keeps its default), as `lorafn up`'s config has them
+    cold_prior_rps: float | None = Field(
+        default=None, ge=0, description="rate the warm pool assumes for a never-seen function (0: off)"
+    )
+    max_fresh_starts_per_gpu: int | None = Field(
+        default=None, ge=0, description="fresh worker starts at once per GPU (0: no cap)"
+    )
+    thrash_horizon_starts: float | None = Field(
+        default=None, ge=0, description="offloading spares workers back within this many starts (0: off)"
+    )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="the workers' device kind (sizing)")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus /metrics port (0: off)")
     metrics_host: str = Field(default="0.0.0.0", description="address of the metrics endpoint")
@@ -59,7 +69,7 @@ def build_controller(settings: ControllerSettings) -> Controller:
     from lorafn.controller.driver import Controller, ControllerConfig
     from lorafn.controller.kube_executor import KubernetesExecutor
     from lorafn.controller.policy.actions import Start
-    from lorafn.controller.policy.config import PolicyConfig
+    from lorafn.controller.policy.config import PolicyConfig, burst_overrides
     from lorafn.controller.snapshot import default_sizing
     from lorafn.store import Keys, Store
 
@@ -85,6 +95,9 @@ def build_controller(settings: ControllerSettings) -> Controller:
             gpu_utilization=settings.gpu_utilization,
             warm_pool=settings.warm_pool,
             offloading=settings.offloading,
+            **burst_overrides(
+                settings.cold_prior_rps, settings.max_fresh_starts_per_gpu, settings.thrash_horizon_starts
+            ),
         ),
     )
     controller = Controller(store, keys, executor, sizing, config)

@@ -39,7 +39,13 @@ async def start_controller(redis_url: str, tmp_path: Path) -> AsyncIterator[Call
     async def start() -> asyncio.subprocess.Process:
         env = dict(os.environ)
         env.update(
-            LORAFN_REDIS_URL=redis_url, LORAFN_INTERVAL_S="0.2", LORAFN_DEVICE="cpu", LORAFN_LEASE_TTL_S="3"
+            LORAFN_REDIS_URL=redis_url,
+            LORAFN_INTERVAL_S="0.2",
+            LORAFN_DEVICE="cpu",
+            LORAFN_LEASE_TTL_S="3",
+            # the pool at its floor (minStandby): without demand seen, the burst policy's cold prior would
+            # keep a second standby for the two never-invoked functions (tests/unit/controller covers that)
+            LORAFN_COLD_PRIOR_RPS="0",
         )
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "lorafn.cli", "controller", "run",
