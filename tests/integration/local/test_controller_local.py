@@ -64,7 +64,19 @@ def test_warm_pool_binds_three_functions_and_refuses_what_cannot_fit(
         for name, _adapter, _ in functions:
             done = _invoke(state_dir, name, keys[name])
             assert done.returncode == 0, done.stderr
-            assert done.stdout.strip(), f"{name} answered with no text"
+            # (the text may be empty: the tiny random model's greedy first token is sometimes its EOS, and
+            # which one wins a near-tie varies with the CPU's thread split: seen at b722e86 and after)
+            assert "total " in done.stderr and " ms]" in done.stderr, (
+                f"{name} did not complete: {done.stderr!r}"
+            )
+            # the controller writes the cold start into the status on the round after the worker's `bound`
+            # event: the answer can come back first (a standby that takes its request itself answers fast)
+            _wait(
+                f"{name}'s cold start in its status",
+                lambda name=name: r.hget(f"lorafn:fn:{name}:status", "last_cold_path"),
+                30,
+                up,
+            )
             status = r.hgetall(f"lorafn:fn:{name}:status")
             assert status.get("last_cold_path") in ("standby", "fresh"), status
             assert float(status["last_cold_start_ms"]) >= 0
