@@ -48,9 +48,14 @@ def examples_dir() -> Path:
 
 def pull_model(state_dir: Path) -> Path:
     out = state_dir / "models" / BACKBONE
-    # The pull shows its own progress bar; a cached model makes this instant.
+    # The pull shows its own progress bar; a cached model makes this instant. `--overwrite`: the directory is
+    # the demo's own, and an earlier demo left the model there (without it a second `lorafn up --demo` on the
+    # same state dir stopped at "already holds a model directory"); the files are placed again from the
+    # cache (links), so a backbone server still reading the old ones keeps them.
     subprocess.run(
-        lorafn_argv("model", "pull", "smollm2-135m", "--out", str(out)), check=True, env=child_env()
+        lorafn_argv("model", "pull", "smollm2-135m", "--out", str(out), "--overwrite"),
+        check=True,
+        env=child_env(),
     )
     return out
 
