@@ -97,6 +97,16 @@ class _PendingBind:
     sent_at: float
 
 
+@dataclass
+class _Exiting:
+    """A worker told to stop, until its process has exited: ``last`` is its last record (GPU, memory),
+    ``room_for`` the function its stop made room for ("" = none)."""
+
+    last: Worker
+    room_for: str
+    sent_at: float
+
+
 @dataclass(frozen=True)
 class Demand:
     """One demand record the gateway wrote: a request for ``function`` found no live worker at server time
@@ -124,6 +134,9 @@ class Controller:
         self._served: set[str] = set()
         # worker id -> when its stop was sent: one stop command per worker, not one per round
         self._stops_sent: dict[str, float] = {}
+        # stopped workers whose exit the executor has not reported: their memory is held until then, also
+        # after they deregistered (the process tears its CUDA context down last)
+        self._exiting: dict[str, _Exiting] = {}
         # demand entries after this one wake the loop (None: from the first wait on)
         self.demand_cursor: str | None = None
         self._exits: list[Exit] = []  # ended workers not yet learned from
@@ -160,7 +173,7 @@ class Controller:
             if w.function:
                 self._demand_at.pop(w.function, None)
         plan = decide(snapshot, self.config.policy)
-        self._apply(plan)
+        self._apply(plan, snapshot)
         self.last_plan, self.last_snapshot = plan, snapshot
         self._answer_recorded_demand()
         m = self.metrics
@@ -269,6 +282,7 @@ class Controller:
             )
         self._binds.pop(ended.worker_id, None)
         self._stops_sent.pop(ended.worker_id, None)
+        self._exiting.pop(ended.worker_id, None)
         self._served.discard(ended.worker_id)
 
     def _learn_events(self) -> None:
@@ -335,9 +349,17 @@ class Controller:
         for wid, sent_at in list(self._stops_sent.items()):
             if now - sent_at > self.config.bind_timeout_s:  # still there: let the policy see it again
                 del self._stops_sent[wid]
-        if not self._binds and not self._preloads and not self._stops_sent:
+        for wid, exiting in list(self._exiting.items()):
+            if now - exiting.sent_at > self.config.bind_timeout_s:  # its exit was never reported
+                del self._exiting[wid]
+        if not self._binds and not self._preloads and not self._stops_sent and not self._exiting:
             return snapshot
         patched = []
+        seen = {w.id for w in snapshot.workers}
+        for wid, exiting in self._exiting.items():
+            if wid not in seen:  # deregistered, its process not yet gone: its memory is still held
+                w = exiting.last
+                patched.append(dataclasses.replace(w, state="draining", running=0, preloaded=None))
         for w in snapshot.workers:
             pending = self._binds.get(w.id)
             if pending is not None and w.state == "standby":
@@ -346,9 +368,9 @@ class Controller:
                 )
             elif pending is not None and w.state == "bound":
                 del self._binds[w.id]  # its heartbeat says bound: confirmed
-            if w.id in self._stops_sent and w.state in ("standby", "bound"):
-                # told to stop, still heartbeating for a moment: its memory is held, but it is neither
-                # bound nor stopped again (a bind sent now would follow the stop and be lost)
+            if w.id in self._stops_sent and w.state in ("standby", "bound", "starting"):
+                # told to stop, still heartbeating (or starting) for a moment: its memory is held, but it
+                # is neither bound nor stopped again (a bind sent now would follow the stop and be lost)
                 w = dataclasses.replace(w, state="draining", running=0, preloaded=None)
             preload = self._preloads.get(w.id)
             if preload is not None and w.state == "standby":
@@ -357,13 +379,26 @@ class Controller:
                 else:  # sent, not yet loaded: plan as if it were (no second command)
                     w = dataclasses.replace(w, preloaded=preload.function)
             patched.append(w)
+        # a worker stopped to make room for a function: that function waits for this memory (policy
+        # `room_coming`) instead of the next rounds offloading more for it
+        patched = [
+            dataclasses.replace(w, room_for=self._exiting[w.id].room_for)
+            if w.state == "draining" and w.id in self._exiting and self._exiting[w.id].room_for
+            else w
+            for w in patched
+        ]
         return dataclasses.replace(snapshot, workers=tuple(patched))
 
     # -- carrying the plan out -------------------------------------------------------------------
-    def _apply(self, plan: Plan) -> None:
+    def _apply(self, plan: Plan, snapshot: Snapshot | None = None) -> None:
         waiting: set[str] = set()
+        by_id = {w.id: w for w in snapshot.workers} if snapshot is not None else {}
         for action in plan.actions:
             if isinstance(action, Stop):
+                if action.worker_id in by_id:
+                    self._exiting[action.worker_id] = _Exiting(
+                        by_id[action.worker_id], action.room_for, time.monotonic()
+                    )
                 log.info("controller: stop %s (%s) %s", action.worker_id, action.reason, action.detail)
                 self.metrics.stops.labels(action.reason).inc()
                 if action.reason == "offload":

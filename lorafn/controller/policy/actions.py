@@ -60,7 +60,8 @@ class Start:
 @dataclass(frozen=True)
 class Stop:
     """Stop worker ``worker_id`` (it exits; a bound worker never returns to the pool). For an offload,
-    ``cause``: why the room was needed, ``victim``: "standby" or "idle_bound" (metrics by both)."""
+    ``cause``: why the room was needed, ``victim``: "standby" or "idle_bound" (metrics by both),
+    ``room_for``: the function that waits for this memory (`Worker.room_for` once it drains)."""
 
     worker_id: str
     reason: StopReason
@@ -68,6 +69,7 @@ class Stop:
     detail: str = ""
     cause: OffloadCause | None = None
     victim: str = ""
+    room_for: str = ""
 
 
 @dataclass(frozen=True)

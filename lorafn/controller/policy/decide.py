@@ -16,12 +16,17 @@ Order of work (each step sees the memory the previous ones granted or freed):
       first), else a shape-agnostic one, else any (a graph capture on bind; only while that still
       beats a fresh start); the smallest that fits, then the GPU with most free memory;
    b. else wait for a standby that can take it and is warming up (Wait says so);
+   b'. else, when no GPU can start it now but workers an earlier round offloaded for it are still
+      exiting (``Worker.room_for``) and it fits once they are gone, Wait for them (its memory reserved;
+      nothing more is offloaded for it);
    c. else, while every GPU holding the backbone has ``max_fresh_starts_per_gpu`` fresh starts under way
       (starting workers, bound or standby, and this plan's Starts), Wait for a start slot or a standby,
       unless only a start now keeps its oldest request within its TTFT SLO (then it starts over the cap);
    d. else Start a fresh bound worker on the GPU with a start slot and the most free memory;
-   e. else offload (offload.py) on the GPU where it loses the least value, then Start there (each
-      Stop names its cause: a cold start, the min_replicas floor, or a scale-up under a burst); an idle
+   e. else offload (offload.py) on the GPU where it loses the least value, and Wait: the Start comes in
+      a later round, once the victims' processes have exited (b'), because a process holds its memory
+      until it exits and a worker started at once dies of OOM creating its CUDA context (each Stop names
+      its cause: a cold start, the min_replicas floor, or a scale-up under a burst); an idle
       bound worker whose function is expected back within ``thrash_horizon_starts`` fresh starts goes
       last, never for a scale-up, and for a cold start only when a start now still meets its request's
       deadline or the request has waited that horizon already;
@@ -88,16 +93,27 @@ class _Round:
                 self.live[w.function or ""].append(w)
             elif w.state == "standby":
                 self.standbys[w.backbone].append(w)
-        self.served: set[str] = set()  # functions given a worker in this plan
+        self.served: set[str] = set()  # functions given a worker in this plan (or memory it waits for)
+        self.room_used: set[str] = set()  # exiting workers whose coming memory a Wait of this plan counts
+        self.stopped_for: dict[str, str] = {}  # workers stopped in this plan -> the function it made room for
 
     def stop(
-        self, w: Worker, reason: str, detail: str = "", cause: OffloadCause | None = None, victim: str = ""
+        self,
+        w: Worker,
+        reason: str,
+        detail: str = "",
+        cause: OffloadCause | None = None,
+        victim: str = "",
+        room_for: str = "",
     ) -> None:
-        self.actions.append(Stop(w.id, reason, w.gpu, detail, cause, victim))  # type: ignore[arg-type]
+        self.actions.append(Stop(w.id, reason, w.gpu, detail, cause, victim, room_for))  # type: ignore[arg-type]
         self.gone.add(w.id)
+        self.stopped_for[w.id] = room_for
         if w.state == "starting":
             self.starting[w.gpu] -= 1
-        self.ledger.give(w.gpu, w.mem_bytes)
+        # Its memory is not given back to the ledger: the process holds it until it has exited (a start in
+        # the same round died of OOM creating its CUDA context on the H100). It is *coming* memory: a
+        # function may wait for it (`room_coming`), the account frees it once the worker is gone.
         if _live(w):
             self.live[w.function or ""].remove(w)
 
@@ -234,6 +250,9 @@ class _Round:
                 Wait(fn.name, f"a standby worker for it is warming up (ready in ~{left:.0f} s)")
             )
             return True
+        fits_now = any(self.start_slot(g) and self.ledger.free[g] >= fn.mem_bytes for g in gpus)
+        if not fits_now and self.room_coming(fn, gpus):
+            return False
         open_gpus = [g for g in gpus if self.start_slot(g)]
         if not open_gpus:
             if not self.only_a_start_now_meets(fn, gpus):
@@ -243,7 +262,14 @@ class _Round:
         free = self.ledger.free
         best = max((g for g in open_gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
         if best is None and self.config.offloading:
-            best = self.offload_for(fn, open_gpus, cause)
+            made = self.offload_for(fn, open_gpus, cause)
+            if made is not None:
+                # Start once the victims have exited, not now: their processes hold the memory until then,
+                # and a worker started at once created its CUDA context first and died of OOM (H100, 110
+                # functions: 3 starts; the account had room on paper). The memory is the function's from now
+                # on (`wait_for_room`), and the next rounds count it as coming for it while they drain.
+                self.wait_for_room(fn, *made)
+                return False
         if best is None:
             self.actions.append(Wait(fn.name, self.no_room_reason(fn, gpus)))
             return False
@@ -264,6 +290,69 @@ class _Round:
             )
         )
         return True
+
+    def coming(self, fn: Function, gpu: str) -> list[Worker]:
+        """Workers on ``gpu`` that are exiting (draining, or stopped in this plan) and whose memory ``fn`` may
+        count on: those stopped to make room for it first, then those stopped for no one (keep-alive, scale
+        down, pool shrink), largest first; none that a Wait of this plan counts already."""
+        own, free = [], []
+        for w in self.on_gpu.get(gpu, ()):
+            if w.id in self.room_used:
+                continue
+            if w.id in self.gone:
+                target = self.stopped_for.get(w.id, "")
+            elif w.state == "draining":
+                target = w.room_for or ""
+            else:
+                continue
+            if target == fn.name:
+                own.append(w)
+            elif not target:
+                free.append(w)
+        return own + sorted(free, key=lambda w: (-w.mem_bytes, w.id))
+
+    def room_coming(self, fn: Function, gpus: list[str]) -> bool:
+        """Whether ``fn`` fits on one of ``gpus`` once workers now exiting there are gone (`coming`): then it
+        Waits for them (`wait_for_room`) and nothing is offloaded for it. The most of its own room first."""
+        best = None
+        for g in gpus:
+            need = fn.mem_bytes - max(0, self.ledger.free[g])
+            counted, size = [], 0
+            for w in self.coming(fn, g):
+                if size >= need:
+                    break
+                counted.append(w)
+                size += w.mem_bytes
+            if counted and size >= need:
+                own = sum(w.mem_bytes for w in counted if self.room_target(w) == fn.name)
+                rank = (-own, len(counted), g)
+                if best is None or rank < best[0]:
+                    best = (rank, g, counted)
+        if best is None:
+            return False
+        self.wait_for_room(fn, best[1], best[2])
+        return True
+
+    def room_target(self, w: Worker) -> str:
+        return self.stopped_for.get(w.id, "") if w.id in self.gone else (w.room_for or "")
+
+    def wait_for_room(self, fn: Function, gpu: str, exiting: list[Worker]) -> None:
+        """``fn`` waits for ``exiting`` (workers whose processes are ending) on ``gpu``: their memory and the
+        free part it needs beside them are its own in this plan (the free part taken from the ledger, so no
+        later demand or the pool uses it; the account counts the exiting ones as used until they are gone).
+        """
+        size = sum(w.mem_bytes for w in exiting)
+        self.room_used.update(w.id for w in exiting)
+        self.ledger.take(gpu, max(0, fn.mem_bytes - size))
+        self.served.add(fn.name)
+        self.actions.append(Wait(fn.name, self.making_room_reason(gpu, exiting)))
+
+    def making_room_reason(self, gpu: str, victims: list[Worker]) -> str:
+        size = sum(w.mem_bytes for w in victims)
+        return (
+            f"making room on GPU {gpu}: {len(victims)} stopped worker(s) ({gib(size)}) are exiting; "
+            f"its worker starts once they are gone"
+        )
 
     def start_slot(self, gpu: str) -> bool:
         """Whether one more fresh start may begin on ``gpu`` (`PolicyConfig.max_fresh_starts_per_gpu`)."""
@@ -358,8 +447,11 @@ class _Round:
                 best, best_rank = w, rank
         return best
 
-    def offload_for(self, fn: Function, gpus: list[str], cause: OffloadCause) -> str | None:
-        """Stop the least valuable workers on the best GPU so that ``fn`` fits there; that GPU or None."""
+    def offload_for(
+        self, fn: Function, gpus: list[str], cause: OffloadCause
+    ) -> tuple[str, list[Worker]] | None:
+        """Stop the least valuable workers on the best GPU so that ``fn`` fits there once they have exited;
+        that GPU and the workers stopped, or None."""
         counts = {name: len(ws) for name, ws in self.live.items()}
         guard_s = self.config.thrash_horizon_starts * self.costs.fresh_start_s
         # A worker whose function is back soon goes only for what the user asked for (a cold start, the
@@ -385,15 +477,17 @@ class _Round:
                 guard_s,
                 allow_guarded,
             )
-            victims = choose_victims(cands, fn.mem_bytes - self.ledger.free[g])
+            exiting = self.coming(fn, g)  # all of it is short of fn's need, else `room_coming` took it
+            short = fn.mem_bytes - max(0, self.ledger.free[g]) - sum(w.mem_bytes for w in exiting)
+            victims = choose_victims(cands, short)
             if victims is None:
                 continue
             rank = (lost_value(victims), len(victims), g)
             if best is None or rank < best[0]:
-                best = (rank, g, victims)
+                best = (rank, g, victims, exiting)
         if best is None:
             return None
-        _, g, victims = best
+        _, g, victims, exiting = best
         for v in victims:
             w = v.worker
             kind = "standby" if v.tier == 0 else "idle bound worker"
@@ -403,10 +497,11 @@ class _Round:
                 f"{kind} of {w.function or w.shape or 'any shape'} makes room for {fn.name} ({cause})",
                 cause,
                 "standby" if v.tier == 0 else "idle_bound",
+                fn.name,
             )
             if w.state == "standby":
                 self.standbys[w.backbone].remove(w)
-        return g
+        return g, exiting + [v.worker for v in victims]
 
     def no_room_reason(self, fn: Function, gpus: list[str]) -> str:
         shown = sorted(gpus, key=lambda g: (-self.ledger.free[g], g))[:3]

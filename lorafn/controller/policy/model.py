@@ -68,6 +68,9 @@ class Worker:
     ``idle_s``: seconds since its last request finished; ``running``: requests in flight;
     ``age_s``: seconds since it was started. ``preloaded``: for a standby, the function whose adapter
     it holds in its LoRA buffers (pre-loading, DESIGN idea 4): a bind to that function needs no load.
+    ``room_for``: for a draining worker stopped by an offload, the function whose start waits for its
+    memory (that start is planned once the process has exited and the memory is really free; until then
+    the next rounds count this memory as coming for that function instead of offloading more).
     """
 
     id: str
@@ -81,6 +84,7 @@ class Worker:
     running: int = 0
     age_s: float = 0.0
     preloaded: str | None = None
+    room_for: str | None = None
 
     def __post_init__(self) -> None:
         owner = f"Worker {self.id}"
@@ -94,6 +98,11 @@ class Worker:
             raise ValueError(f"{owner}.function must be None for a standby worker, got {self.function!r}")
         if self.preloaded is not None and (not isinstance(self.preloaded, str) or not self.preloaded):
             raise ValueError(f"{owner}.preloaded must be None or a function name, got {self.preloaded!r}")
+        if self.room_for is not None and (self.state != "draining" or not self.room_for):
+            raise ValueError(
+                f"{owner}.room_for must be None, or a function name on a draining worker; got "
+                f"{self.room_for!r} on a {self.state} worker"
+            )
         _check_bytes(owner, "mem_bytes", self.mem_bytes)
         _check_non_negative(owner, "idle_s", self.idle_s)
         _check_non_negative(owner, "age_s", self.age_s)

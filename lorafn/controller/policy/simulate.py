@@ -93,6 +93,7 @@ class _Worker:
     served_any: bool = False
     running: list[float] = field(default_factory=list)  # end times of requests in flight
     idle_since: float = 0.0
+    room_for: str | None = None  # draining: the function its offload made room for
 
 
 @dataclass
@@ -190,6 +191,7 @@ class Simulation:
                     idle_s=0.0 if running else max(0.0, now - w.idle_since),
                     running=running,
                     age_s=max(1e-3, now - w.started_at),
+                    room_for=w.room_for if w.state == "draining" else None,
                 )
             )
         functions = []
@@ -253,6 +255,7 @@ class Simulation:
             if w.state == "bound":
                 self.counts["offloads_idle_bound"] += 1
         w.state, w.ready_at = "draining", self.now + self.setup.stop_s
+        w.room_for = a.room_for or None
 
     def apply(self, actions: Sequence[object]) -> None:
         for a in actions:

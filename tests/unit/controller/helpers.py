@@ -33,3 +33,25 @@ def snap(gpus, functions=(), workers=(), backbones=None, costs: Costs = COSTS) -
     if backbones is None:
         backbones = (Backbone("llama", 13 * GiB, min_standby_per_gpu=0, max_standby_per_gpu=4),)
     return Snapshot(0.0, tuple(gpus), tuple(backbones), tuple(workers), tuple(functions), costs)
+
+
+def next_rounds(snapshot: Snapshot, plan, config=None):
+    """The two rounds after an offload, as the driver reports them: (1) the stopped workers still
+    exiting (draining, their memory held, `room_for` = the function their Stop made room for), then
+    (2) those processes gone. Returns the two plans."""
+    import dataclasses
+
+    from lorafn.controller.policy import Stop, decide
+
+    stops = {a.worker_id: a for a in plan.of_type(Stop)}
+    draining = tuple(
+        dataclasses.replace(
+            w, state="draining", running=0, preloaded=None, room_for=stops[w.id].room_for or None
+        )
+        if w.id in stops
+        else w
+        for w in snapshot.workers
+    )
+    first = decide(dataclasses.replace(snapshot, workers=draining), config)
+    gone = tuple(w for w in snapshot.workers if w.id not in stops)
+    return first, decide(dataclasses.replace(snapshot, workers=gone), config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -9,7 +10,7 @@ from lorafn.controller.policy import PolicyConfig, Start, Stop, Wait, Worker, de
 from lorafn.controller.policy.offload import IDLE_BOUND, STANDBY, Victim, candidates, choose_victims
 from lorafn.controller.policy.planner import cold_demand
 
-from .helpers import COSTS, GiB, bound, fn, gpu, snap, standby
+from .helpers import COSTS, GiB, bound, fn, gpu, next_rounds, snap, standby
 
 
 def _candidates(workers, functions, protected=frozenset()):
@@ -101,11 +102,22 @@ def test_decide_offloads_cold_standby_before_idle_bound_never_running():
         bound("b-busy", "g0", "ns/busy", mem_gib=40, running=3),
     ]
     # free = 73.6 - 13 - 54 = 6.6 GiB, 7.4 short: the 4 GiB standby is not enough, the idle bound one is
-    plan = decide(snap([g], functions, workers))
+    before = snap([g], functions, workers)
+    plan = decide(before)
     stops = [a for a in plan.actions if isinstance(a, Stop) and a.reason == "offload"]
     assert [s.worker_id for s in stops] == ["b-idle"]  # freeing the standby too would be a waste
-    assert plan.actions.index(stops[0]) < plan.actions.index(plan.of_type(Start)[0])
-    assert plan.of_type(Start)[0].function == "ns/new"
+    assert stops[0].room_for == "ns/new"
+    # no Start before the victim's process has exited (it holds its memory until then)
+    assert not [a for a in plan.of_type(Start) if a.function]
+    assert [w.reason for w in plan.of_type(Wait) if w.function == "ns/new"] == [
+        "making room on GPU g0: 1 stopped worker(s) (10.0 GiB) are exiting; its worker starts once they "
+        "are gone"
+    ]
+    exiting, gone = next_rounds(before, plan)
+    assert not exiting.of_type(Stop) and not [a for a in exiting.of_type(Start) if a.function]
+    assert [w.function for w in exiting.of_type(Wait)] == ["ns/new"]
+    assert [a.function for a in gone.of_type(Start) if a.function] == ["ns/new"]
+    assert not [a for a in gone.of_type(Stop) if a.reason == "offload"]
 
 
 def test_decide_prefers_the_cold_standby_when_it_is_enough():
@@ -121,10 +133,13 @@ def test_decide_prefers_the_cold_standby_when_it_is_enough():
         bound("b-busy", "g0", "ns/busy", mem_gib=40, running=1),
     ]
     # free = 73.6 - 13 - 54 = 6.6 GiB, 2.4 short: the standby is enough
-    plan = decide(snap([g], functions, workers))
+    before = snap([g], functions, workers)
+    plan = decide(before)
     assert [s.worker_id for s in plan.of_type(Stop)] == ["s-cold"]
     assert plan.of_type(Stop)[0].reason == "offload"
-    assert [(a.function, a.mem_bytes) for a in plan.of_type(Start) if a.function] == [("ns/new", 9 * GiB)]
+    assert not [a for a in plan.of_type(Start) if a.function]
+    _, gone = next_rounds(before, plan)
+    assert [(a.function, a.mem_bytes) for a in gone.of_type(Start) if a.function] == [("ns/new", 9 * GiB)]
 
 
 def test_decide_never_offloads_busy_workers_and_waits_with_numbers():
@@ -154,3 +169,86 @@ def test_offloading_switched_off_waits_instead_of_stopping_idle_workers():
     plan = decide(snap([g], functions, workers), PolicyConfig(offloading=False))
     assert not [s for s in plan.of_type(Stop) if s.reason == "offload"]
     assert [w.function for w in plan.of_type(Wait)] == ["ns/new"]
+
+
+def test_memory_of_workers_exiting_for_a_function_is_its_own_and_nothing_more_is_offloaded():
+    # the GPU's end: ns/a's offloaded worker (3 GiB) is still exiting; 1 GiB is free
+    g = gpu("g0", total_gib=(13 + 3 + 3 + 1.01) / 0.92)
+    functions = [
+        fn("ns/a", mem_gib=3, queued=1, oldest_wait_s=2.0),
+        fn("ns/b", mem_gib=1, queued=1, oldest_wait_s=1.0),
+        fn("ns/idle", mem_gib=3, arrival_rate=0.001),
+        fn("ns/gone", mem_gib=3, arrival_rate=0.001),
+    ]
+    workers = [
+        Worker("d-a", "g0", "llama", "draining", "r16", "ns/gone", 3 * GiB, room_for="ns/a"),
+        bound("b-idle", "g0", "ns/idle", mem_gib=3, idle_s=300),
+    ]
+    plan = decide(snap([g], functions, workers))
+    # ns/a waits for d-a (no second victim for it: offloading again every round while the first victims
+    # drain was the defect); d-a's 3 GiB cover its 3 GiB, so it takes none of the free GiB
+    assert not [a for a in plan.of_type(Stop) if a.reason == "offload" and a.room_for == "ns/a"]
+    assert "making room on GPU g0" in next(w.reason for w in plan.of_type(Wait) if w.function == "ns/a")
+    # the free GiB was not ns/a's: ns/b starts in it
+    assert [a.function for a in plan.of_type(Start) if a.function] == ["ns/b"]
+
+
+def test_free_memory_a_waiting_function_needs_is_reserved_in_its_round():
+    # ns/a (4 GiB) waits for d-a (3 GiB) plus 1 of the 1 GiB free; ns/b (1 GiB) must not take that GiB
+    g = gpu("g0", total_gib=(13 + 3 + 1.01) / 0.92)
+    functions = [
+        fn("ns/a", mem_gib=4, queued=1, oldest_wait_s=2.0),
+        fn("ns/b", mem_gib=1, queued=1, oldest_wait_s=1.0),
+        fn("ns/gone", mem_gib=3),
+    ]
+    workers = [Worker("d-a", "g0", "llama", "draining", "r16", "ns/gone", 3 * GiB, room_for="ns/a")]
+    plan = decide(snap([g], functions, workers))
+    assert not plan.of_type(Start) and not plan.of_type(Stop)
+    waits = {w.function: w.reason for w in plan.of_type(Wait)}
+    assert "making room on GPU g0" in waits["ns/a"]
+    assert "no GPU holding backbone llama has room for a 1.0 GiB worker" in waits["ns/b"]
+    assert plan.account["g0"].planned_free_bytes < 0.02 * GiB  # the GiB is ns/a's
+
+
+def test_exiting_memory_counts_only_for_its_function_and_a_gpu_with_room_now_goes_first():
+    # d-a exits for ns/a on g0; ns/c may not wait on it (offloads its own), and ns/a itself starts at once
+    # on g1 when g1 has room now
+    g0 = gpu("g0", total_gib=(13 + 3.01) / 0.92)
+    g1 = gpu("g1", total_gib=(13 + 3.01) / 0.92)
+    functions = [fn("ns/a", mem_gib=3, queued=1), fn("ns/gone", mem_gib=3)]
+    workers = [Worker("d-a", "g0", "llama", "draining", "r16", "ns/gone", 3 * GiB, room_for="ns/a")]
+    plan = decide(snap([g0, g1], functions, workers))
+    assert [(a.function, a.gpu) for a in plan.of_type(Start) if a.function] == [("ns/a", "g1")]
+    other = decide(snap([g0], [fn("ns/c", mem_gib=3, queued=1), *functions[1:]], workers))
+    assert not other.of_type(Start)
+    assert "no GPU holding backbone llama has room" in other.of_type(Wait)[0].reason
+
+
+def test_room_for_is_only_for_a_draining_worker():
+    with pytest.raises(ValueError, match="room_for"):
+        bound("b", "g0", "ns/a", room_for="ns/b")
+    with pytest.raises(ValueError, match="room_for"):
+        Worker("d", "g0", "llama", "draining", "r16", None, GiB, room_for="")
+
+
+def test_a_worker_stopped_for_keep_alive_is_room_coming_not_free_memory():
+    # b-old's keep-alive ends this round: its 3 GiB are held until its process exits, so ns/a does not
+    # start in them now (OOM at context creation) and no second idle worker is offloaded for ns/a either
+    g = gpu("g0", total_gib=(13 + 3 + 3 + 1.01) / 0.92)
+    functions = [
+        fn("ns/a", mem_gib=3, queued=1),
+        fn("ns/old", mem_gib=3, keep_alive_s=60),
+        fn("ns/recent", mem_gib=3, arrival_rate=0.001),
+    ]
+    workers = [
+        bound("b-old", "g0", "ns/old", mem_gib=3, idle_s=300),
+        bound("b-recent", "g0", "ns/recent", mem_gib=3, idle_s=40),
+    ]
+    before = snap([g], functions, workers)
+    plan = decide(before)
+    assert [(a.worker_id, a.reason) for a in plan.of_type(Stop)] == [("b-old", "keep_alive")]
+    assert not plan.of_type(Start)
+    assert "making room on GPU g0: 1 stopped worker(s) (3.0 GiB)" in plan.of_type(Wait)[0].reason
+    exiting, gone = next_rounds(before, plan)
+    assert not exiting.of_type(Stop) and not exiting.of_type(Start)  # still waiting for b-old
+    assert [a.function for a in gone.of_type(Start)] == ["ns/a"]

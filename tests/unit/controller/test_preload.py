@@ -15,7 +15,7 @@ from lorafn.controller.policy.knapsack import check_feasible, greedy
 from lorafn.controller.policy.preload import PRIOR_RATE, plan_preload, preload_problem, preload_value
 from lorafn.controller.policy.synthetic import GiB
 
-from .helpers import COSTS, bound, fn, gpu, snap, standby
+from .helpers import COSTS, bound, fn, gpu, next_rounds, snap, standby
 
 MiB = 2**20
 
@@ -195,10 +195,14 @@ def test_offload_stops_standbys_holding_cold_adapters_first_and_names_its_cause(
         fn("ns/cold", arrival_rate=0.0001),
     ]
     workers = [standby("s-hot", "g0", preloaded="ns/hot"), standby("s-cold", "g0", preloaded="ns/cold")]
-    plan = decide(snap([g], functions, workers, costs=COSTS), PolicyConfig(pool_min_age_s=0))
+    config = PolicyConfig(pool_min_age_s=0)
+    before = snap([g], functions, workers, costs=COSTS)
+    plan = decide(before, config)
     stops = [a for a in plan.of_type(Stop) if a.reason == "offload"]
     assert [(a.worker_id, a.cause, a.victim) for a in stops] == [("s-cold", "cold_start", "standby")]
-    assert [a.function for a in plan.of_type(Start) if a.function] == ["ns/new"]
+    assert not [a for a in plan.of_type(Start) if a.function]  # once s-cold has exited
+    _, gone = next_rounds(before, plan, config)
+    assert [a.function for a in gone.of_type(Start) if a.function] == ["ns/new"]
 
 
 def test_offload_for_a_burst_is_a_scale_up_and_spares_busy_workers() -> None:
@@ -213,10 +217,14 @@ def test_offload_for_a_burst_is_a_scale_up_and_spares_busy_workers() -> None:
         bound("b2", "g0", "ns/idle", idle_s=30),  # idle longer than a fresh start (20 s): no thrash guard
         bound("b3", "g0", "ns/busy", running=1),
     ]
-    plan = decide(snap([g], functions, workers))
+    before = snap([g], functions, workers)
+    plan = decide(before)
     stops = [a for a in plan.of_type(Stop) if a.reason == "offload"]
     assert [(a.worker_id, a.cause, a.victim) for a in stops] == [("b2", "scale_up", "idle_bound")]
-    assert [a.function for a in plan.of_type(Start)] == ["ns/burst"]
+    assert not plan.of_type(Start)
+    exiting, gone = next_rounds(before, plan)
+    assert not exiting.of_type(Stop) and not exiting.of_type(Start)
+    assert [a.function for a in gone.of_type(Start)] == ["ns/burst"]
 
 
 def test_worker_preloaded_must_name_a_function() -> None:
