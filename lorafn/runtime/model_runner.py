@@ -66,6 +66,23 @@ def set_cuda_stack_limit(device: torch.device, num_bytes: int) -> None:
     log.info("CUDA stack limit set to %d bytes per thread", num_bytes)
 
 
+class _StageClock:
+    """Seconds between laps into ``out`` (the device synchronized first: CUDA work is asynchronous)."""
+
+    def __init__(self, out: dict[str, float], device: torch.device) -> None:
+        import time
+
+        self.out, self.device, self.now = out, device, time.perf_counter
+        self.t = self.now()
+
+    def lap(self, stage: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t = self.now()
+        self.out[stage] = t - self.t
+        self.t = t
+
+
 class ModelRunner:
     """The model, its KV cache and its decode graphs on one device; `execute` runs one step's forward."""
 
@@ -79,8 +96,14 @@ class ModelRunner:
     ) -> None:
         self.config, self.model_config = config, model_config
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
+        # seconds per start-up stage, in order (a fresh worker's start, bench/coldstart.py, issue 11)
+        self.startup_s: dict[str, float] = {}
+        clock = _StageClock(self.startup_s, device)
         if device.type == "cuda" and config.cuda_stack_bytes is not None:
             set_cuda_stack_limit(device, config.cuda_stack_bytes)
+        elif device.type == "cuda":
+            torch.zeros(1, device=device)
+        clock.lap("context")
         if device.type == "cuda" and not config.cudnn_attention:
             # process-wide (one engine per worker process): SDPA then picks flash or memory-efficient
             # attention, which need no per-shape plan (see EngineConfig.cudnn_attention)
@@ -96,6 +119,7 @@ class ModelRunner:
             else None
         )
         self.prepared = config.adapter is None and config.lora_shape is not None
+        clock.lap("adapter")
         use_triton = device.type == "cuda" and _triton_available()
         self.model = LlamaModel(
             model_config,
@@ -108,9 +132,11 @@ class ModelRunner:
             fused_decode=use_triton and config.fused_decode,
             lora_expand=config.lora_expand,
         )
+        clock.lap("backbone")  # the weight views (the shared backbone mapped, or loaded)
         self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache(model_config, self.num_blocks, config.block_size, device, dtype)
+        clock.lap("kv_cache")
         self.graphs: DecodeGraphRunner | None = None
         self.graph_capture_s = 0.0
         self.max_blocks_per_seq = 0
@@ -129,6 +155,7 @@ class ModelRunner:
         buckets = graph_buckets(cfg.cuda_graph_batch_sizes, min(cfg.max_num_seqs, self.num_blocks))
         self.graphs = DecodeGraphRunner(self.model, self.kv_cache, buckets, max_blocks_per_seq)
         self.graph_capture_s = self.graphs.capture()
+        self.startup_s.setdefault("graphs", self.graph_capture_s)  # the first capture (a start's)
 
     def bind_adapter(self, adapter_dir: str | Path) -> str:
         """Load an adapter into a standby's runner; how it went, for the log.

@@ -896,7 +896,9 @@ def serve_worker(settings: WorkerSettings) -> int:
     keep_alive = settings.keep_alive_seconds
     if keep_alive is None and record is not None and record.spec:
         keep_alive = float(LoRAFunctionSpec.model_validate(record.spec).scaling.keep_alive_seconds)
+    built_at_ms = time.time() * 1000
     engine = make_engine(settings, record)
+    log_startup(engine, settings, built_at_ms)
     # the engine's objects (and the libraries') out of later full collections, which would otherwise walk
     # them inside a request's step (standby.settle_heap; here without the collection itself: O(1), and a
     # fresh worker's first request is already waiting)
@@ -919,6 +921,20 @@ def serve_worker(settings: WorkerSettings) -> int:
         )
     log.info("worker %s serving %s", worker.worker_id, function)
     return worker.run()
+
+
+def log_startup(engine: Any, settings: WorkerSettings, built_at_ms: float) -> None:
+    """One line with where a fresh worker's start went: spawn -> engine set-up (imports, or the fork), then
+    the engine's stages (`ModelRunner.startup_s`: CUDA context, adapter, backbone views, KV cache, decode
+    graphs). bench/coldstart.py and issue 11's figures read it."""
+    stages = dict(getattr(getattr(engine, "runner", None), "startup_s", None) or {})
+    now_ms = time.time() * 1000
+    parts = []
+    if settings.spawned_at_ms:
+        parts.append(f"before_engine_ms={max(0.0, built_at_ms - settings.spawned_at_ms):.0f}")
+    parts += [f"{k}_ms={v * 1000:.0f}" for k, v in stages.items()]
+    parts.append(f"engine_ms={now_ms - built_at_ms:.0f}")
+    log.info("worker start-up %s", " ".join(parts))
 
 
 def make_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
