@@ -608,6 +608,7 @@ def density(
     url = platform.state["gateway_url"]
 
     errors: dict[str, int] = {}
+    messages: list[str] = []
 
     def call(name: str) -> bool:
         """Answered (any text, even empty: a random model may emit tokens that decode to nothing)."""
@@ -621,19 +622,27 @@ def density(
             return True
         except Exception as e:
             kind = type(e).__name__
+            status = getattr(e, "status_code", None)
+            if status is not None:
+                kind = f"{kind}({status})"
             errors[kind] = errors.get(kind, 0) + 1
+            if len(messages) < 20:  # what the client was told (a 5xx must not happen: find out why)
+                messages.append(f"{name}: {kind}: {str(e)[:300]}")
             return False
 
     with ThreadPoolExecutor(max_workers=min(128, args.density)) as pool:
         ok = list(pool.map(call, names))
     print(f"density: {sum(ok)} of {len(names)} answered; errors {errors}", flush=True)
+    for m in messages:
+        print(f"  {m}", flush=True)
     bound = [h for h in platform.workers().values() if h.get("function", "").startswith("bench/d")]
     after = gpu_used_bytes()
     per = ((after or 0) - (before or 0)) / MiB / max(1, len(bound))
     # each worker's own figure (the driver's count of its process, the controller's learning input)
     reported = [int(h["mem_bytes"]) / MiB for h in bound if h.get("mem_source") == "driver"]
     return {
-        "asked": args.density, "answered": sum(ok), "errors": errors, "bound": len(bound),
+        "asked": args.density, "answered": sum(ok), "errors": errors, "error_messages": messages,
+        "bound": len(bound),
         "per_function_mib": per, "gpu_used_before": before, "gpu_used_after": after,
         "reported_mib_median": statistics.median(reported) if reported else None,
         "reported_mib_max": max(reported) if reported else None,
