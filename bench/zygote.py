@@ -56,7 +56,7 @@ def run_mode(
             name = f"f{i}"
             platform.apply(function_doc(name, "fresh", adapter), f"k-{name}", workdir, name)
             time.sleep(0.5)  # the registration lands before the first request
-            t = ttft_ms(url, f"k-{name}", f"bench/{name}", prompt, args.max_tokens, 600)
+            t, _rid = ttft_ms(url, f"k-{name}", f"bench/{name}", prompt, args.max_tokens, 600)
             # the controller records the start in its next round: with a fast start, after the answer
             deadline = time.monotonic() + 10
             status = platform.status(f"bench/{name}")
