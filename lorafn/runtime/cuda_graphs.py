@@ -109,25 +109,34 @@ class DecodeGraphRunner:
             logits_indices=None,
         )
 
-    def capture(self) -> float:
-        """Capture every bucket, largest first (they share one memory pool). Returns seconds taken."""
+    def capture(self, pool=None, warmup_pool=None, keep_graph: bool = False) -> float:
+        """Capture every bucket, largest first (they share one memory pool). Returns seconds taken.
+
+        For graph materialization (graph_restore.py): `pool` (a pool id, e.g. an arena MemPool's `.id`)
+        instead of a new one, `warmup_pool` (a MemPool) for the warm-ups' allocations (the capture
+        stream's cuBLAS workspace is made there and named by the graphs), `keep_graph` to keep each
+        cudaGraph_t for walking (then instantiated here, as without it)."""
+        import contextlib
         import time
 
         import torch
 
         t0 = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         stream = torch.cuda.Stream()
         for bucket in reversed(self.buckets):
             batch = self._batch(bucket)
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: lazy module loads, Triton compiles, cuBLAS handles
+            routed = contextlib.nullcontext() if warmup_pool is None else torch.cuda.use_mem_pool(warmup_pool)
+            with torch.cuda.stream(stream), routed:  # warm-up: lazy module loads, Triton compiles, cuBLAS
                 for _ in range(2):
                     self.model.forward(batch, self.kv_cache.layers)
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 self.outputs[bucket] = self.model.forward(batch, self.kv_cache.layers)
+            if keep_graph:
+                graph.instantiate()
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
         return time.perf_counter() - t0

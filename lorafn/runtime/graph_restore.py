@@ -1,0 +1,879 @@
+"""Decode CUDA graphs materialized (issue 11 item 2): walk captured graphs into an archive, and rebuild them
+in another process without capturing. The pure parts (key, format, refusals) are `graph_archive.py`.
+
+Capture side (`archive_graphs`): the graphs were captured by `DecodeGraphRunner.capture` with the arena's
+pools (`arena.py`), so every address they name is in the arena A (or in W). Each graph is walked with the
+CUDA driver API (cuda-bindings): node types, kernel params (`cuGraphKernelNodeGetParams`; each
+parameter's size from `cuFuncGetParamInfo`, bytes kept opaque), launch attributes, memset/memcpy
+parameters, edges. Triton kernels are recognised by their CUfunction handle among Triton's loaded
+`CompiledKernel`s and archived with their cubin; every other kernel (ATen, cuBLAS) by its name.
+
+Restore side (`restore_graphs`): the same arena at the same address, the same state allocations (checked
+against the archived allocation log), the rest of the capture's arena range backed (`reserve_until`),
+then: Triton cubins loaded with `cuModuleLoadData` (no Triton JIT); the other kernels' handles harvested
+from a *trigger*: the model's forward for one layer, eagerly then under stream capture, with every Triton
+launch turned into a no-op (it costs only the ATen/cuBLAS launches; the trigger graph is walked for
+names, never run); then `cuGraphCreate` + `cuGraphAddKernelNode`/... in topological order,
+`cuGraphInstantiate`, `cuGraphUpload`. A self-check replays each graph on padding inputs and compares a
+digest of its output with the capturing process's (valid when both hold the same weights and LoRA
+values, e.g. a standby's zeroed buffers on one backbone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import gc
+import hashlib
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorafn.runtime.arena import Arena, tensor_at
+from lorafn.runtime.graph_archive import (
+    FORMAT_VERSION,
+    Archive,
+    ArchiveError,
+    EmptyNode,
+    GraphRecord,
+    KernelNode,
+    MemcpyNode,
+    MemsetNode,
+    ModuleImage,
+    Node,
+    TensorRef,
+    check_key,
+    check_layout,
+    files_fingerprint,
+    foreign_pointers,
+    model_layout_fingerprint,
+    reorder,
+)
+
+log = logging.getLogger(__name__)
+
+_RUNTIME = Path(__file__).parent
+# The sources that decide which kernels a decode step launches, with which arguments, in which order,
+# and where the arena puts things: an edit to any of them invalidates archives (the `code` key field).
+CODE_FILES = (
+    _RUNTIME / "models" / "llama.py",
+    _RUNTIME / "models" / "fused_decode.py",
+    _RUNTIME / "models" / "triton_ops.py",
+    _RUNTIME / "attention" / "__init__.py",
+    _RUNTIME / "attention" / "triton_decode.py",
+    _RUNTIME / "attention" / "reference.py",
+    _RUNTIME / "cuda_graphs.py",
+    _RUNTIME / "lora.py",
+    _RUNTIME / "kv_cache.py",
+    _RUNTIME / "arena_alloc.c",
+)
+# Function attributes a library or Triton may have set before launching, restored on the new handles.
+FUNC_ATTRS = (
+    "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES",
+    "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT",
+    "CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
+)
+_ATTR_VALUE_BYTES = 64  # sizeof(CUlaunchAttributeValue): a union padded to 64 bytes
+_MEMCPY_INTS = (
+    "srcXInBytes",
+    "srcY",
+    "srcZ",
+    "srcLOD",
+    "srcPitch",
+    "srcHeight",
+    "dstXInBytes",
+    "dstY",
+    "dstZ",
+    "dstLOD",
+    "dstPitch",
+    "dstHeight",
+    "WidthInBytes",
+    "Height",
+    "Depth",
+)
+
+
+class GraphRestoreError(RuntimeError):
+    """A CUDA call or a step of walking/rebuilding failed; the message names the call and the node."""
+
+
+def _cu() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # cuda-python before the cuda.bindings layout
+        except ImportError as exc:
+            raise GraphRestoreError(
+                "graph materialization needs cuda-bindings (the `gpu` extra: cuda-python)"
+            ) from exc
+    return driver
+
+
+def _ok(result: Any, what: str) -> tuple:
+    """cuda-bindings returns (CUresult, *values): the values, or GraphRestoreError naming the call."""
+    cu = _cu()
+    err, *rest = result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise GraphRestoreError(f"{what} failed: {getattr(err, 'name', err)} ({int(err)})")
+    return tuple(rest)
+
+
+# ---------------------------------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class DecodeStateSpec:
+    """What a decode graph set is captured over (the same spec in the capturing and restoring process)."""
+
+    model_dir: str
+    dtype: str = "bfloat16"
+    lora_shape: str | None = None
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    num_kv_blocks: int = 512
+    block_size: int = 16
+    max_model_len: int = 1024
+    fused_decode: bool = True
+    lora_expand: str = "per_projection"
+
+
+@dataclass
+class DecodeState:
+    spec: DecodeStateSpec
+    model_config: Any
+    model: Any
+    lora: Any
+    kv_cache: Any
+    runner: Any  # DecodeGraphRunner (static inputs allocated, nothing captured)
+    state_top: int
+    state_log: list[tuple[int, int]]
+    build_s: float
+
+
+def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
+    """The model (weights in the arena), zeroed LoRA buffers of `spec.lora_shape` (a standby's), the KV
+    cache and the graphs' static inputs, all in `arena.state_pool`, in one fixed order (ModelRunner's):
+    the same spec gives the same addresses in every process (the allocation log proves it)."""
+    from lorafn.runtime.block_manager import blocks_for_tokens
+    from lorafn.runtime.config import ModelConfig
+    from lorafn.runtime.cuda_graphs import DecodeGraphRunner
+    from lorafn.runtime.kv_cache import KVCache
+    from lorafn.runtime.local_weights import SafetensorsWeightSource
+    from lorafn.runtime.lora import zero_lora
+    from lorafn.runtime.models.llama import LlamaModel
+
+    t0 = time.perf_counter()
+    if arena.bump != 0:
+        raise GraphRestoreError(f"arena: the state must be its first allocations (bump is {arena.bump})")
+    mc = ModelConfig.from_dir(spec.model_dir)
+    dtype = getattr(torch, spec.dtype)
+    device = arena.device
+    gc.collect()
+    gc.disable()  # a collection mid-build could free a temporary at another point: other addresses
+    try:
+        with torch.cuda.use_mem_pool(arena.state_pool):
+            source = SafetensorsWeightSource(spec.model_dir)
+            lora = zero_lora(spec.lora_shape, mc, device, dtype) if spec.lora_shape else None
+            model = LlamaModel(
+                mc,
+                source,
+                device,
+                dtype,
+                lora,
+                max_position=spec.max_model_len,
+                use_triton_attention=True,
+                fused_decode=spec.fused_decode,
+                lora_expand=spec.lora_expand,
+            )
+            kv = KVCache(mc, spec.num_kv_blocks, spec.block_size, device, dtype)
+            runner = DecodeGraphRunner(
+                model, kv, spec.buckets, blocks_for_tokens(spec.max_model_len, spec.block_size)
+            )
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
+    return DecodeState(
+        spec=spec,
+        model_config=mc,
+        model=model,
+        lora=lora,
+        kv_cache=kv,
+        runner=runner,
+        state_top=arena.bump,
+        state_log=arena.allocation_log(),
+        build_s=time.perf_counter() - t0,
+    )
+
+
+def state_key(state: DecodeState, arena: Arena) -> dict[str, Any]:
+    spec = state.spec
+    return current_key(
+        model_dir=spec.model_dir,
+        dtype=getattr(torch, spec.dtype),
+        adapter_shape=state.lora.shape_key if state.lora is not None else None,
+        fused_decode=spec.fused_decode,
+        lora_expand=spec.lora_expand,
+        buckets=state.runner.buckets,
+        max_blocks_per_seq=state.runner.max_blocks,
+        block_size=spec.block_size,
+        num_kv_blocks=spec.num_kv_blocks,
+        arena=arena,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ key
+
+
+def current_key(
+    *,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    adapter_shape: str | None,
+    fused_decode: bool,
+    lora_expand: str,
+    buckets: Sequence[int],
+    max_blocks_per_seq: int,
+    block_size: int,
+    num_kv_blocks: int,
+    arena: Arena,
+    weights_in: str = "arena",
+) -> dict[str, Any]:
+    """This process's graph-archive key (graph_archive.KEY_FIELDS)."""
+    import triton
+
+    cu = _cu()
+    props = torch.cuda.get_device_properties(arena.device)
+    (driver,) = _ok(cu.cuDriverGetVersion(), "cuDriverGetVersion")
+    return {
+        "format_version": FORMAT_VERSION,
+        "gpu": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "driver": int(driver),
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "code": files_fingerprint(p for p in CODE_FILES if p.exists()),
+        "model_layout": model_layout_fingerprint(model_dir),
+        "dtype": str(dtype).removeprefix("torch."),
+        "adapter_shape": adapter_shape,
+        "fused_decode": bool(fused_decode),
+        "lora_expand": lora_expand,
+        "buckets": sorted(int(b) for b in buckets),
+        "max_blocks_per_seq": int(max_blocks_per_seq),
+        "block_size": int(block_size),
+        "num_kv_blocks": int(num_kv_blocks),
+        "arena_base": arena.base,
+        "arena_reserved": arena.reserved,
+        "weights_in": weights_in,
+    }
+
+
+# ---------------------------------------------------------------------------------------- walking
+
+
+def triton_kernels() -> dict[int, Any]:
+    """Triton's loaded kernels by CUfunction handle (every `CompiledKernel` alive in this process)."""
+    out: dict[int, Any] = {}
+    for obj in gc.get_objects():
+        cls = type(obj)
+        if cls.__name__ == "CompiledKernel" and cls.__module__.startswith("triton"):
+            fn = getattr(obj, "function", None)
+            if fn:
+                out[int(fn)] = obj
+    return out
+
+
+def _func_attrs(func: int) -> dict[str, int]:
+    cu = _cu()
+    out = {}
+    for name in FUNC_ATTRS:
+        attr = getattr(cu.CUfunction_attribute, name, None)
+        if attr is None:
+            continue
+        err, value = cu.cuFuncGetAttribute(attr, func)
+        if err == cu.CUresult.CUDA_SUCCESS:
+            out[name] = int(value)
+    return out
+
+
+def _param_layout(func: int, cache: dict[int, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """(offset, size) of each parameter of `func`, from cuFuncGetParamInfo (CUDA >= 12.4)."""
+    if func in cache:
+        return cache[func]
+    cu = _cu()
+    out = []
+    for i in range(4096):
+        err, off, size = cu.cuFuncGetParamInfo(func, i)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            break
+        out.append((int(off), int(size)))
+    cache[func] = out
+    return out
+
+
+def _read_params(p: Any, layout: list[tuple[int, int]], what: str) -> list[bytes]:
+    if not layout:
+        return []
+    addr = int(p.kernelParams)
+    if addr:
+        ptrs = (ctypes.c_void_p * len(layout)).from_address(addr)
+        out = []
+        for i, (_off, size) in enumerate(layout):
+            if not ptrs[i]:
+                raise GraphRestoreError(f"{what}: kernelParams[{i}] is NULL")
+            out.append(ctypes.string_at(ptrs[i], size))
+        return out
+    extra = int(p.extra)
+    if not extra:
+        raise GraphRestoreError(f"{what}: {len(layout)} parameters but neither kernelParams nor extra")
+    words = ctypes.cast(extra, ctypes.POINTER(ctypes.c_void_p))
+    buf = size_ptr = None
+    for i in range(0, 64, 2):  # CU_LAUNCH_PARAM_END 0, BUFFER_POINTER 1, BUFFER_SIZE 2
+        k = words[i] or 0
+        if k == 0:
+            break
+        if k == 1:
+            buf = words[i + 1]
+        elif k == 2:
+            size_ptr = words[i + 1]
+    if not buf:
+        raise GraphRestoreError(f"{what}: extra has no CU_LAUNCH_PARAM_BUFFER_POINTER")
+    total = ctypes.c_size_t.from_address(size_ptr).value if size_ptr else None
+    out = []
+    for off, size in layout:
+        if total is not None and off + size > total:
+            raise GraphRestoreError(f"{what}: parameter at {off}+{size} beyond the {total}-byte buffer")
+        out.append(ctypes.string_at(buf + off, size))
+    return out
+
+
+def _launch_attrs(node: Any) -> dict[int, bytes]:
+    """Launch attributes of a kernel node whose value is not all zeros, as raw 64-byte values."""
+    cu = _cu()
+    out = {}
+    for attr in cu.CUkernelNodeAttrID:
+        if attr.name.endswith("IGNORE"):
+            continue
+        err, value = cu.cuGraphKernelNodeGetAttribute(node, attr)
+        if err != cu.CUresult.CUDA_SUCCESS or value is None:
+            continue
+        raw = ctypes.string_at(value.getPtr(), _ATTR_VALUE_BYTES)
+        if any(raw):
+            out[int(attr)] = raw
+    return out
+
+
+def _nodes_and_edges(graph: Any) -> tuple[list[Any], list[tuple[int, int]]]:
+    cu = _cu()
+    _nodes, n = _ok(cu.cuGraphGetNodes(graph, 0), "cuGraphGetNodes(count)")
+    nodes, n2 = _ok(cu.cuGraphGetNodes(graph, int(n)), "cuGraphGetNodes")
+    nodes = list(nodes)[: int(n2)]
+    index = {int(h): i for i, h in enumerate(nodes)}
+    res = _ok(cu.cuGraphGetEdges(graph, 0), "cuGraphGetEdges(count)")
+    num = int(res[-1])
+    edges: list[tuple[int, int]] = []
+    if num:
+        res = _ok(cu.cuGraphGetEdges(graph, num), "cuGraphGetEdges")
+        for a, b in zip(res[0][:num], res[1][:num], strict=True):
+            edges.append((index[int(a)], index[int(b)]))
+    return nodes, edges
+
+
+@dataclass
+class Walk:
+    """What walking captured graphs found: the records and the images/attributes they need."""
+
+    graphs: list[GraphRecord]
+    modules: dict[str, ModuleImage] = field(default_factory=dict)
+    lib_func_attrs: dict[str, dict[str, int]] = field(default_factory=dict)
+    foreign: list[str] = field(default_factory=list)  # references to memory outside A and W
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def _foreign_segments(arena: Arena) -> list[tuple[int, int]]:
+    """torch's segments outside the arena: memory a restoring process will not have at that address."""
+    segs = []
+    for s in torch.cuda.memory_snapshot():
+        start, size = int(s["address"]), int(s["total_size"])
+        if not arena.contains(start):
+            segs.append((start, start + size))
+    return sorted(segs)
+
+
+def walk_graph(
+    raw_graph: int,
+    bucket: int,
+    output: torch.Tensor,
+    triton: Mapping[int, Any],
+    walk: Walk,
+    foreign: Sequence[tuple[int, int]],
+) -> GraphRecord:
+    """One captured graph (a cudaGraph_t handle) as a GraphRecord; adds Triton images to `walk.modules`."""
+    cu = _cu()
+    T = cu.CUgraphNodeType
+    graph = cu.CUgraph(raw_graph)
+    handles, edges = _nodes_and_edges(graph)
+    layouts: dict[int, list[tuple[int, int]]] = {}
+    nodes: list[Node] = []
+    for i, h in enumerate(handles):
+        (kind,) = _ok(cu.cuGraphNodeGetType(h), f"cuGraphNodeGetType(node {i})")
+        if kind == T.CU_GRAPH_NODE_TYPE_KERNEL:
+            (p,) = _ok(cu.cuGraphKernelNodeGetParams(h), f"cuGraphKernelNodeGetParams(node {i})")
+            func = int(p.func)
+            if not func and int(p.kern):
+                (f,) = _ok(cu.cuKernelGetFunction(p.kern), f"cuKernelGetFunction(node {i})")
+                func = int(f)
+            if not func:
+                raise GraphRestoreError(f"bucket {bucket} node {i}: a kernel node with no function")
+            (raw_name,) = _ok(cu.cuFuncGetName(func), f"cuFuncGetName(node {i})")
+            name = raw_name.decode(errors="replace") if raw_name else f"<unnamed 0x{func:x}>"
+            what = f"bucket {bucket} node {i} ({name})"
+            params = _read_params(p, _param_layout(func, layouts), what)
+            for j, prm in enumerate(params):
+                for off, value in foreign_pointers(prm, foreign):
+                    walk.foreign.append(f"{what} param {j} byte {off}: 0x{value:x}")
+            ck = triton.get(func)
+            if ck is not None:
+                image = bytes(ck.kernel)
+                mid = f"{name}-{hashlib.sha256(image).hexdigest()[:16]}"
+                if mid not in walk.modules:
+                    walk.modules[mid] = ModuleImage(name=name, image=image, func_attrs=_func_attrs(func))
+                ref = ("module", mid)
+                walk.counts["triton"] = walk.counts.get("triton", 0) + 1
+            else:
+                walk.lib_func_attrs.setdefault(name, _func_attrs(func))
+                ref = ("name", name)
+                walk.counts["library"] = walk.counts.get("library", 0) + 1
+            nodes.append(
+                KernelNode(
+                    func=ref,
+                    name=name,
+                    grid=(int(p.gridDimX), int(p.gridDimY), int(p.gridDimZ)),
+                    block=(int(p.blockDimX), int(p.blockDimY), int(p.blockDimZ)),
+                    shared=int(p.sharedMemBytes),
+                    params=params,
+                    attrs=_launch_attrs(h),
+                )
+            )
+        elif kind == T.CU_GRAPH_NODE_TYPE_MEMSET:
+            (m,) = _ok(cu.cuGraphMemsetNodeGetParams(h), f"cuGraphMemsetNodeGetParams(node {i})")
+            node = MemsetNode(
+                int(m.dst), int(m.pitch), int(m.value), int(m.elementSize), int(m.width), int(m.height)
+            )
+            if foreign_pointers(node.dst.to_bytes(8, "little"), foreign):
+                walk.foreign.append(f"bucket {bucket} node {i} (memset): dst 0x{node.dst:x}")
+            nodes.append(node)
+            walk.counts["memset"] = walk.counts.get("memset", 0) + 1
+        elif kind == T.CU_GRAPH_NODE_TYPE_MEMCPY:
+            (c,) = _ok(cu.cuGraphMemcpyNodeGetParams(h), f"cuGraphMemcpyNodeGetParams(node {i})")
+            fields = {f: int(getattr(c, f)) for f in _MEMCPY_INTS}
+            for side in ("src", "dst"):
+                mtype = int(getattr(c, f"{side}MemoryType"))
+                if mtype not in (
+                    int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE),
+                    int(cu.CUmemorytype.CU_MEMORYTYPE_UNIFIED),
+                ):
+                    raise GraphRestoreError(
+                        f"bucket {bucket} node {i}: a memcpy with {side} memory type {mtype}: only device "
+                        "memory can be archived (host addresses are per process)"
+                    )
+                fields[f"{side}MemoryType"] = mtype
+                fields[f"{side}Device"] = int(getattr(c, f"{side}Device"))
+                if foreign_pointers(fields[f"{side}Device"].to_bytes(8, "little"), foreign):
+                    walk.foreign.append(
+                        f"bucket {bucket} node {i} (memcpy): {side} 0x{fields[side + 'Device']:x}"
+                    )
+            nodes.append(MemcpyNode(fields=fields))
+            walk.counts["memcpy"] = walk.counts.get("memcpy", 0) + 1
+        elif kind == T.CU_GRAPH_NODE_TYPE_EMPTY:
+            nodes.append(EmptyNode())
+            walk.counts["empty"] = walk.counts.get("empty", 0) + 1
+        else:
+            raise GraphRestoreError(
+                f"bucket {bucket} node {i}: node type {getattr(kind, 'name', kind)} cannot be archived "
+                f"(kernel, memset, memcpy and empty nodes can)"
+            )
+    ordered, deps = reorder(nodes, edges)
+    out = TensorRef(
+        ptr=int(output.data_ptr()),
+        shape=tuple(output.shape),
+        stride=tuple(output.stride()),
+        dtype=str(output.dtype).removeprefix("torch."),
+    )
+    return GraphRecord(bucket=bucket, nodes=ordered, deps=deps, output=out)
+
+
+def archive_graphs(
+    runner: Any,
+    arena: Arena,
+    key: dict[str, Any],
+    state_top: int,
+    state_log: Sequence[tuple[int, int]],
+    selfcheck: bool = True,
+) -> Archive:
+    """Walk `runner`'s graphs (captured with keep_graph=True in the arena's pools) into an Archive.
+    Refuses (GraphRestoreError) graphs that name torch memory outside the arena."""
+    triton = triton_kernels()
+    foreign = _foreign_segments(arena)
+    walk = Walk(graphs=[])
+    for bucket in runner.buckets:
+        output = runner.outputs[bucket]
+        if not arena.contains(int(output.data_ptr())):
+            raise GraphRestoreError(f"bucket {bucket}: the graph's output is outside the arena")
+        raw = runner.graphs[bucket].raw_cuda_graph()
+        walk.graphs.append(walk_graph(raw, bucket, output, triton, walk, foreign))
+    if walk.foreign:
+        shown = "; ".join(walk.foreign[:8])
+        raise GraphRestoreError(
+            f"the graphs name {len(walk.foreign)} addresses in torch memory outside the arena (a restoring "
+            f"process would not have them): {shown}"
+        )
+    if selfcheck:
+        for record in walk.graphs:
+            record.selfcheck = selfcheck_digest(runner, record.bucket, runner.graphs[record.bucket].replay)
+    torch.cuda.synchronize()
+    layout = {
+        "state_top": state_top,
+        "state_log": [list(x) for x in state_log],
+        "high_water": arena.bump,
+    }
+    info = {"counts": walk.counts, "modules": len(walk.modules), "triton_loaded": len(triton)}
+    return Archive(
+        key=key,
+        layout=layout,
+        modules=walk.modules,
+        graphs=walk.graphs,
+        lib_func_attrs=walk.lib_func_attrs,
+        info=info,
+    )
+
+
+# -------------------------------------------------------------------------------------- self-check
+
+
+def reset_static_inputs(runner: Any) -> None:
+    """The static inputs as DecodeGraphRunner makes them: every row padding (token 0 at position 0, K/V
+    to the scratch slot, context 1): the output then depends only on the weights and the LoRA values."""
+    runner.input_ids.zero_()
+    runner.positions.zero_()
+    runner.slot_mapping.fill_(runner.kv_cache.scratch_slot)
+    runner.block_tables.fill_(runner.kv_cache.scratch_block)
+    runner.context_lens.fill_(1)
+
+
+def selfcheck_digest(runner: Any, bucket: int, replay: Any) -> str:
+    reset_static_inputs(runner)
+    replay()
+    torch.cuda.synchronize()
+    data = runner.outputs[bucket].detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ harvest
+
+
+@contextlib.contextmanager
+def triton_launches_disabled() -> Iterator[None]:
+    """Every Triton kernel launch becomes a no-op (the wrappers still allocate their outputs)."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.run
+    JITFunction.run = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        JITFunction.run = original  # type: ignore[method-assign]
+
+
+def _model_view(model: Any, layers: int | None) -> Any:
+    """The model with only its first `layers` decoder layers (same kernels: every layer has the same
+    shapes), or the model itself."""
+    if layers is None or layers >= len(model.layers):
+        return model
+    view = copy.copy(model)
+    view.layers = model.layers[:layers]
+    if model.lora is not None:
+        lora = copy.copy(model.lora)
+        lora.layers = model.lora.layers[:layers]
+        view.lora = lora
+    return view
+
+
+def harvest_library_functions(runner: Any, bucket: int, layers: int | None = 1) -> dict[str, int]:
+    """Kernel name -> CUfunction of the non-Triton kernels a decode step of `bucket` launches in this
+    process: the step (first `layers` layers) eagerly (lazy module loads, cuBLAS set-up), then under a
+    throwaway stream capture that is walked, never run. Triton launches are no-ops throughout."""
+    cu = _cu()
+    model = _model_view(runner.model, layers)
+    kv = runner.kv_cache.layers if model is runner.model else runner.kv_cache.layers[: len(model.layers)]
+    batch = runner._batch(bucket)
+    stream = torch.cuda.Stream()
+    out: dict[str, int] = {}
+    with triton_launches_disabled():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model.forward(batch, kv)
+        torch.cuda.current_stream().wait_stream(stream)
+        trigger = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(trigger, stream=stream, capture_error_mode="relaxed"):
+            model.forward(batch, kv)
+    handles, _edges = _nodes_and_edges(cu.CUgraph(trigger.raw_cuda_graph()))
+    for h in handles:
+        (kind,) = _ok(cu.cuGraphNodeGetType(h), "cuGraphNodeGetType(trigger)")
+        if kind != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            continue
+        (p,) = _ok(cu.cuGraphKernelNodeGetParams(h), "cuGraphKernelNodeGetParams(trigger)")
+        func = int(p.func)
+        if not func and int(p.kern):
+            func = int(_ok(cu.cuKernelGetFunction(p.kern), "cuKernelGetFunction(trigger)")[0])
+        (raw_name,) = _ok(cu.cuFuncGetName(func), "cuFuncGetName(trigger)")
+        out[raw_name.decode(errors="replace")] = func
+    del trigger
+    return out
+
+
+# ------------------------------------------------------------------------------------------ rebuild
+
+
+def _set_func_attrs(func: int, attrs: Mapping[str, int], what: str) -> None:
+    cu = _cu()
+    for name, value in attrs.items():
+        attr = getattr(cu.CUfunction_attribute, name, None)
+        if attr is None:
+            continue
+        err, cur = cu.cuFuncGetAttribute(attr, func)
+        if err == cu.CUresult.CUDA_SUCCESS and int(cur) == int(value):
+            continue
+        _ok(cu.cuFuncSetAttribute(func, attr, int(value)), f"cuFuncSetAttribute({what}, {name}={value})")
+
+
+def load_modules(archive: Archive) -> dict[str, int]:
+    """module id -> CUfunction for every archived image (cuModuleLoadData + cuModuleGetFunction)."""
+    cu = _cu()
+    out = {}
+    for mid, m in archive.modules.items():
+        (mod,) = _ok(cu.cuModuleLoadData(m.image), f"cuModuleLoadData({mid}, {len(m.image)} bytes)")
+        (func,) = _ok(cu.cuModuleGetFunction(mod, m.name.encode()), f"cuModuleGetFunction({m.name})")
+        _set_func_attrs(int(func), m.func_attrs, m.name)
+        out[mid] = int(func)
+    return out
+
+
+def _add_kernel(graph: Any, deps: list[Any], node: KernelNode, func: int, what: str) -> Any:
+    cu = _cu()
+    p = cu.CUDA_KERNEL_NODE_PARAMS()
+    p.func = func
+    p.gridDimX, p.gridDimY, p.gridDimZ = node.grid
+    p.blockDimX, p.blockDimY, p.blockDimZ = node.block
+    p.sharedMemBytes = node.shared
+    keep: list[Any] = []
+    if node.params:
+        blob = b"".join(node.params)
+        buf = ctypes.create_string_buffer(blob, len(blob))
+        ptrs = (ctypes.c_void_p * len(node.params))()
+        base, at = ctypes.addressof(buf), 0
+        for i, prm in enumerate(node.params):
+            ptrs[i] = base + at
+            at += len(prm)
+        keep = [buf, ptrs]
+        p.kernelParams = ctypes.addressof(ptrs)
+    else:
+        p.kernelParams = 0
+    p.extra = 0
+    (new,) = _ok(cu.cuGraphAddKernelNode(graph, deps, len(deps), p), f"cuGraphAddKernelNode({what})")
+    del keep  # the driver copied the parameters
+    for attr_id, raw in node.attrs.items():
+        attr = cu.CUkernelNodeAttrID(attr_id)
+        err, cur = cu.cuGraphKernelNodeGetAttribute(new, attr)
+        if err == cu.CUresult.CUDA_SUCCESS and ctypes.string_at(cur.getPtr(), _ATTR_VALUE_BYTES) == raw:
+            continue
+        value = cu.CUkernelNodeAttrValue()
+        ctypes.memmove(value.getPtr(), raw, _ATTR_VALUE_BYTES)
+        _ok(
+            cu.cuGraphKernelNodeSetAttribute(new, attr, value),
+            f"cuGraphKernelNodeSetAttribute({what}, {attr.name})",
+        )
+    return new
+
+
+def build_graph(record: GraphRecord, functions: Mapping[tuple[str, str], int], ctx: Any) -> Any:
+    """A new CUgraph with the record's nodes and edges."""
+    cu = _cu()
+    (graph,) = _ok(cu.cuGraphCreate(0), "cuGraphCreate")
+    made: list[Any] = []
+    for i, node in enumerate(record.nodes):
+        deps = [made[d] for d in record.deps[i]]
+        what = f"bucket {record.bucket} node {i}"
+        if isinstance(node, KernelNode):
+            func = functions.get(node.func)
+            if func is None:
+                raise GraphRestoreError(f"{what}: no function for {node.func}")
+            made.append(_add_kernel(graph, deps, node, func, f"{what} {node.name}"))
+        elif isinstance(node, MemsetNode):
+            m = cu.CUDA_MEMSET_NODE_PARAMS()
+            m.dst = node.dst
+            m.pitch, m.value, m.elementSize = node.pitch, node.value, node.element_size
+            m.width, m.height = node.width, node.height
+            (new,) = _ok(
+                cu.cuGraphAddMemsetNode(graph, deps, len(deps), m, ctx), f"cuGraphAddMemsetNode({what})"
+            )
+            made.append(new)
+        elif isinstance(node, MemcpyNode):
+            c = cu.CUDA_MEMCPY3D()
+            for name in _MEMCPY_INTS:
+                setattr(c, name, node.fields[name])
+            for side in ("src", "dst"):
+                setattr(c, f"{side}MemoryType", cu.CUmemorytype(node.fields[f"{side}MemoryType"]))
+                setattr(c, f"{side}Device", node.fields[f"{side}Device"])
+            (new,) = _ok(
+                cu.cuGraphAddMemcpyNode(graph, deps, len(deps), c, ctx), f"cuGraphAddMemcpyNode({what})"
+            )
+            made.append(new)
+        else:
+            (new,) = _ok(cu.cuGraphAddEmptyNode(graph, deps, len(deps)), f"cuGraphAddEmptyNode({what})")
+            made.append(new)
+    return graph
+
+
+class RestoredGraph:
+    """An instantiated rebuilt graph; `replay()` launches it on torch's current stream (as CUDAGraph)."""
+
+    def __init__(self, graph: Any, exec_: Any, bucket: int) -> None:
+        self.graph, self.exec, self.bucket = graph, exec_, bucket
+
+    def replay(self) -> None:
+        cu = _cu()
+        stream = torch.cuda.current_stream().cuda_stream
+        _ok(cu.cuGraphLaunch(self.exec, stream), f"cuGraphLaunch(bucket {self.bucket})")
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            cu = _cu()
+            cu.cuGraphExecDestroy(self.exec)
+            cu.cuGraphDestroy(self.graph)
+
+
+@dataclass
+class RestoreReport:
+    """Seconds per stage and what was done (printed by the probe, logged by a worker)."""
+
+    stages: dict[str, float] = field(default_factory=dict)
+    nodes: int = 0
+    modules: int = 0
+    library_functions: int = 0
+    triggers: list[int] = field(default_factory=list)
+    selfcheck: dict[int, bool] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.stages.values())
+
+
+@contextlib.contextmanager
+def _stage(report: RestoreReport, name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    except (ArchiveError, GraphRestoreError):
+        raise
+    except Exception as exc:
+        raise GraphRestoreError(f"restore stage {name!r}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        report.stages[name] = time.perf_counter() - t0
+
+
+def restore_graphs(
+    archive: Archive,
+    runner: Any,
+    arena: Arena,
+    key: Mapping[str, Any],
+    state_top: int,
+    state_log: Sequence[tuple[int, int]],
+    selfcheck: bool = True,
+    trigger_layers: int | None = 1,
+) -> RestoreReport:
+    """Rebuild the archive's graphs into `runner` (a DecodeGraphRunner over the state built in the arena,
+    not captured): after this, `runner.run(...)` replays restored graphs. Raises ArchiveError (key or
+    layout differ: nothing was changed) or GraphRestoreError naming the stage and node."""
+    report = RestoreReport()
+    cu = _cu()
+    with _stage(report, "check"):
+        check_key(archive.key, key)
+        check_layout(archive.layout, state_top, state_log)
+        if [g.bucket for g in archive.graphs] != list(runner.buckets):
+            raise ArchiveError(
+                f"buckets: {[g.bucket for g in archive.graphs]} archived, {list(runner.buckets)} here"
+            )
+    with _stage(report, "reserve"):
+        arena.reserve_until(int(archive.layout["high_water"]))
+    with _stage(report, "modules"):
+        functions: dict[tuple[str, str], int] = {("module", m): f for m, f in load_modules(archive).items()}
+        report.modules = len(archive.modules)
+    with _stage(report, "harvest"):
+        found: dict[str, int] = {}
+        for bucket in runner.buckets:
+            missing = archive.library_names(bucket) - found.keys()
+            if not missing:
+                continue
+            report.triggers.append(bucket)
+            found.update(harvest_library_functions(runner, bucket, trigger_layers))
+            missing -= found.keys()
+            if missing and trigger_layers is not None:
+                found.update(harvest_library_functions(runner, bucket, None))  # the whole model
+                missing -= found.keys()
+            if missing:
+                raise GraphRestoreError(
+                    f"bucket {bucket}: kernels not found in this process: {sorted(missing)[:6]} "
+                    f"(found {len(found)} names)"
+                )
+        for name in archive.library_names():
+            func = found[name]
+            _set_func_attrs(func, archive.lib_func_attrs.get(name, {}), name)
+            functions[("name", name)] = func
+        report.library_functions = len(archive.library_names())
+    with _stage(report, "rebuild"):
+        (ctx,) = _ok(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        built = {g.bucket: build_graph(g, functions, ctx) for g in archive.graphs}
+        report.nodes = sum(len(g.nodes) for g in archive.graphs)
+    with _stage(report, "instantiate"):
+        stream = torch.cuda.current_stream().cuda_stream
+        restored = {}
+        for bucket, graph in built.items():
+            (exec_,) = _ok(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate(bucket {bucket})")
+            _ok(cu.cuGraphUpload(exec_, stream), f"cuGraphUpload(bucket {bucket})")
+            restored[bucket] = RestoredGraph(graph, exec_, bucket)
+        torch.cuda.synchronize()
+    with _stage(report, "outputs"):
+        runner.graphs = restored
+        runner.outputs = {
+            g.bucket: tensor_at(
+                arena,
+                g.output.ptr,
+                g.output.shape,
+                g.output.stride,
+                getattr(torch, g.output.dtype),
+                arena.device,
+            )
+            for g in archive.graphs
+        }
+    if selfcheck:
+        with _stage(report, "selfcheck"):
+            for g in archive.graphs:
+                if g.selfcheck is None:
+                    continue
+                got = selfcheck_digest(runner, g.bucket, runner.graphs[g.bucket].replay)
+                report.selfcheck[g.bucket] = got == g.selfcheck
+            bad = [b for b, ok in report.selfcheck.items() if not ok]
+            if bad:
+                runner.graphs, runner.outputs = {}, {}
+                raise GraphRestoreError(
+                    f"self-check: buckets {bad} replayed to other outputs than in the capturing process "
+                    "(same weights and LoRA values assumed); the restored graphs were dropped"
+                )
+    return report
