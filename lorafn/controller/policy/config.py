@@ -50,6 +50,18 @@ class PolicyConfig:
       when nothing else frees the memory, only for a cold start or the min_replicas floor (never for a
       scale-up), and only when a start now still meets the waiting request's deadline or it has waited
       this horizon already (no starvation). 0 = no guard.
+    - ``max_pool_starts_per_node``: the warm pool begins a standby start on a node (a host: `GPU.node`) only
+      while fewer than this many worker processes, standby or bound, are starting there; demand's starts are
+      never held by it. None = no limit beyond ``max_fresh_starts_per_gpu``. For a CPU host, whose devices
+      share its cores: a warm-up runs forwards on every core, and on the 2-core VM four standbys warming at
+      once took 33-40 s each (1.8 s alone) while the demo's first request, started beside them, waited 16.7 s
+      for its first token (docs/benchmarks.md, "The README demo"). `lorafn up` on CPU sets it to what the
+      cores warm at once (cores // a worker's threads).
+    - ``pool_waits_for_demand``: no standby start begins on a node while a request there waits for its
+      function's first worker (queued, no bound worker: a fresh start or a warming standby is on its way), so
+      that start has the host to itself; the pool refills once it is served. Off = refills compete with it
+      (on a GPU host the driver's ``refill_delay_s`` after a bind is the only hold). `lorafn up` on CPU turns
+      it on.
     """
 
     gpu_utilization: float = 0.92
@@ -65,6 +77,8 @@ class PolicyConfig:
     cold_prior_rps: float = 0.01
     max_fresh_starts_per_gpu: int | None = 6
     thrash_horizon_starts: float = 1.0
+    max_pool_starts_per_node: int | None = None
+    pool_waits_for_demand: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_utilization <= 1.0:
@@ -94,6 +108,15 @@ class PolicyConfig:
             raise ValueError(
                 "max_fresh_starts_per_gpu must be an integer >= 1 or None, "
                 f"got {self.max_fresh_starts_per_gpu!r}"
+            )
+        if self.max_pool_starts_per_node is not None and (
+            isinstance(self.max_pool_starts_per_node, bool)
+            or not isinstance(self.max_pool_starts_per_node, int)
+            or self.max_pool_starts_per_node < 1
+        ):
+            raise ValueError(
+                "max_pool_starts_per_node must be an integer >= 1 or None, "
+                f"got {self.max_pool_starts_per_node!r}"
             )
         if not self.thrash_horizon_starts >= 0:
             raise ValueError(f"thrash_horizon_starts must be >= 0, got {self.thrash_horizon_starts!r}")

@@ -23,6 +23,10 @@ that has no room beside it).
 Out: a `PoolTarget` for every (gpu, backbone, shape) planned or present, Start for each missing
 standby, Stop("pool_shrink") for each surplus one (still-starting ones before ready ones), except a
 surplus standby younger than ``PolicyConfig.pool_min_age_s``, kept while memory allows (hysteresis).
+Starts go most valuable first, and only into the start room left: the GPU's fresh-start slots
+(``max_fresh_starts_per_gpu``) and its node's (`pool_start_room`: ``max_pool_starts_per_node``, none while
+a request there waits for its function's first worker under ``pool_waits_for_demand``); a standby without
+room is planned again next round, its target waiting with it.
 Adapter caching in host memory is not planned here (the worker's adapter cache handles it).
 """
 
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 
 from lorafn.controller.policy.account import Ledger
 from lorafn.controller.policy.actions import PoolTarget, Start, Stop
+from lorafn.controller.policy.backoff import backoff_remaining_s
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.knapsack import Item, Problem, greedy
 from lorafn.controller.policy.model import Costs, Function, Snapshot, Worker
@@ -190,11 +195,7 @@ def _needs(snapshot: Snapshot) -> dict[Key, int]:
         return memo[1]
     # a function that fits on no GPU holding the backbone gets its explicit error; it must not make every
     # standby of its shape too big to place
-    room: dict[str, int] = {}
-    for g in snapshot.gpus:
-        left = g.total_bytes - g.reserve_bytes - sum(g.backbones.values())
-        for name in g.backbones:
-            room[name] = max(room.get(name, left), left)
+    room = backbone_room(snapshot)
     table: dict[Key, int] = {}
     for f in snapshot.functions:
         if f.mem_bytes > room.get(f.backbone, 0):
@@ -204,6 +205,70 @@ def _needs(snapshot: Snapshot) -> dict[Key, int]:
                 table[key] = f.mem_bytes
     _needs_memo = (snapshot, table)
     return table
+
+
+def backbone_room(snapshot: Snapshot) -> dict[str, int]:
+    """Backbone -> the most bytes a worker may take on one GPU that has it loaded (the GPU's size less its
+    reserve and backbones; workers not counted): a function larger than that fits nowhere."""
+    room: dict[str, int] = {}
+    for g in snapshot.gpus:
+        left = g.total_bytes - g.reserve_bytes - sum(g.backbones.values())
+        for name in g.backbones:
+            room[name] = max(room.get(name, left), left)
+    return room
+
+
+def awaiting_first_worker(snapshot: Snapshot, config: PolicyConfig) -> list[Function]:
+    """Functions whose requests wait for their first worker: queued, none of their workers bound (one starts,
+    a standby warms for it, or this round starts it), not backing off after failed starts (those wait for
+    the backoff, not for a start), and small enough to fit a GPU holding the backbone (one that fits nowhere
+    gets its 503, no start). What `pool_waits_for_demand` holds the pool for."""
+    served = {w.function for w in snapshot.workers if w.state == "bound"}
+    room = backbone_room(snapshot)
+    return [
+        f
+        for f in snapshot.functions
+        if f.queued > 0
+        and f.name not in served
+        and f.mem_bytes <= room.get(f.backbone, -1)
+        and backoff_remaining_s(f, config.backoff_base_s, config.backoff_cap_s) <= 0
+    ]
+
+
+def pool_start_room(
+    snapshot: Snapshot,
+    config: PolicyConfig,
+    starting_pool: Iterable[Worker],
+    claimed: Mapping[tuple[str, str], int],
+    where: Mapping[str, list[str]],
+) -> dict[str, int] | None:
+    """Node -> standby starts the pool may still begin there this round; None: no limit by node.
+
+    ``max_pool_starts_per_node`` less the worker processes starting on the node: bound ones (a demand start
+    uses the host's cores as a warm-up does), the pool's own that this plan keeps (``starting_pool``) and
+    the claimed ones (``claimed``: (gpu, backbone) -> standbys still starting that demand waits for). Under
+    ``pool_waits_for_demand``, 0 on every node holding the backbone of a function `awaiting_first_worker`:
+    its start (or the standby it waits for) has the host to itself, and the pool refills once it is served.
+    """
+    cap, hold = config.max_pool_starts_per_node, config.pool_waits_for_demand
+    if cap is None and not hold:
+        return None
+    node_of = {g.id: g.node for g in snapshot.gpus}
+    unlimited = len(snapshot.workers) + sum(b.max_standby_per_gpu for b in snapshot.backbones) * len(node_of)
+    room = {node: unlimited if cap is None else cap for node in node_of.values()}
+    if cap is not None:
+        for w in snapshot.workers:
+            if w.state == "starting" and w.function is not None:
+                room[node_of[w.gpu]] -= 1
+        for w in starting_pool:
+            room[node_of[w.gpu]] -= 1
+        for (gpu, _backbone), n in claimed.items():
+            room[node_of[gpu]] -= n
+    if hold:
+        for f in awaiting_first_worker(snapshot, config):
+            for gpu in where.get(f.backbone, ()):
+                room[node_of[gpu]] = 0
+    return {node: max(0, n) for node, n in room.items()}
 
 
 def pool_problem(
@@ -285,11 +350,16 @@ def plan_pool(
     room = dict(pp.problem.capacity)
     target: dict[tuple[str, str, str | None], int] = defaultdict(int)
     size_of: dict[tuple[str, str, str | None], int] = {}
+    # the value of a place's most valuable item (0: kept for the floor only): starts go in that order, so that
+    # the most valuable standby is the one that begins when start room is short
+    value_of: dict[tuple[str, str, str | None], float] = defaultdict(float)
+    item_value = {item.key: item.value for item in pp.problem.items}
     per_gpu_backbone: dict[tuple[str, str], int] = defaultdict(int)
     for item_key, gpu in solution.placement.items():
         backbone, shape, size = pp.info[item_key]
         target[(gpu, backbone, shape)] += 1
         size_of[(gpu, backbone, shape)] = size
+        value_of[(gpu, backbone, shape)] = max(value_of[(gpu, backbone, shape)], item_value[item_key])
         per_gpu_backbone[(gpu, backbone)] += 1
         room[gpu] -= size
 
@@ -394,16 +464,27 @@ def plan_pool(
         if w.id in keep:
             kept_count[(w.gpu, w.backbone, w.shape)] += 1
     slots = None if start_slots is None else dict(start_slots)
-    for key in sorted(target, key=_key_order):
+    node_of = {g.id: g.node for g in snapshot.gpus}
+    nodes = pool_start_room(
+        snapshot, config, (w for w in pool if w.id in keep and w.state == "starting"), claimed, where
+    )
+    for key in sorted(target, key=lambda k: (-value_of[k], _key_order(k))):
         gpu, backbone, shape = key
         for _ in range(target[key] - kept_count[key]):
             size = size_of[key]
-            # an incumbent bigger than the item took the room, or the GPU's fresh starts are at the cap
-            if not ledger.fits(gpu, size) or (slots is not None and slots.get(gpu, 0) <= 0):
+            # an incumbent bigger than the item took the room, or the GPU's fresh starts are at the cap, or
+            # its node's start room is used up (or held for a request waiting for its first worker)
+            if (
+                not ledger.fits(gpu, size)
+                or (slots is not None and slots.get(gpu, 0) <= 0)
+                or (nodes is not None and nodes.get(node_of[gpu], 0) <= 0)
+            ):
                 target[key] -= 1
                 continue
             if slots is not None:
                 slots[gpu] -= 1
+            if nodes is not None:
+                nodes[node_of[gpu]] -= 1
             ledger.take(gpu, size)
             actions.append(Start(gpu, backbone, shape, None, size, "warm pool"))
     keys = set(target) | set(existing)
