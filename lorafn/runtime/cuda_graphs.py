@@ -109,8 +109,19 @@ class DecodeGraphRunner:
             logits_indices=None,
         )
 
-    def capture(self, pool=None, warmup_pool=None, keep_graph: bool = False) -> float:
-        """Capture every bucket, largest first (they share one memory pool). Returns seconds taken.
+    @property
+    def pending(self) -> list[int]:
+        """Buckets not captured yet, ascending (a lazily started worker captures them on need or idle)."""
+        return [b for b in self.buckets if b not in self.graphs]
+
+    def capture(
+        self, pool=None, warmup_pool=None, keep_graph: bool = False, buckets: Sequence[int] | None = None
+    ) -> float:
+        """Capture ``buckets`` (default: every one not captured yet), largest first. Returns seconds taken.
+
+        All graphs share one memory pool, also across calls (`EngineConfig.lazy_graphs` captures one bucket
+        at a time): each keeps its output tensor alive and replays never overlap, so a later capture reuses
+        only memory that earlier graphs use as scratch.
 
         For graph materialization (graph_restore.py): `pool` (a pool id, e.g. an arena MemPool's `.id`)
         instead of a new one, `warmup_pool` (a MemPool) for the warm-ups' allocations (the capture
@@ -122,9 +133,16 @@ class DecodeGraphRunner:
         import torch
 
         t0 = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        if pool is not None:
+            self.pool = pool
+        elif self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        todo = self.pending if buckets is None else sorted({b for b in buckets if b not in self.graphs})
+        unknown = [b for b in todo if b not in self.buckets]
+        if unknown:
+            raise ValueError(f"buckets {unknown} are not among this runner's {list(self.buckets)}")
         stream = torch.cuda.Stream()
-        for bucket in reversed(self.buckets):
+        for bucket in reversed(todo):
             batch = self._batch(bucket)
             stream.wait_stream(torch.cuda.current_stream())
             routed = contextlib.nullcontext() if warmup_pool is None else torch.cuda.use_mem_pool(warmup_pool)
@@ -142,7 +160,8 @@ class DecodeGraphRunner:
         return time.perf_counter() - t0
 
     def can_run(self, num_decodes: int) -> bool:
-        return bool(self.graphs) and bucket_for(num_decodes, self.buckets) is not None
+        """Whether a captured graph takes ``num_decodes`` rows (the smallest captured bucket that fits)."""
+        return bucket_for(num_decodes, list(self.graphs)) is not None
 
     def run(
         self,
@@ -155,7 +174,9 @@ class DecodeGraphRunner:
         import torch
 
         n = len(token_ids)
-        bucket = bucket_for(n, self.buckets)
+        bucket = bucket_for(n, list(self.graphs))
+        if bucket is None:
+            raise ValueError(f"no captured graph takes {n} decodes (captured: {sorted(self.graphs)})")
         inputs = pad_decode_inputs(
             token_ids,
             positions,

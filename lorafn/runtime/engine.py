@@ -117,6 +117,11 @@ class Engine:
     def reserved_bytes(self) -> int:
         return self.runner.reserved_bytes()
 
+    def capture_pending_graph(self) -> bool:
+        """Idle time of a lazily started engine (`EngineConfig.lazy_graphs`): capture one decode graph it
+        has not captured yet; False when none is left (then there is nothing for idle time)."""
+        return self.runner.capture_pending_graph()
+
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:

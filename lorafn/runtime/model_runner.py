@@ -25,7 +25,7 @@ import torch
 
 from lorafn.runtime.block_manager import blocks_for_tokens, slot_mapping
 from lorafn.runtime.config import EngineConfig, ModelConfig
-from lorafn.runtime.cuda_graphs import DecodeGraphRunner, graph_buckets
+from lorafn.runtime.cuda_graphs import DecodeGraphRunner, bucket_for, graph_buckets
 from lorafn.runtime.kv_cache import (
     KVCache,
     block_bytes,
@@ -154,8 +154,39 @@ class ModelRunner:
         # captures few buckets, and their graph pool (activations) stays small.
         buckets = graph_buckets(cfg.cuda_graph_batch_sizes, min(cfg.max_num_seqs, self.num_blocks))
         self.graphs = DecodeGraphRunner(self.model, self.kv_cache, buckets, max_blocks_per_seq)
-        self.graph_capture_s = self.graphs.capture()
+        self.graph_capture_s = 0.0 if cfg.lazy_graphs else self.graphs.capture()
         self.startup_s.setdefault("graphs", self.graph_capture_s)  # the first capture (a start's)
+
+    def ensure_graph(self, num_decodes: int) -> None:
+        """Before a decode step of ``num_decodes`` rows: capture its bucket's graph if it is still pending
+        (`EngineConfig.lazy_graphs`; nothing when it is captured or the batch is larger than every bucket)."""
+        g = self.graphs
+        if g is None or not g.pending:
+            return
+        bucket = bucket_for(num_decodes, g.buckets)
+        if bucket is not None and bucket not in g.graphs:
+            seconds = g.capture(buckets=[bucket])
+            self.graph_capture_s += seconds
+            log.info("decode graph for batch %d captured on first need in %.0f ms", bucket, seconds * 1000)
+
+    def capture_pending_graph(self) -> bool:
+        """Capture one pending decode graph, the largest (a lazily started worker's idle time); False when
+        none is left."""
+        g = self.graphs
+        if g is None or not g.pending:
+            return False
+        bucket = g.pending[-1]
+        seconds = g.capture(buckets=[bucket])
+        self.graph_capture_s += seconds
+        log.info(
+            "decode graph for batch %d captured while idle in %.0f ms (%d left)",
+            bucket, seconds * 1000, len(g.pending),
+        )  # fmt: skip
+        return True
+
+    @property
+    def graphs_pending(self) -> bool:
+        return self.graphs is not None and bool(self.graphs.pending)
 
     def bind_adapter(self, adapter_dir: str | Path) -> str:
         """Load an adapter into a standby's runner; how it went, for the log.
@@ -297,6 +328,8 @@ class ModelRunner:
         row i for chunk i."""
         chunks = self._ordered(plan)
         sampling = [c for c in chunks if c.samples]
+        if self.graphs is not None and plan.num_decodes == len(chunks):
+            self.ensure_graph(len(chunks))
         if self.graphs is not None and plan.num_decodes == len(chunks) and self.graphs.can_run(len(chunks)):
             bs = self.config.block_size
             logits = self.graphs.run(

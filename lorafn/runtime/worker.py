@@ -226,6 +226,9 @@ class Worker:
             GC_CLOCK.install()
         self.profiler = StepProfiler(config.profile_steps, config.profile_dir, self.worker_id)
         self.batching = Batching(store, keys, self.worker_id, self.function, config.batching, clock=clock)
+        # work for idle time, one piece per call, False once none is left (an engine started with
+        # `lazy_graphs` captures its remaining decode graphs so); None: nothing to do
+        self._idle_work: Callable[[], bool] | None = getattr(engine, "capture_pending_graph", None)
 
     # -- public ---------------------------------------------------------------------------------
     def drain(self, *_: Any) -> None:
@@ -304,9 +307,15 @@ class Worker:
                     if self._draining:
                         self._flush()
                         return 0
-                    got = self._read(block_ms=cfg.block_ms)
+                    # idle work (decode graphs a fresh worker left for later) goes one piece at a time
+                    # between reads that barely wait: a request arriving meanwhile waits for one piece
+                    idle_work = self._idle_work is not None and not self._draining
+                    got = self._read(block_ms=1 if idle_work else cfg.block_ms)
                     if got or self.running:
                         last_busy = self._last_busy = self.clock()
+                    elif idle_work:
+                        if not self._idle_work():
+                            self._idle_work = None
                     elif cfg.keep_alive_s is not None and self.clock() - last_busy >= cfg.keep_alive_s:
                         log.info("worker %s: idle for %.0f s, exiting", self.worker_id, cfg.keep_alive_s)
                         self._flush()
@@ -768,6 +777,12 @@ class WorkerSettings(SharedSettings):
         ge=0,
         description="host memory for the swapped-out KV of preempted requests (docs/batch.md; 0: recompute)",
     )
+    lazy_graphs: bool = Field(
+        default=True,
+        description="a fresh (non-standby) worker serves before capturing its decode CUDA graphs: each is "
+        "captured when a decode step first needs it, the rest while idle (its first token waits for none; "
+        "~1.2-1.6 s of a 7B's start on an H100)",
+    )
     cuda_stack_bytes: int | None = Field(
         default=256,
         ge=16,
@@ -856,6 +871,9 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
             lora_shape=settings.shape if settings.standby else None,
             cuda_stack_bytes=settings.cuda_stack_bytes,
             kv_offload=OffloadConfig(host_budget_bytes=settings.host_kv_mib << 20),
+            # a fresh worker serves before its decode graphs are captured; a standby captures them while
+            # it waits for a bind anyway
+            lazy_graphs=settings.lazy_graphs and not settings.standby,
         )
     )
 

@@ -96,6 +96,42 @@ def test_tiny_graphs_on_off_and_kv_init_reuse(
     assert again.runner.kv_blocks_from == "saved"  # no profiling forward on the second start
 
 
+def test_tiny_lazy_graphs_capture_on_need_and_when_idle_with_the_same_tokens(
+    tiny_model_dir: Path, tiny_gpu_adapter: Path, tmp_path: Path
+) -> None:
+    # a fresh worker's engine (EngineConfig.lazy_graphs): nothing captured at start; a decode step captures
+    # its bucket first; idle time captures the rest; tokens as without graphs and as with all captured
+    prompts = mixed_prompts(seed=5, lengths=(3, 17, 40, 9, 1, 26, 5, 60, 12), vocab=1000)
+    outs = {}
+    for lazy in (None, True, False):
+        engine = Engine(
+            EngineConfig(
+                model=tiny_model_dir,
+                adapter=tiny_gpu_adapter,
+                device="cuda",
+                dtype="bfloat16",
+                use_cuda_graphs=lazy is not None,
+                lazy_graphs=bool(lazy),
+                cache_dir=tmp_path,
+                max_num_seqs=16,
+            )
+        )
+        graphs = engine.runner.graphs
+        if lazy:
+            assert graphs is not None and graphs.pending == list(graphs.buckets)  # none before serving
+            assert engine.runner.startup_s["graphs"] == 0.0
+            first = engine_greedy(engine, prompts[:1], 24)  # one sequence: bucket 1 only
+            assert 1 in graphs.graphs and graphs.pending == [b for b in graphs.buckets if b != 1]
+            assert first == [engine_greedy(engine, prompts[:1], 24)[0]]
+            while engine.capture_pending_graph():
+                pass
+            assert graphs.pending == []
+        outs[lazy] = engine_greedy(engine, prompts, 24)
+        del engine
+        _free()
+    assert outs[True] == outs[None] == outs[False]
+
+
 @pytest.fixture(scope="module")
 def adapter7b(llama7b_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_adapter(
