@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -81,6 +82,18 @@ class LocalConfig(SharedSettings):
     thrash_horizon_starts: float | None = Field(
         default=None, ge=0, description="offloading spares workers back within this many starts (0: off)"
     )
+    # the warm pool's starts on this machine (PolicyConfig.max_pool_starts_per_node / pool_waits_for_demand)
+    pool_starts_at_once: int | None = Field(
+        default=None,
+        ge=0,
+        description="standby starts under way at once on this machine (default: on CPU what its cores "
+        "warm at once, cores // a worker's threads; on GPU no limit; 0: no limit)",
+    )
+    pool_waits_for_demand: bool | None = Field(
+        default=None,
+        description="no standby starts while a request waits for its function's first worker (default: on "
+        "CPU, where a warm-up takes the cores that worker's first prefill needs)",
+    )
     preload_claims: bool = Field(
         default=True,
         description="a standby holding a function's pre-loaded adapter takes that function's first request "
@@ -107,6 +120,41 @@ class LocalConfig(SharedSettings):
             return self.device
         has_gpu = shutil.which("nvidia-smi") is not None and Path("/dev/nvidia0").exists()
         return "cuda" if has_gpu else "cpu"
+
+    def pool_start_policy(self, device: str, cores: int, worker_threads: int) -> dict[str, Any]:
+        """`PolicyConfig` keyword arguments for the warm pool's starts on this machine (pure). On CPU every
+        simulated device shares the host's ``cores`` and each worker computes on ``worker_threads`` of them:
+        a standby's warm-up is forwards on all of them, so only ``cores // worker_threads`` (at least 1) warm
+        at once, and none while a request waits for its function's first worker (on the 2-core VM four
+        warming at once took 33-40 s each, 1.8 s alone, and the demo's first request waited 16.7 s for its
+        first token; docs/benchmarks.md). On a GPU the cores are the host's, not the device's: no limit
+        unless set. ``pool_starts_at_once`` 0 = no limit."""
+        if cores < 1 or worker_threads < 1:
+            raise ValueError(f"cores and worker_threads must be >= 1, got {cores!r} and {worker_threads!r}")
+        cpu = device == "cpu"
+        at_once = self.pool_starts_at_once
+        if at_once is None:
+            at_once = max(1, cores // worker_threads) if cpu else 0
+        waits = cpu if self.pool_waits_for_demand is None else self.pool_waits_for_demand
+        return {"max_pool_starts_per_node": at_once or None, "pool_waits_for_demand": waits}
+
+
+def host_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, as a container's cpuset limits it)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
+
+def cpu_worker_threads(env: Mapping[str, str], cores: int) -> int:
+    """The threads a CPU worker computes on: ``OMP_NUM_THREADS`` where the environment sets it (the zygote
+    applies it to each child with torch.set_num_threads), else torch's default, one per core."""
+    try:
+        threads = int(env.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return cores
+    return threads if threads >= 1 else cores
 
 
 def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> LocalConfig:

@@ -10,15 +10,20 @@ the controller granted (`--kv-budget-mib`), on its device, mapping the backbone 
 Workers are forked from the zygote (`local.zygote`: a process that has imported torch and the runtime,
 so a worker skips seconds of imports) when it runs, else spawned as new processes; either way they are
 children the platform reaps, signals and reads the logs of in the same way.
+
+On CPU the zygote and the workers run with OpenMP's passive wait policy (`cpu_compute_env`): several
+workers compute at once on the host's cores, and OpenMP's default spin-waiting made each of them thrash
+the others.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +37,17 @@ from lorafn.local.zygote import ZYGOTE_NAME, ZygoteKeeper, become_subreaper
 log = logging.getLogger("lorafn.up")
 
 CPU_DEVICE_MIB = 16384
+
+
+def cpu_compute_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What a torch process that computes on the host's cores (the zygote, a CPU worker) adds to its
+    environment: ``OMP_WAIT_POLICY=PASSIVE`` unless ``env`` sets a policy. libgomp's default lets a thread
+    that waits at a parallel region's end spin for ~300k iterations while it believes it has its core, and
+    every worker believes it has every core: on the 2-core VM two workers at once took a 37-token prefill
+    from 112 ms alone to ~5000 ms each and a decode step from 54 to ~880 ms; passive, 194 ms and 60 ms
+    (alone 128 ms and 56 ms; docs/benchmarks.md, "The README demo"). Read once, when torch loads: the zygote
+    must start with it (its forks inherit it)."""
+    return {} if "OMP_WAIT_POLICY" in env else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass
@@ -110,7 +126,8 @@ class LocalExecutor:
         if not become_subreaper():
             log.warning("not a child subreaper: exit codes of workers outliving a dead zygote are lost")
         self.zygote.started_at = time.monotonic()
-        self.procs.start(ZYGOTE_NAME, self.zygote.argv())
+        env = cpu_compute_env(os.environ) if self.device == "cpu" else {}
+        self.procs.start(ZYGOTE_NAME, self.zygote.argv(), env=env)
         log.info("zygote starting (socket %s)", self.zygote.socket_path)
 
     def wait_zygote(self, timeout_s: float) -> bool:
@@ -166,6 +183,8 @@ class LocalExecutor:
             # core oversubscribe the host (binds took 3-19 s on a 16-core H100 host with a few starting).
             env.setdefault("OMP_NUM_THREADS", "1")
             env.setdefault("MKL_NUM_THREADS", "1")
+        else:  # a spawned one reads it as torch loads (a forked one has the zygote's)
+            env.update(cpu_compute_env({**os.environ, **env}))
         if action.function:  # a fresh cold start: the worker reports spawn -> serving to the controller
             env["LORAFN_SPAWNED_AT_MS"] = str(int(time.time() * 1000))
         socket = self.backbone_socket(action.backbone, action.gpu)

@@ -22,7 +22,7 @@ from lorafn.controller.driver import Controller, ControllerConfig
 from lorafn.controller.policy.actions import Start
 from lorafn.controller.policy.config import PolicyConfig, burst_overrides
 from lorafn.controller.snapshot import SizingConfig, default_sizing
-from lorafn.local.config import LocalConfig, PlatformState
+from lorafn.local.config import LocalConfig, PlatformState, cpu_worker_threads, host_cores
 from lorafn.local.executor import LocalExecutor, gpu_id
 from lorafn.local.lifecycle import gateway_answers
 from lorafn.local.procs import ProcessGroup, lorafn_argv
@@ -63,6 +63,17 @@ class LocalPlatform:
         self.backbone_sockets: dict[tuple[str, str], Path] = {}
         self._backbone_bytes: dict[str, int] = {}
         self.sizing = self._sizing()
+        cores = host_cores()
+        self.pool_starts = config.pool_start_policy(self.device, cores, cpu_worker_threads(os.environ, cores))
+        if self.pool_starts["max_pool_starts_per_node"] or self.pool_starts["pool_waits_for_demand"]:
+            log.info(
+                "warm pool on %d cores: at most %s standby start(s) at once%s",
+                cores,
+                self.pool_starts["max_pool_starts_per_node"] or "any number of",
+                ", none while a request waits for its function's first worker"
+                if self.pool_starts["pool_waits_for_demand"]
+                else "",
+            )
         self.executor = LocalExecutor(
             self.procs,
             self.device,
@@ -147,6 +158,7 @@ class LocalPlatform:
                     gpu_utilization=self.config.gpu_utilization,
                     warm_pool=self.config.warm_pool,
                     offloading=self.config.offloading,
+                    **self.pool_starts,
                     **burst_overrides(
                         self.config.cold_prior_rps,
                         self.config.max_fresh_starts_per_gpu,

@@ -115,3 +115,43 @@ def local_platform(tmp_path: Path, config: str, cold_start_timeout_s: float) -> 
             running.log = log
         print(log)
     assert up.returncode == 0
+
+
+# -- the order of worker starts, from the logs `lorafn up` leaves (its own output and each worker's log) -----
+_STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+
+
+@dataclass
+class WorkerStart:
+    """One worker process `lorafn up`'s controller started: a standby (``function`` None) or a fresh worker
+    of a function; ``began``/``ended`` are the log stamps of its start and of its end of starting (a standby
+    ready, a fresh worker serving, or the process gone; None: never), as strings that sort by time."""
+
+    worker: str
+    function: str | None
+    began: str
+    ended: str | None
+
+
+def worker_starts(up_log: str, logs_dir: Path) -> list[WorkerStart]:
+    """Every worker start in ``up_log`` (the controller's `start <id> on <gpu> standby|for <function>` lines),
+    with when each stopped starting, from the worker's own log (`standby <id> ready`, `worker <id> serving`)
+    or `lorafn up`'s exit line for it."""
+    import re
+
+    starts = []
+    line = rf"^{_STAMP} \S+ INFO controller: start (\S+) on \S+ (standby|for (\S+):)"
+    for m in re.finditer(line, up_log, re.M):
+        stamp, wid, function = m.group(1), m.group(2), m.group(4)
+        path = logs_dir / f"worker_{wid}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        done = re.search(rf"^{_STAMP} .*(standby {wid} ready|worker {wid} serving)", text, re.M)
+        gone = re.search(rf"^{_STAMP} .*worker {wid} (exited|died)", up_log, re.M)
+        ends = [x.group(1) for x in (done, gone) if x is not None]
+        starts.append(WorkerStart(wid, function, stamp, min(ends) if ends else None))
+    return starts
+
+
+def starting_at(starts: list[WorkerStart], moment: str) -> list[WorkerStart]:
+    """The workers still starting at ``moment`` (begun before it, not done by then)."""
+    return [s for s in starts if s.began < moment and (s.ended is None or s.ended > moment)]
