@@ -528,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     cfg_path = workdir / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
+    for stale in ("capture.json", "capture.npz", "restore.json", "restore.npz", "decode.lfgraph"):
+        (workdir / stale).unlink(missing_ok=True)  # a crashed child must not leave an old run's answer
     first_capture_s = None
     for run in range(max(1, args.capture_runs)):
         print(f"[parent] capture run {run + 1} of {args.capture_runs}", flush=True)

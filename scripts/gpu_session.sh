@@ -34,6 +34,10 @@ for step in ${STEPS:-tests}; do
     coldstart) python3 bench/coldstart.py --model "$LORAFN_LLAMA2_7B_DIR" --device cuda --workdir /tmp/cs \
       --json "$OUT/coldstart.json" ${COLDSTART_ARGS:-} 2>&1 | tee "$OUT/coldstart.log" | tail -30
       cp /tmp/cs/up.log "$OUT/coldstart_up.log" 2>/dev/null ;;
+    graphs) python3 bench/graph_restore.py --preset tiny --device cuda --workdir /tmp/gr_tiny \
+      --out "$OUT/graph_restore_tiny.json" ${GRAPHS_ARGS:-} 2>&1 | tee "$OUT/graph_restore_tiny.log" | tail -40 ;;
+    graphs7b) python3 bench/graph_restore.py --model "$LORAFN_LLAMA2_7B_DIR" --device cuda --workdir /tmp/gr_7b \
+      --out "$OUT/graph_restore_7b.json" ${GRAPHS_ARGS:-} 2>&1 | tee "$OUT/graph_restore_7b.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

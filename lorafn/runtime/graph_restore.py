@@ -317,6 +317,17 @@ def _param_layout(func: int, cache: dict[int, list[tuple[int, int]]]) -> list[tu
     return out
 
 
+def _node_function(p: Any, what: str) -> int:
+    """The CUfunction of a kernel node's params: `func`, or (launched as a CUkernel, CUDA >= 12) the
+    context's function of `kern`; 0 when neither is set."""
+    func = int(p.func)
+    kern = getattr(p, "kern", None)  # CUDA_KERNEL_NODE_PARAMS_v2 (cuda-bindings 12.x may give v1)
+    if not func and kern is not None and int(kern):
+        (f,) = _ok(_cu().cuKernelGetFunction(kern), f"cuKernelGetFunction({what})")
+        func = int(f)
+    return func
+
+
 def _read_params(p: Any, layout: list[tuple[int, int]], what: str) -> list[bytes]:
     if not layout:
         return []
@@ -425,10 +436,7 @@ def walk_graph(
         (kind,) = _ok(cu.cuGraphNodeGetType(h), f"cuGraphNodeGetType(node {i})")
         if kind == T.CU_GRAPH_NODE_TYPE_KERNEL:
             (p,) = _ok(cu.cuGraphKernelNodeGetParams(h), f"cuGraphKernelNodeGetParams(node {i})")
-            func = int(p.func)
-            if not func and int(p.kern):
-                (f,) = _ok(cu.cuKernelGetFunction(p.kern), f"cuKernelGetFunction(node {i})")
-                func = int(f)
+            func = _node_function(p, f"node {i}")
             if not func:
                 raise GraphRestoreError(f"bucket {bucket} node {i}: a kernel node with no function")
             (raw_name,) = _ok(cu.cuFuncGetName(func), f"cuFuncGetName(node {i})")
@@ -629,9 +637,7 @@ def harvest_library_functions(runner: Any, bucket: int, layers: int | None = 1) 
         if kind != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
             continue
         (p,) = _ok(cu.cuGraphKernelNodeGetParams(h), "cuGraphKernelNodeGetParams(trigger)")
-        func = int(p.func)
-        if not func and int(p.kern):
-            func = int(_ok(cu.cuKernelGetFunction(p.kern), "cuKernelGetFunction(trigger)")[0])
+        func = _node_function(p, "trigger")
         (raw_name,) = _ok(cu.cuFuncGetName(func), "cuFuncGetName(trigger)")
         out[raw_name.decode(errors="replace")] = func
     del trigger
