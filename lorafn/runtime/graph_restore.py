@@ -386,11 +386,17 @@ def _nodes_and_edges(graph: Any) -> tuple[list[Any], list[tuple[int, int]]]:
     nodes, n2 = _ok(cu.cuGraphGetNodes(graph, int(n)), "cuGraphGetNodes")
     nodes = list(nodes)[: int(n2)]
     index = {int(h): i for i, h in enumerate(nodes)}
-    res = _ok(cu.cuGraphGetEdges(graph, 0), "cuGraphGetEdges(count)")
+    # cuda-bindings 13: cuGraphGetEdges returns edge data too; 12.x: without (a graph with programmatic
+    # edges then answers CUDA_ERROR_LOSSY_QUERY) and cuGraphGetEdges_v2 with. Edge data is not archived:
+    # a programmatic edge becomes a full dependency (stricter, so still correct).
+    get_edges = cu.cuGraphGetEdges
+    if cu.cuGraphGetEdges(graph, 0)[0] != cu.CUresult.CUDA_SUCCESS and hasattr(cu, "cuGraphGetEdges_v2"):
+        get_edges = cu.cuGraphGetEdges_v2
+    res = _ok(get_edges(graph, 0), "cuGraphGetEdges(count)")
     num = int(res[-1])
     edges: list[tuple[int, int]] = []
     if num:
-        res = _ok(cu.cuGraphGetEdges(graph, num), "cuGraphGetEdges")
+        res = _ok(get_edges(graph, num), "cuGraphGetEdges")
         for a, b in zip(res[0][:num], res[1][:num], strict=True):
             edges.append((index[int(a)], index[int(b)]))
     return nodes, edges
