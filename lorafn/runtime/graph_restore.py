@@ -897,3 +897,38 @@ def restore_graphs(
                     "(same weights and LoRA values assumed); the restored graphs were dropped"
                 )
     return report
+
+
+def restore_or_capture(
+    state: DecodeState,
+    arena: Arena,
+    archive_path: str | Path,
+    *,
+    write: bool = True,
+    trigger_layers: int | None = 1,
+) -> tuple[str, float, RestoreReport | None]:
+    """The decode graphs of `state.runner`: restored from `archive_path` when it is there, matches and
+    passes the self-check; else captured (logged as a warning naming why) and, with `write`, archived
+    there for the next process. Returns ("restored" | "captured", seconds, the restore report or None).
+    A restore that failed after it reserved the arena's range leaves that range reserved: the capture
+    goes above it."""
+    from lorafn.runtime.graph_archive import read_archive, write_archive
+
+    t0 = time.perf_counter()
+    path = Path(archive_path)
+    key = state_key(state, arena)
+    runner = state.runner
+    if path.exists():
+        try:
+            archive = read_archive(path)
+            report = restore_graphs(
+                archive, runner, arena, key, state.state_top, state.state_log, trigger_layers=trigger_layers
+            )
+            return "restored", time.perf_counter() - t0, report
+        except (ArchiveError, GraphRestoreError) as exc:
+            log.warning("decode graphs: archive %s not used (%s); capturing", path, exc)
+            runner.graphs, runner.outputs = {}, {}
+    runner.capture(pool=arena.graph_pool.id, warmup_pool=arena.scratch_pool, keep_graph=write)
+    if write:
+        write_archive(path, archive_graphs(runner, arena, key, state.state_top, state.state_log))
+    return "captured", time.perf_counter() - t0, None

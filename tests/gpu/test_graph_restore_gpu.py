@@ -1,7 +1,8 @@
 """Decode CUDA graphs restored in another process (issue 11 item 2): the probe bench/graph_restore.py captures
 in one child process, restores in another (no capture there), and both run the same greedy decode steps.
 Restored graphs must give the captured graphs' logits bit for bit, the same tokens as eager, pass the
-self-check, and a changed key or a damaged file must be refused naming why."""
+self-check, and a changed key or a damaged file must be refused naming why (a third child: an archive with
+another key is refused with a warning naming the field and the graphs are captured instead)."""
 
 from __future__ import annotations
 
@@ -55,4 +56,6 @@ def test_restored_decode_graphs_replay_like_captured_ones(tmp_path: Path) -> Non
         assert r["restored_vs_eager_tokens_equal"], (bucket, r)
     assert "driver:" in s["restore"]["refused_key"]
     assert "checksum mismatch" in s["restore"]["refused_corrupt"]
+    fallback = s["fallback"]["fallback"]  # an archive with another key: refused naming it, then captured
+    assert fallback["mode"] == "captured" and any("torch:" in w for w in fallback["warnings"]), fallback
     assert s["ok"], log
