@@ -241,10 +241,15 @@ def child(role: str, cfg: dict) -> int:
             num_kv_blocks=cfg["num_kv_blocks"],
             block_size=cfg["block_size"],
             max_model_len=cfg["max_model_len"],
+            backbone_socket=cfg.get("backbone_socket"),
         )
         with st("state"):
             state = build_decode_state(spec, arena)
-            st.say(f"state: {len(state.state_log)} arena allocations, top at +{state.state_top} bytes")
+            st.say(
+                f"state: {len(state.state_log)} arena allocations, top at +{state.state_top} bytes, "
+                f"weights in {state.weights_in}"
+            )
+            result["weights_in"] = state.weights_in
         with st("key"):
             key = state_key(state, arena)
         runner = state.runner
@@ -455,7 +460,7 @@ def _print(s: dict) -> None:
             if r and not r.get("ok"):
                 print(f"{r.get('role')}: FAILED at stage {r.get('failed_stage')}: {r.get('error')}")
         return
-    print(f"\nGPU {cap.get('gpu')}  versions {cap.get('versions')}")
+    print(f"\nGPU {cap.get('gpu')}  versions {cap.get('versions')}  weights in {cap.get('weights_in')}")
     print(f"{'':34}{'capture':>12}{'restore':>12}")
     for name in ("import", "cuda_init", "arena", "state"):
         print(f"{name + ' (s)':34}{cap['stages_s'].get(name, 0):12.3f}{res['stages_s'].get(name, 0):12.3f}")
@@ -521,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the third child: an archive with another key is refused and capture takes over",
     )
+    ap.add_argument(
+        "--backbone",
+        action="store_true",
+        help="weights from a backbone server started here (W, read-only at its fixed address; needs "
+        "lorafn._ipc built: python3 setup.py build_ext --inplace) instead of in the arena",
+    )
     ap.add_argument("--child", choices=("capture", "restore", "fallback"), help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -553,6 +564,50 @@ def main(argv: list[str] | None = None) -> int:
         "arena_base": args.arena_base,
         "arena_bytes": args.arena_gib << 30,
     }
+    server = None
+    if args.backbone:
+        server = _start_backbone(model, workdir, args.device)
+        cfg["backbone_socket"] = str(workdir / "backbone.sock")
+    try:
+        return _run(args, cfg, workdir)
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def _start_backbone(model: Path, workdir: Path, device: str) -> subprocess.Popen:
+    """`lorafn.backbone_server.cli serve` on the model; returns once its socket accepts."""
+    import socket
+
+    sock = workdir / "backbone.sock"
+    sock.unlink(missing_ok=True)
+    log = (workdir / "backbone.log").open("wb")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    cmd = [sys.executable, "-m", "lorafn.backbone_server.cli", "serve", "--model", str(model)]
+    cmd += ["--socket", str(sock), "--device", device]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"backbone server exited {proc.returncode}: see {workdir / 'backbone.log'}")
+        if sock.exists():
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(sock))
+                print(f"[parent] backbone server ready at {sock}", flush=True)
+                return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError("backbone server not ready after 600 s")
+
+
+def _run(args: argparse.Namespace, cfg: dict, workdir: Path) -> int:
     cfg_path = workdir / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
     for stale in (

@@ -141,6 +141,9 @@ class DecodeStateSpec:
     max_model_len: int = 1024
     fused_decode: bool = True
     lora_expand: str = "per_projection"
+    # the backbone server's socket: weights are its read-only mapping W at its fixed address (the worker's
+    # real set-up); None: weights loaded from model_dir into the arena's state pool
+    backbone_socket: str | None = None
 
 
 @dataclass
@@ -154,6 +157,8 @@ class DecodeState:
     state_top: int
     state_log: list[tuple[int, int]]
     build_s: float
+    weights_in: str = "arena"  # or "W@0x...": the key field of the same name
+    weight_source: Any = None
 
 
 def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
@@ -174,11 +179,19 @@ def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
     mc = ModelConfig.from_dir(spec.model_dir)
     dtype = getattr(torch, spec.dtype)
     device = arena.device
+    shared = None
+    weights_in = "arena"
+    if spec.backbone_socket:
+        from lorafn.backbone_server.client import SharedWeightSource
+
+        # attached before the state pool is routed: W is mapped by the client, not allocated by torch
+        shared = SharedWeightSource(spec.backbone_socket, device=str(device), name="decode-graphs")
+        weights_in = f"W@0x{int(shared.manifest['w_addr']):x}"
     gc.collect()
     gc.disable()  # a collection mid-build could free a temporary at another point: other addresses
     try:
         with torch.cuda.use_mem_pool(arena.state_pool):
-            source = SafetensorsWeightSource(spec.model_dir)
+            source = shared if shared is not None else SafetensorsWeightSource(spec.model_dir)
             lora = zero_lora(spec.lora_shape, mc, device, dtype) if spec.lora_shape else None
             model = LlamaModel(
                 mc,
@@ -208,6 +221,8 @@ def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
         state_top=arena.bump,
         state_log=arena.allocation_log(),
         build_s=time.perf_counter() - t0,
+        weights_in=weights_in,
+        weight_source=shared,
     )
 
 
@@ -224,6 +239,7 @@ def state_key(state: DecodeState, arena: Arena) -> dict[str, Any]:
         block_size=spec.block_size,
         num_kv_blocks=spec.num_kv_blocks,
         arena=arena,
+        weights_in=state.weights_in,
     )
 
 
