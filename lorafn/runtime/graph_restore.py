@@ -551,9 +551,11 @@ def archive_graphs(
     state_top: int,
     state_log: Sequence[tuple[int, int]],
     selfcheck: bool = True,
+    allow_foreign: bool = False,
 ) -> Archive:
     """Walk `runner`'s graphs (captured with keep_graph=True in the arena's pools) into an Archive.
-    Refuses (GraphRestoreError) graphs that name torch memory outside the arena."""
+    Refuses (GraphRestoreError) graphs that name torch memory outside the arena, unless `allow_foreign`
+    (a probe that wants to see what the restore then does): logged and kept in `info["foreign"]`."""
     triton = triton_kernels()
     foreign = _foreign_segments(arena)
     walk = Walk(graphs=[])
@@ -564,11 +566,13 @@ def archive_graphs(
         raw = runner.graphs[bucket].raw_cuda_graph()
         walk.graphs.append(walk_graph(raw, bucket, output, triton, walk, foreign))
     if walk.foreign:
-        shown = "; ".join(walk.foreign[:8])
-        raise GraphRestoreError(
+        message = (
             f"the graphs name {len(walk.foreign)} addresses in torch memory outside the arena (a restoring "
-            f"process would not have them): {shown}"
+            f"process would not have them): {'; '.join(walk.foreign[:8])}"
         )
+        if not allow_foreign:
+            raise GraphRestoreError(message)
+        log.warning("decode graphs: %s", message)
     if selfcheck:
         for record in walk.graphs:
             record.selfcheck = selfcheck_digest(runner, record.bucket, runner.graphs[record.bucket].replay)
@@ -578,7 +582,12 @@ def archive_graphs(
         "state_log": [list(x) for x in state_log],
         "high_water": arena.bump,
     }
-    info = {"counts": walk.counts, "modules": len(walk.modules), "triton_loaded": len(triton)}
+    info = {
+        "counts": walk.counts,
+        "modules": len(walk.modules),
+        "triton_loaded": len(triton),
+        "foreign": walk.foreign[:20],
+    }
     return Archive(
         key=key,
         layout=layout,
