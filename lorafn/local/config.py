@@ -125,10 +125,11 @@ class LocalConfig(SharedSettings):
         """`PolicyConfig` keyword arguments for the warm pool's starts on this machine (pure). On CPU every
         simulated device shares the host's ``cores`` and each worker computes on ``worker_threads`` of them:
         a standby's warm-up is forwards on all of them, so only ``cores // worker_threads`` (at least 1) warm
-        at once, and none while a request waits for its function's first worker (on the 2-core VM four
-        warming at once took 33-40 s each, 1.8 s alone, and the demo's first request waited 16.7 s for its
-        first token; docs/benchmarks.md). On a GPU the cores are the host's, not the device's: no limit
-        unless set. ``pool_starts_at_once`` 0 = no limit."""
+        at once, and none while a request waits for its function's first worker (on the 2-core VM, with
+        OpenMP's passive wait, four warming at once took ~6 s each, 2 s alone, and the README demo's first
+        token came after 6.2-6.6 s; with these two rules 0.8 s; docs/benchmarks.md, "The README demo"). On a
+        GPU the cores are the host's, not the device's: no limit unless set. ``pool_starts_at_once`` 0 = no
+        limit."""
         if cores < 1 or worker_threads < 1:
             raise ValueError(f"cores and worker_threads must be >= 1, got {cores!r} and {worker_threads!r}")
         cpu = device == "cpu"

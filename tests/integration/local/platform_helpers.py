@@ -1,10 +1,12 @@
 """Driving a real `lorafn up` from tests: the platform as a subprocess (`local_platform`), the CLI,
-waiting on a condition while the platform runs, the workers' heartbeat records, one invocation."""
+waiting on a condition while the platform runs, the workers' heartbeat records, one invocation, the order of
+worker starts in its logs (`worker_starts`, `check_start_order`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,8 +139,6 @@ def worker_starts(up_log: str, logs_dir: Path) -> list[WorkerStart]:
     """Every worker start in ``up_log`` (the controller's `start <id> on <gpu> standby|for <function>` lines),
     with when each stopped starting, from the worker's own log (`standby <id> ready`, `worker <id> serving`)
     or `lorafn up`'s exit line for it."""
-    import re
-
     starts = []
     line = rf"^{_STAMP} \S+ INFO controller: start (\S+) on \S+ (standby|for (\S+):)"
     for m in re.finditer(line, up_log, re.M):
@@ -152,6 +152,42 @@ def worker_starts(up_log: str, logs_dir: Path) -> list[WorkerStart]:
     return starts
 
 
-def starting_at(starts: list[WorkerStart], moment: str) -> list[WorkerStart]:
-    """The workers still starting at ``moment`` (begun before it, not done by then)."""
-    return [s for s in starts if s.began < moment and (s.ended is None or s.ended > moment)]
+def starting_at(starts: list[WorkerStart], moment: str, but: str = "") -> list[WorkerStart]:
+    """The workers other than ``but`` still starting at ``moment`` (begun by then, in the same millisecond
+    too, and not done)."""
+    return [
+        s for s in starts if s.worker != but and s.began <= moment and (s.ended is None or s.ended > moment)
+    ]
+
+
+def zygote_environ(state_dir: Path) -> dict[str, str]:
+    """The environment the platform's zygote was started with (its forks inherit what OpenMP read from it)."""
+    socket = str(state_dir / "sockets" / "zygote.sock")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"zygote" in cmdline and socket.encode() in cmdline:
+                pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+        except OSError:
+            continue
+    raise AssertionError(f"no zygote process serving {socket}")
+
+
+def check_start_order(up_log: str, logs_dir: Path) -> None:
+    """At most what the platform's log says its cores warm at once were starting whenever a standby start
+    began, and no standby start began while a function's fresh worker (started for a waiting request) was
+    coming up. Shared with the README demo's test."""
+    at_once = re.search(r"at most (\d+) standby start\(s\) at once, none while a request waits", up_log)
+    assert at_once is not None, "lorafn up on CPU names its standby start limit"
+    limit = int(at_once.group(1))
+    starts = worker_starts(up_log, logs_dir)
+    pool = [s for s in starts if s.function is None]
+    assert pool, "the warm pool started no standby"
+    for s in pool:
+        beside = starting_at(starts, s.began, but=s.worker)
+        assert len(beside) < limit, f"standby {s.worker} began while these were starting: {beside}"
+        for fresh in (x for x in starts if x.function is not None):
+            assert not (fresh.began <= s.began and (fresh.ended is None or s.began < fresh.ended)), (
+                f"standby {s.worker} began while {fresh.function}'s first worker {fresh.worker} was starting"
+            )

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.local.platform_helpers import check_start_order
+
 pytestmark = pytest.mark.slow
 
 
@@ -25,3 +27,6 @@ def test_demo_once_invokes_every_example_function(smollm2_dir: Path, tmp_path: P
         assert out.count(function) >= 2, out  # a cold and a warm call each
     assert "####" in out  # the GSM8K-format adapter's answer format
     assert not (tmp_path / "state" / "platform.json").exists()
+    # the first answer comes fast: standbys warmed one at a time, none while a cold request's worker started
+    # (four at once beside demo/french's fresh worker made its first token take 16.7 s on the 2-core VM)
+    check_start_order(done.stdout + done.stderr, tmp_path / "state" / "logs")

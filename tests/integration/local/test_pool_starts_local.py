@@ -7,12 +7,11 @@ once, with demo/french's fresh worker started beside them: its first token after
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
 
-from tests.integration.local.platform_helpers import invoke, local_platform, starting_at, worker_starts
+from tests.integration.local.platform_helpers import check_start_order, invoke, local_platform, zygote_environ
 from tests.integration.runtime.engine_helpers import write_peft_adapter
 
 pytestmark = pytest.mark.slow
@@ -20,39 +19,6 @@ pytestmark = pytest.mark.slow
 # room for every standby the pool may want (the backbone's maxStandby, 4) and both functions' workers:
 # memory must not be what limits the starts here
 ROOMY_CPU = "device: cpu\ndevices: 1\ndevice_memory_mib: 2048\nworker_overhead_mib: 64\ndefault_kv_mib: 16\n"
-
-
-def zygote_environ(state_dir: Path) -> dict[str, str]:
-    """The environment the platform's zygote was started with (its forks inherit what OpenMP read from it)."""
-    socket = str(state_dir / "sockets" / "zygote.sock")
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"zygote" in cmdline and socket.encode() in cmdline:
-                pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
-        except OSError:
-            continue
-    raise AssertionError(f"no zygote process serving {socket}")
-
-
-def check_start_order(up_log: str, logs_dir: Path) -> None:
-    """At most what the platform's log says its cores warm at once were starting whenever a standby start
-    began, and no standby start began while a function's fresh worker (started for a waiting request) was
-    coming up. Shared with the README demo's test."""
-    at_once = re.search(r"at most (\d+) standby start\(s\) at once, none while a request waits", up_log)
-    assert at_once is not None, "lorafn up on CPU names its standby start limit"
-    limit = int(at_once.group(1))
-    starts = worker_starts(up_log, logs_dir)
-    pool = [s for s in starts if s.function is None]
-    assert pool, "the warm pool started no standby"
-    for s in pool:
-        beside = starting_at(starts, s.began)
-        assert len(beside) < limit, f"standby {s.worker} began while these were starting: {beside}"
-        for fresh in (x for x in starts if x.function is not None):
-            assert not (fresh.began < s.began and (fresh.ended is None or s.began < fresh.ended)), (
-                f"standby {s.worker} began while {fresh.function}'s first worker {fresh.worker} was starting"
-            )
 
 
 def test_cold_requests_go_first_and_standbys_warm_one_at_a_time(tiny_model_dir: Path, tmp_path: Path) -> None:
