@@ -126,10 +126,10 @@ class LocalConfig(SharedSettings):
         simulated device shares the host's ``cores`` and each worker computes on ``worker_threads`` of them:
         a standby's warm-up is forwards on all of them, so only ``cores // worker_threads`` (at least 1) warm
         at once, and none while a request waits for its function's first worker (on the 2-core VM, with
-        OpenMP's passive wait, four warming at once took ~6 s each, 2 s alone, and the README demo's first
-        token came after 6.2-6.6 s; with these two rules 0.8 s; docs/benchmarks.md, "The README demo"). On a
-        GPU the cores are the host's, not the device's: no limit unless set. ``pool_starts_at_once`` 0 = no
-        limit."""
+        OpenMP's passive wait, four warming at once took ~6 s each, 2 s alone at the time, and the demo's
+        first token came after 6.2-6.6 s; with these two rules 0.8 s; docs/benchmarks.md, "The README
+        demo"). On a GPU the cores are the host's, not the device's: no limit unless set.
+        ``pool_starts_at_once`` 0 = no limit."""
         if cores < 1 or worker_threads < 1:
             raise ValueError(f"cores and worker_threads must be >= 1, got {cores!r} and {worker_threads!r}")
         cpu = device == "cpu"

@@ -54,9 +54,10 @@ class PolicyConfig:
       while fewer than this many worker processes, standby or bound, are starting there; demand's starts are
       never held by it. None = no limit beyond ``max_fresh_starts_per_gpu``. For a CPU host, whose devices
       share its cores: a warm-up runs forwards on every core, and on the 2-core VM four standbys warming at
-      once took ~6 s each (2 s alone) while the README demo's first request waited on one of them: first
-      token after 6.2-6.6 s, 0.8 s with one at a time and ``pool_waits_for_demand`` (docs/benchmarks.md, "The
-      README demo"). `lorafn up` on CPU sets it to what the cores warm at once (cores // a worker's threads).
+      once took ~6 s each (2 s alone, at the time) while the README demo's first request waited on one of
+      them: first token after 6.2-6.6 s, 0.8 s with one at a time and ``pool_waits_for_demand``
+      (docs/benchmarks.md, "The README demo"). `lorafn up` on CPU sets it to what the cores warm at once
+      (cores // a worker's threads).
     - ``pool_waits_for_demand``: no standby start begins on a node while a request there waits for its
       function's first worker (queued, no bound worker: a fresh start or a warming standby is on its way), so
       that start has the host to itself; the pool refills once it is served. Off = refills compete with it
