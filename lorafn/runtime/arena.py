@@ -39,24 +39,39 @@ class ArenaError(RuntimeError):
     """The arena could not be set up or used (the driver's reason is in the message)."""
 
 
-def build_library(cache_dir: Path) -> Path:
-    """Compile arena_alloc.c once per source version into `cache_dir/arena/<hash>/libarena.so`."""
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    out = Path(cache_dir) / "arena" / digest / "libarena.so"
+def compile_c(
+    source: Path,
+    cache_dir: Path,
+    subdir: str,
+    name: str,
+    extra: tuple[str, ...] = (),
+    depends: tuple[Path, ...] = (),
+) -> Path:
+    """Compile one C file (no toolkit: libcuda is dlopen'ed) once per version of it and of `depends` (a
+    header that decides struct layouts) into `cache_dir/<subdir>/<hash>/<name>`."""
+    h = hashlib.sha256(source.read_bytes())
+    for dep in depends:
+        h.update(dep.read_bytes())
+    h.update(" ".join(extra).encode())
+    out = Path(cache_dir) / subdir / h.hexdigest()[:16] / name
     if out.exists():
         return out
     compiler = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
     if compiler is None:
-        raise ArenaError("arena: no C compiler (cc, gcc, clang or $CC) to build arena_alloc.c")
+        raise ArenaError(f"no C compiler (cc, gcc, clang or $CC) to build {source.name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE), "-ldl", "-lpthread"]
+    cmd = [compiler, "-O2", "-shared", "-fPIC", *extra, "-o", str(tmp), str(source), "-ldl", "-lpthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise ArenaError(f"arena: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        raise ArenaError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
     tmp.replace(out)
     return out
+
+
+def build_library(cache_dir: Path) -> Path:
+    """Compile arena_alloc.c once per source version into `cache_dir/arena/<hash>/libarena.so`."""
+    return compile_c(_SOURCE, cache_dir, "arena", "libarena.so")
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,7 @@ class Arena:
         self.device = torch.device("cuda", index)
         torch.cuda.set_device(index)
         torch.zeros(1, device=self.device)  # torch's primary context exists and is current
+        self.cache_dir = Path(cache_dir)
         self.path = build_library(cache_dir)
         lib = ctypes.CDLL(str(self.path))
         lib.lorafn_arena_error.restype = ctypes.c_char_p

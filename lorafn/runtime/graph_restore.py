@@ -11,12 +11,13 @@ parameters, edges. Triton kernels are recognised by their CUfunction handle amon
 Restore side (`restore_graphs`): the same arena at the same address, the same state allocations (checked
 against the archived allocation log), the rest of the capture's arena range backed (`reserve_until`),
 then: Triton cubins loaded with `cuModuleLoadData` (no Triton JIT); the other kernels' handles harvested
-from a *trigger*: the model's forward for one layer, eagerly then under stream capture, with every Triton
-launch turned into a no-op (it costs only the ATen/cuBLAS launches; the trigger graph is walked for
-names, never run); then `cuGraphCreate` + `cuGraphAddKernelNode`/... in topological order,
-`cuGraphInstantiate`, `cuGraphUpload`. A self-check replays each graph on padding inputs and compares a
-digest of its output with the capturing process's (valid when both hold the same weights and LoRA
-values, e.g. a standby's zeroed buffers on one backbone).
+from ONE *trigger*: the model's forward for one layer at the fewest buckets whose graphs name every
+library kernel, eagerly then under one stream capture, with every Triton launch turned into a no-op (the
+trigger graph is walked for names, never run); then per bucket the C builder (`graph_build.c`) adds the
+archived NodeTable's nodes in one call, `cuGraphInstantiate`, and either the self-check replay (padding
+inputs; a digest of the output computed on the GPU, compared with the capturing process's; valid when
+both hold the same weights and LoRA values, e.g. a standby's zeroed buffers on one backbone) or
+`cuGraphUpload`. The GPU replays one bucket's check while the CPU builds the next; one read-back at the end.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ import torch
 
 from lorafn.runtime.arena import Arena, tensor_at
 from lorafn.runtime.graph_archive import (
+    ATTR_VALUE_BYTES,
     FORMAT_VERSION,
+    MEMCPY_FIELDS,
     Archive,
     ArchiveError,
     EmptyNode,
@@ -54,7 +57,9 @@ from lorafn.runtime.graph_archive import (
     foreign_pointers,
     model_layout_fingerprint,
     reorder,
+    trigger_buckets,
 )
+from lorafn.runtime.graph_build import GraphBuilder, GraphBuildError
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,7 @@ CODE_FILES = (
     _RUNTIME / "lora.py",
     _RUNTIME / "kv_cache.py",
     _RUNTIME / "arena_alloc.c",
+    _RUNTIME / "graph_build.c",
 )
 # Function attributes a library or Triton may have set before launching, restored on the new handles.
 FUNC_ATTRS = (
@@ -79,24 +85,8 @@ FUNC_ATTRS = (
     "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT",
     "CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
 )
-_ATTR_VALUE_BYTES = 64  # sizeof(CUlaunchAttributeValue): a union padded to 64 bytes
-_MEMCPY_INTS = (
-    "srcXInBytes",
-    "srcY",
-    "srcZ",
-    "srcLOD",
-    "srcPitch",
-    "srcHeight",
-    "dstXInBytes",
-    "dstY",
-    "dstZ",
-    "dstLOD",
-    "dstPitch",
-    "dstHeight",
-    "WidthInBytes",
-    "Height",
-    "Depth",
-)
+_MEMCPY_INTS = MEMCPY_FIELDS[:15]  # the numeric fields; the memory types and addresses follow
+SELFCHECK_MODES = ("all", "one", "none")
 
 
 class GraphRestoreError(RuntimeError):
@@ -390,7 +380,7 @@ def _launch_attrs(node: Any) -> dict[int, bytes]:
         err, value = cu.cuGraphKernelNodeGetAttribute(node, attr)
         if err != cu.CUresult.CUDA_SUCCESS or value is None:
             continue
-        raw = ctypes.string_at(value.getPtr(), _ATTR_VALUE_BYTES)
+        raw = ctypes.string_at(value.getPtr(), ATTR_VALUE_BYTES)
         if any(raw):
             out[int(attr)] = raw
     return out
@@ -541,7 +531,7 @@ def walk_graph(
         stride=tuple(output.stride()),
         dtype=str(output.dtype).removeprefix("torch."),
     )
-    return GraphRecord(bucket=bucket, nodes=ordered, deps=deps, output=out)
+    return GraphRecord.from_nodes(bucket, ordered, deps, out)
 
 
 def archive_graphs(
@@ -555,7 +545,12 @@ def archive_graphs(
 ) -> Archive:
     """Walk `runner`'s graphs (captured with keep_graph=True in the arena's pools) into an Archive.
     Refuses (GraphRestoreError) graphs that name torch memory outside the arena, unless `allow_foreign`
-    (a probe that wants to see what the restore then does): logged and kept in `info["foreign"]`."""
+    (a probe that wants to see what the restore then does): logged and kept in `info["foreign"]`.
+    Also compiles the C graph builder into the arena's cache directory, so a restoring process finds it."""
+    try:
+        GraphBuilder.load(arena.cache_dir)
+    except GraphBuildError as exc:  # the restore will say it again; the archive itself is still good
+        log.warning("decode graphs: the graph builder does not compile here: %s", exc)
     triton = triton_kernels()
     foreign = _foreign_segments(arena)
     walk = Walk(graphs=[])
@@ -573,9 +568,10 @@ def archive_graphs(
         if not allow_foreign:
             raise GraphRestoreError(message)
         log.warning("decode graphs: %s", message)
-    if selfcheck:
-        for record in walk.graphs:
-            record.selfcheck = selfcheck_digest(runner, record.bucket, runner.graphs[record.bucket].replay)
+    if selfcheck:  # enqueued back to back, read back once
+        launched = [selfcheck_launch(runner, r.bucket, runner.graphs[r.bucket].replay) for r in walk.graphs]
+        for record, digest in zip(walk.graphs, selfcheck_collect(launched), strict=True):
+            record.selfcheck = digest
     torch.cuda.synchronize()
     layout = {
         "state_top": state_top,
@@ -599,6 +595,34 @@ def archive_graphs(
 
 
 # -------------------------------------------------------------------------------------- self-check
+# A replay of each checked graph on padding inputs; its output's digest must equal the capturing process's.
+# The digest is computed on the GPU right after the replay, in stream order (the graphs share one pool: a
+# later replay may overwrite an earlier graph's output), and read back once for all buckets: two
+# position-weighted sums mod 2^64 of the output's 32-bit words (odd weights: any single changed word
+# changes both sums; integer sums do not depend on the reduction order). Format 1's blake2b of the output
+# on the host cost a device-to-host copy, a synchronize and ~8 ms of hashing per bucket.
+
+_DIGEST_NAME = "words64x2"
+_DIGEST_K = ((0x9E3779B97F4A7C15, 0x632BE59BD9B4E019), (0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9))
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >> 63 else v
+
+
+def output_digest(out: torch.Tensor) -> torch.Tensor:
+    """[2] int64 on the output's device, enqueued on the current stream (no synchronize)."""
+    data = out.detach().contiguous().view(-1).view(torch.uint8)
+    words = data.view(torch.int32) if data.numel() % 4 == 0 else data
+    x = words.to(torch.int64)
+    idx = torch.arange(x.numel(), dtype=torch.int64, device=x.device)
+    sums = []
+    for mul, add in _DIGEST_K:
+        w = torch.bitwise_or(idx * _signed64(mul) + _signed64(add), 1)  # int64 arithmetic wraps mod 2^64
+        sums.append((x * w).sum())
+    return torch.stack(sums)
 
 
 def reset_static_inputs(runner: Any) -> None:
@@ -611,12 +635,36 @@ def reset_static_inputs(runner: Any) -> None:
     runner.context_lens.fill_(1)
 
 
-def selfcheck_digest(runner: Any, bucket: int, replay: Any) -> str:
+def selfcheck_launch(runner: Any, bucket: int, replay: Any) -> torch.Tensor:
+    """Enqueue one self-check: padding inputs, the replay, the digest of `runner.outputs[bucket]`."""
     reset_static_inputs(runner)
     replay()
-    torch.cuda.synchronize()
-    data = runner.outputs[bucket].detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    return output_digest(runner.outputs[bucket])
+
+
+def selfcheck_collect(digests: Sequence[torch.Tensor]) -> list[str]:
+    """The digests as strings, with one read back (and so one wait) for all of them."""
+    if not digests:
+        return []
+    values = torch.stack(list(digests)).cpu().tolist()
+    return [f"{_DIGEST_NAME}:" + "".join(f"{v & _MASK64:016x}" for v in row) for row in values]
+
+
+def selfcheck_digest(runner: Any, bucket: int, replay: Any) -> str:
+    (digest,) = selfcheck_collect([selfcheck_launch(runner, bucket, replay)])
+    return digest
+
+
+def selfcheck_buckets(mode: str | bool, buckets: Sequence[int]) -> list[int]:
+    """The buckets a restore checks: "all", "one" (the smallest: the cheapest replay) or "none"."""
+    if mode is True:
+        mode = "all"
+    elif mode is False:
+        mode = "none"
+    if mode not in SELFCHECK_MODES:
+        raise ValueError(f"selfcheck: {mode!r} is not one of {SELFCHECK_MODES}")
+    ordered = sorted(buckets)
+    return ordered if mode == "all" else ordered[:1] if mode == "one" else []
 
 
 # ------------------------------------------------------------------------------------------ harvest
@@ -649,24 +697,38 @@ def _model_view(model: Any, layers: int | None) -> Any:
     return view
 
 
-def harvest_library_functions(runner: Any, bucket: int, layers: int | None = 1) -> dict[str, int]:
-    """Kernel name -> CUfunction of the non-Triton kernels a decode step of `bucket` launches in this
-    process: the step (first `layers` layers) eagerly (lazy module loads, cuBLAS set-up), then under a
-    throwaway stream capture that is walked, never run. Triton launches are no-ops throughout."""
+def harvest_library_functions(
+    runner: Any, buckets: Sequence[int], layers: int | None = 1, times: dict[str, float] | None = None
+) -> dict[str, int]:
+    """Kernel name -> CUfunction of the non-Triton kernels that decode steps of `buckets` launch in this
+    process: one eager pass over the buckets' steps (first `layers` layers; lazy module loads, cuBLAS set-up
+    and heuristics), then ONE throwaway stream capture of the same steps, walked, never run. Triton
+    launches are no-ops throughout. The capture is begun directly, not through `torch.cuda.graph`, whose
+    entry runs gc.collect() and empty_cache() (tens of ms in a process that has imported torch and
+    transformers). `times` gets the seconds of the eager pass, the capture and the walk."""
     cu = _cu()
     model = _model_view(runner.model, layers)
     kv = runner.kv_cache.layers if model is runner.model else runner.kv_cache.layers[: len(model.layers)]
-    batch = runner._batch(bucket)
+    batches = [runner._batch(b) for b in buckets]
     stream = torch.cuda.Stream()
     out: dict[str, int] = {}
+    t0 = time.perf_counter()
     with triton_launches_disabled():
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            model.forward(batch, kv)
-        torch.cuda.current_stream().wait_stream(stream)
+            for batch in batches:
+                model.forward(batch, kv)
+        stream.synchronize()
+        t1 = time.perf_counter()
         trigger = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(trigger, stream=stream, capture_error_mode="relaxed"):
-            model.forward(batch, kv)
+        with torch.cuda.stream(stream):
+            trigger.capture_begin(capture_error_mode="relaxed")
+            try:
+                for batch in batches:
+                    model.forward(batch, kv)
+            finally:
+                trigger.capture_end()
+    t2 = time.perf_counter()
     handles, _edges = _nodes_and_edges(cu.CUgraph(trigger.raw_cuda_graph()))
     for h in handles:
         (kind,) = _ok(cu.cuGraphNodeGetType(h), "cuGraphNodeGetType(trigger)")
@@ -677,7 +739,40 @@ def harvest_library_functions(runner: Any, bucket: int, layers: int | None = 1) 
         (raw_name,) = _ok(cu.cuFuncGetName(func), "cuFuncGetName(trigger)")
         out[raw_name.decode(errors="replace")] = func
     del trigger
+    if times is not None:
+        times["eager"] = times.get("eager", 0.0) + t1 - t0
+        times["capture"] = times.get("capture", 0.0) + t2 - t1
+        times["walk"] = times.get("walk", 0.0) + time.perf_counter() - t2
     return out
+
+
+def harvest_for(
+    archive: Archive, runner: Any, layers: int | None, times: dict[str, float] | None = None
+) -> tuple[dict[str, int], list[int]]:
+    """The archive's library kernels by name in this process, and the buckets whose steps were triggered:
+    one trigger over the fewest buckets whose graphs name them all (graph_archive.trigger_buckets); a
+    bucket still missing a name gets its own trigger, then one over the whole model. GraphRestoreError
+    names what is still missing."""
+    names = {g.bucket: g.table.library_names() for g in archive.graphs}
+    first = trigger_buckets(names)
+    found = harvest_library_functions(runner, first, layers, times) if first else {}
+    triggered = list(first)
+    for bucket in sorted(names):
+        missing = names[bucket] - found.keys()
+        if not missing:
+            continue
+        triggered.append(bucket)
+        found.update(harvest_library_functions(runner, [bucket], layers, times))
+        missing -= found.keys()
+        if missing and layers is not None:
+            found.update(harvest_library_functions(runner, [bucket], None, times))  # the whole model
+            missing -= found.keys()
+        if missing:
+            raise GraphRestoreError(
+                f"bucket {bucket}: kernels not found in this process: {sorted(missing)[:6]} "
+                f"(found {len(found)} names)"
+            )
+    return found, triggered
 
 
 # ------------------------------------------------------------------------------------------ rebuild
@@ -707,85 +802,6 @@ def load_modules(archive: Archive) -> dict[str, int]:
     return out
 
 
-def _add_kernel(
-    graph: Any, deps: list[Any], node: KernelNode, func: int, what: str, warnings: list[str]
-) -> Any:
-    cu = _cu()
-    p = cu.CUDA_KERNEL_NODE_PARAMS()
-    p.func = func
-    p.gridDimX, p.gridDimY, p.gridDimZ = node.grid
-    p.blockDimX, p.blockDimY, p.blockDimZ = node.block
-    p.sharedMemBytes = node.shared
-    keep: list[Any] = []
-    if node.params:
-        blob = b"".join(node.params)
-        buf = ctypes.create_string_buffer(blob, len(blob))
-        ptrs = (ctypes.c_void_p * len(node.params))()
-        base, at = ctypes.addressof(buf), 0
-        for i, prm in enumerate(node.params):
-            ptrs[i] = base + at
-            at += len(prm)
-        keep = [buf, ptrs]
-        p.kernelParams = ctypes.addressof(ptrs)
-    else:
-        p.kernelParams = 0
-    p.extra = 0
-    (new,) = _ok(cu.cuGraphAddKernelNode(graph, deps, len(deps), p), f"cuGraphAddKernelNode({what})")
-    del keep  # the driver copied the parameters
-    for attr_id, raw in node.attrs.items():
-        attr = cu.CUkernelNodeAttrID(attr_id)
-        err, cur = cu.cuGraphKernelNodeGetAttribute(new, attr)
-        if err == cu.CUresult.CUDA_SUCCESS and ctypes.string_at(cur.getPtr(), _ATTR_VALUE_BYTES) == raw:
-            continue
-        value = cu.CUkernelNodeAttrValue()
-        ctypes.memmove(value.getPtr(), raw, _ATTR_VALUE_BYTES)
-        (err,) = cu.cuGraphKernelNodeSetAttribute(new, attr, value)
-        if err != cu.CUresult.CUDA_SUCCESS:  # reported, not fatal: the comparisons show what it changes
-            warnings.append(f"{what}: cuGraphKernelNodeSetAttribute({attr.name}) failed: {err.name}")
-    return new
-
-
-def build_graph(
-    record: GraphRecord, functions: Mapping[tuple[str, str], int], ctx: Any, warnings: list[str]
-) -> Any:
-    """A new CUgraph with the record's nodes and edges."""
-    cu = _cu()
-    (graph,) = _ok(cu.cuGraphCreate(0), "cuGraphCreate")
-    made: list[Any] = []
-    for i, node in enumerate(record.nodes):
-        deps = [made[d] for d in record.deps[i]]
-        what = f"bucket {record.bucket} node {i}"
-        if isinstance(node, KernelNode):
-            func = functions.get(node.func)
-            if func is None:
-                raise GraphRestoreError(f"{what}: no function for {node.func}")
-            made.append(_add_kernel(graph, deps, node, func, f"{what} {node.name}", warnings))
-        elif isinstance(node, MemsetNode):
-            m = cu.CUDA_MEMSET_NODE_PARAMS()
-            m.dst = node.dst
-            m.pitch, m.value, m.elementSize = node.pitch, node.value, node.element_size
-            m.width, m.height = node.width, node.height
-            (new,) = _ok(
-                cu.cuGraphAddMemsetNode(graph, deps, len(deps), m, ctx), f"cuGraphAddMemsetNode({what})"
-            )
-            made.append(new)
-        elif isinstance(node, MemcpyNode):
-            c = cu.CUDA_MEMCPY3D()
-            for name in _MEMCPY_INTS:
-                setattr(c, name, node.fields[name])
-            for side in ("src", "dst"):
-                setattr(c, f"{side}MemoryType", cu.CUmemorytype(node.fields[f"{side}MemoryType"]))
-                setattr(c, f"{side}Device", node.fields[f"{side}Device"])
-            (new,) = _ok(
-                cu.cuGraphAddMemcpyNode(graph, deps, len(deps), c, ctx), f"cuGraphAddMemcpyNode({what})"
-            )
-            made.append(new)
-        else:
-            (new,) = _ok(cu.cuGraphAddEmptyNode(graph, deps, len(deps)), f"cuGraphAddEmptyNode({what})")
-            made.append(new)
-    return graph
-
-
 class RestoredGraph:
     """An instantiated rebuilt graph; `replay()` launches it on torch's current stream (as CUDAGraph)."""
 
@@ -809,11 +825,13 @@ class RestoreReport:
     """Seconds per stage and what was done (printed by the probe, logged by a worker)."""
 
     stages: dict[str, float] = field(default_factory=dict)
+    detail: dict[str, float] = field(default_factory=dict)  # sub-stage seconds (harvest eager/capture/walk)
     nodes: int = 0
     modules: int = 0
     library_functions: int = 0
     triggers: list[int] = field(default_factory=list)
     selfcheck: dict[int, bool] = field(default_factory=dict)
+    selfcheck_mode: str = "all"
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -823,6 +841,7 @@ class RestoreReport:
 
 @contextlib.contextmanager
 def _stage(report: RestoreReport, name: str) -> Iterator[None]:
+    """Times a stage (adding up when a stage is entered more than once, as rebuild/instantiate per bucket)."""
     t0 = time.perf_counter()
     try:
         yield
@@ -831,7 +850,7 @@ def _stage(report: RestoreReport, name: str) -> Iterator[None]:
     except Exception as exc:
         raise GraphRestoreError(f"restore stage {name!r}: {type(exc).__name__}: {exc}") from exc
     finally:
-        report.stages[name] = time.perf_counter() - t0
+        report.stages[name] = report.stages.get(name, 0.0) + time.perf_counter() - t0
 
 
 def restore_graphs(
@@ -841,14 +860,20 @@ def restore_graphs(
     key: Mapping[str, Any],
     state_top: int,
     state_log: Sequence[tuple[int, int]],
-    selfcheck: bool = True,
+    selfcheck: str | bool = "all",
     trigger_layers: int | None = 1,
     selfcheck_fatal: bool = True,
 ) -> RestoreReport:
     """Rebuild the archive's graphs into `runner` (a DecodeGraphRunner over the state built in the arena,
     not captured): after this, `runner.run(...)` replays restored graphs. Raises ArchiveError (key or
-    layout differ: nothing was changed) or GraphRestoreError naming the stage and node. `selfcheck_fatal`
-    False keeps graphs that fail the self-check (a probe that goes on to compare them), with a warning."""
+    layout differ: nothing was changed) or GraphRestoreError naming the stage and node. `selfcheck`:
+    "all" buckets (True), "one" (the smallest) or "none" (False) are replayed on padding inputs and must
+    give the capturing process's digest; `selfcheck_fatal` False keeps graphs that fail it (a probe that
+    goes on to compare them), with a warning.
+
+    Per bucket (ascending) the graph is built (C), instantiated, and either its self-check replay is
+    enqueued or it is uploaded: the GPU replays one bucket's check while the CPU builds the next; the
+    digests are read back once at the end (the `selfcheck` stage is that wait)."""
     report = RestoreReport()
     cu = _cu()
     with _stage(report, "check"):
@@ -858,48 +883,27 @@ def restore_graphs(
             raise ArchiveError(
                 f"buckets: {[g.bucket for g in archive.graphs]} archived, {list(runner.buckets)} here"
             )
+        checked = set(selfcheck_buckets(selfcheck, runner.buckets))
+        report.selfcheck_mode = (
+            "all" if selfcheck is True else "none" if selfcheck is False else str(selfcheck)
+        )
+        builder = GraphBuilder.load(arena.cache_dir)  # compiled by the capturing process (same cache dir)
     with _stage(report, "reserve"):
         arena.reserve_until(int(archive.layout["high_water"]))
     with _stage(report, "modules"):
         functions: dict[tuple[str, str], int] = {("module", m): f for m, f in load_modules(archive).items()}
         report.modules = len(archive.modules)
     with _stage(report, "harvest"):
-        found: dict[str, int] = {}
-        for bucket in runner.buckets:
-            missing = archive.library_names(bucket) - found.keys()
-            if not missing:
-                continue
-            report.triggers.append(bucket)
-            found.update(harvest_library_functions(runner, bucket, trigger_layers))
-            missing -= found.keys()
-            if missing and trigger_layers is not None:
-                found.update(harvest_library_functions(runner, bucket, None))  # the whole model
-                missing -= found.keys()
-            if missing:
-                raise GraphRestoreError(
-                    f"bucket {bucket}: kernels not found in this process: {sorted(missing)[:6]} "
-                    f"(found {len(found)} names)"
-                )
+        times: dict[str, float] = {}
+        found, report.triggers = harvest_for(archive, runner, trigger_layers, times)
+        report.detail.update({f"harvest_{k}": v for k, v in times.items()})
         for name in archive.library_names():
             func = found[name]
             _set_func_attrs(func, archive.lib_func_attrs.get(name, {}), name)
             functions[("name", name)] = func
         report.library_functions = len(archive.library_names())
-    with _stage(report, "rebuild"):
-        (ctx,) = _ok(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        built = {g.bucket: build_graph(g, functions, ctx, report.warnings) for g in archive.graphs}
-        report.nodes = sum(len(g.nodes) for g in archive.graphs)
-    with _stage(report, "instantiate"):
-        stream = torch.cuda.current_stream().cuda_stream
-        restored = {}
-        for bucket, graph in built.items():
-            (exec_,) = _ok(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate(bucket {bucket})")
-            _ok(cu.cuGraphUpload(exec_, stream), f"cuGraphUpload(bucket {bucket})")
-            restored[bucket] = RestoredGraph(graph, exec_, bucket)
-        torch.cuda.synchronize()
     with _stage(report, "outputs"):
-        runner.graphs = restored
-        runner.outputs = {
+        outputs = {
             g.bucket: tensor_at(
                 arena,
                 g.output.ptr,
@@ -910,22 +914,50 @@ def restore_graphs(
             )
             for g in archive.graphs
         }
-    if selfcheck:
-        with _stage(report, "selfcheck"):
-            for g in archive.graphs:
-                if g.selfcheck is None:
-                    continue
-                got = selfcheck_digest(runner, g.bucket, runner.graphs[g.bucket].replay)
-                report.selfcheck[g.bucket] = got == g.selfcheck
-            bad = [b for b, ok in report.selfcheck.items() if not ok]
-            if bad and not selfcheck_fatal:
-                report.warnings.append(f"self-check failed for buckets {bad} (kept: selfcheck_fatal=False)")
-            elif bad:
-                runner.graphs, runner.outputs = {}, {}
-                raise GraphRestoreError(
-                    f"self-check: buckets {bad} replayed to other outputs than in the capturing process "
-                    "(same weights and LoRA values assumed); the restored graphs were dropped"
-                )
+        runner.outputs = outputs
+        runner.graphs = {}
+        stream = torch.cuda.current_stream().cuda_stream
+    pending: list[tuple[int, torch.Tensor]] = []
+    for g in sorted(archive.graphs, key=lambda r: r.bucket):
+        with _stage(report, "rebuild"):
+            refs = [functions.get((kind, ident)) for kind, ident, _name in g.table.funcs]
+            lacking = [g.table.funcs[i][2] for i, f in enumerate(refs) if f is None]
+            if lacking:
+                raise GraphRestoreError(f"bucket {g.bucket}: no function for {lacking[:4]}")
+            try:
+                handle, refused, first = builder.build(g.table, [int(f) for f in refs if f is not None])
+            except GraphBuildError as exc:
+                raise GraphRestoreError(f"bucket {g.bucket}: {exc}") from exc
+            if refused:  # reported, not fatal: the comparisons and the self-check show what it changes
+                report.warnings.append(f"bucket {g.bucket}: {refused} launch attributes not set ({first})")
+            graph = cu.CUgraph(handle)
+            report.nodes += len(g.table)
+        with _stage(report, "instantiate"):
+            try:
+                (exec_,) = _ok(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate(bucket {g.bucket})")
+            except GraphRestoreError:
+                cu.cuGraphDestroy(graph)
+                raise
+            restored = RestoredGraph(graph, exec_, g.bucket)
+            runner.graphs[g.bucket] = restored
+            if g.bucket in checked and g.selfcheck is not None:
+                pending.append((g.bucket, selfcheck_launch(runner, g.bucket, restored.replay)))
+            else:  # a first replay would upload it; a checked graph's check replay did
+                _ok(cu.cuGraphUpload(exec_, stream), f"cuGraphUpload(bucket {g.bucket})")
+    with _stage(report, "selfcheck" if pending else "sync"):
+        digests = selfcheck_collect([d for _, d in pending])
+        torch.cuda.synchronize()
+    want = {g.bucket: g.selfcheck for g in archive.graphs}
+    report.selfcheck = {b: got == want[b] for (b, _), got in zip(pending, digests, strict=True)}
+    bad = [b for b, ok in report.selfcheck.items() if not ok]
+    if bad and not selfcheck_fatal:
+        report.warnings.append(f"self-check failed for buckets {bad} (kept: selfcheck_fatal=False)")
+    elif bad:
+        runner.graphs, runner.outputs = {}, {}
+        raise GraphRestoreError(
+            f"self-check: buckets {bad} replayed to other outputs than in the capturing process "
+            "(same weights and LoRA values assumed); the restored graphs were dropped"
+        )
     return report
 
 
@@ -936,6 +968,7 @@ def restore_or_capture(
     *,
     write: bool = True,
     trigger_layers: int | None = 1,
+    selfcheck: str | bool = "all",
 ) -> tuple[str, float, RestoreReport | None]:
     """The decode graphs of `state.runner`: restored from `archive_path` when it is there, matches and
     passes the self-check; else captured (logged as a warning naming why) and, with `write`, archived
@@ -952,7 +985,14 @@ def restore_or_capture(
         try:
             archive = read_archive(path)
             report = restore_graphs(
-                archive, runner, arena, key, state.state_top, state.state_log, trigger_layers=trigger_layers
+                archive,
+                runner,
+                arena,
+                key,
+                state.state_top,
+                state.state_log,
+                selfcheck=selfcheck,
+                trigger_layers=trigger_layers,
             )
             return "restored", time.perf_counter() - t0, report
         except (ArchiveError, GraphRestoreError) as exc:

@@ -57,7 +57,7 @@ def _archive() -> ga.Archive:
         shared=16,
         params=[bytes(range(40))],
     )
-    graph = ga.GraphRecord(
+    graph = ga.GraphRecord.from_nodes(
         bucket=2,
         nodes=[
             kernel,
@@ -146,7 +146,7 @@ def test_another_format_version_is_refused_naming_it() -> None:
     import hashlib
 
     forged = body + hashlib.blake2b(body, digest_size=32).digest()
-    with pytest.raises(ga.ArchiveMismatch, match=r"format_version: 2 in the archive, 1 here"):
+    with pytest.raises(ga.ArchiveMismatch, match=r"format_version: 3 in the archive, 2 here"):
         ga.decode(forged)
 
 
@@ -209,3 +209,12 @@ def test_fingerprints_follow_layout_not_values(tmp_path: Path) -> None:
     assert ga.files_fingerprint([f2, f1]) == before
     f2.write_text("c")
     assert ga.files_fingerprint([f1, f2]) != before
+
+
+def test_trigger_buckets_cover_every_library_name_with_few_triggers() -> None:
+    names = {1: {"gemv", "fill"}, 2: {"gemv"}, 4: {"gemv", "fill"}, 32: {"nvjet_a", "fill"}, 64: {"nvjet_b"}}
+    assert ga.trigger_buckets(names) == [1, 32, 64]
+    assert ga.trigger_buckets({1: set(), 2: set()}) == []
+    assert ga.trigger_buckets({}) == []
+    assert ga.trigger_buckets({8: {"a"}, 4: {"a"}}) == [4]  # a tie goes to the cheaper trigger
+    assert ga.trigger_buckets({1: {"a"}, 2: {"a", "b", "c"}, 4: {"c", "d"}}) == [2, 4]
