@@ -245,6 +245,9 @@ class _Round:
             # (which also starts from nothing), and binding it costs no memory beyond what it holds.
             self.protected.add(warming.id)
             self.claimed.add(warming.id)
+            # no longer cold: the pool must not start more standbys of its shape for it (with the cold prior
+            # and its own arrival it started two more on the README demo's 2-core VM)
+            self.served.add(fn.name)
             left = max(0.0, self.costs.fresh_start_s - warming.age_s)
             self.actions.append(
                 Wait(fn.name, f"a standby worker for it is warming up (ready in ~{left:.0f} s)")

@@ -217,6 +217,17 @@ def test_a_warming_standby_is_waited_for_once_not_raced_by_a_fresh_start():
     assert not other.of_type(Wait) and len(_demand_starts(other)) == 1
 
 
+def test_a_function_waiting_on_a_warming_standby_is_not_cold_for_the_pool():
+    # the README demo's snapshot: french's first request waits on the r8 standby the cold prior started;
+    # the pool must not start more r8 standbys for french (it started two, found by helper B's profiling)
+    warming = Worker("s-r8", "g0", "llama", "starting", "r8", None, 2 * GiB, age_s=1.0)
+    functions = [fn("demo/french", shape="r8", queued=1, arrival_rate=1.0), fn("demo/gsm8k", shape="r16")]
+    backbone = Backbone("llama", 13 * GiB, min_standby_per_gpu=0, max_standby_per_gpu=4)
+    plan = decide(snap([gpu("g0")], functions, [warming], backbones=(backbone,)), PolicyConfig())
+    assert [w.function for w in plan.of_type(Wait)] == ["demo/french"]
+    assert not [a for a in plan.of_type(Start) if a.shape == "r8"]
+
+
 def test_warm_pool_switched_off_stops_standbys_and_starts_fresh_workers():
     # the trace replay's "no warm pool" ablation: no standby is bound, kept or started
     functions = [fn("ns/a", queued=1), fn("ns/b", arrival_rate=5.0)]
