@@ -704,7 +704,8 @@ def harvest_library_functions(
     process: one eager pass over the buckets' steps (first `layers` layers; lazy module loads, cuBLAS set-up
     and heuristics), then ONE throwaway stream capture of the same steps, walked, never run. Triton
     launches are no-ops throughout. The capture is begun directly, not through `torch.cuda.graph`, whose
-    entry runs gc.collect() and empty_cache() (tens of ms in a process that has imported torch and
+    entry synchronizes the device and empties torch's cache (and, in torch versions before the
+    `force_cudagraph_gc` switch, runs gc.collect(): tens of ms in a process that has imported torch and
     transformers). `times` gets the seconds of the eager pass, the capture and the walk."""
     cu = _cu()
     model = _model_view(runner.model, layers)

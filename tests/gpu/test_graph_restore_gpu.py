@@ -1,8 +1,9 @@
 """Decode CUDA graphs restored in another process (issue 11 item 2): the probe bench/graph_restore.py captures
 in one child process, restores in another (no capture there), and both run the same greedy decode steps.
 Restored graphs must give the captured graphs' logits bit for bit, the same tokens as eager, pass the
-self-check, and a changed key or a damaged file must be refused naming why (a third child: an archive with
-another key is refused with a warning naming the field and the graphs are captured instead)."""
+self-check (every bucket; an extra restore child checks only the smallest), and a changed key or a damaged
+file must be refused naming why (a further child: an archive with another key is refused with a warning
+naming the field and the graphs are captured instead)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def test_restored_decode_graphs_replay_like_captured_ones(tmp_path: Path) -> Non
         r = s[role]
         assert r.get("ok"), f"{role} failed at {r.get('failed_stage')}: {r.get('error')}\n{log}"
     assert s["restore"]["restore_report"]["selfcheck"] == {"1": True, "4": True, "32": True}, log
+    # the extra restore child with the one-bucket self-check (times only) checked the smallest bucket
+    assert s["restore_alt"]["one"]["restore_report"]["selfcheck"] == {"1": True}, log
+    assert set(s["ready_s"]) == {"all", "one", "none"}
     assert set(s["buckets"]) == {"1", "4", "32"}
     for bucket, r in s["buckets"].items():
         assert r["restored_vs_captured_logits_bitwise"], (bucket, r)
