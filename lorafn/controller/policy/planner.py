@@ -457,8 +457,9 @@ def plan_pool(
     actions: list[Start | Stop] = []
     for w in sorted(pool, key=lambda w: w.id):
         if w.id not in keep:
+            # its memory is not given back to the ledger: the process holds it until it has exited (a start
+            # in it now would die of OOM creating its CUDA context); the refill goes in once it is gone
             actions.append(Stop(w.id, "pool_shrink", w.gpu, f"{w.backbone}/{w.shape or 'any shape'}"))
-            ledger.give(w.gpu, w.mem_bytes)
     kept_count: dict[tuple[str, str, str | None], int] = defaultdict(int)
     for w in pool:
         if w.id in keep:

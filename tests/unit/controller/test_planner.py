@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from lorafn.controller.policy import Backbone, PolicyConfig, PoolTarget, Start, Stop, Worker
+from lorafn.controller.policy import Backbone, PolicyConfig, PoolTarget, Start, Stop, Worker, decide
 from lorafn.controller.policy.account import Ledger, accounts
 from lorafn.controller.policy.planner import (
     cold_demand,
@@ -240,3 +240,22 @@ def test_a_young_surplus_standby_is_kept_while_memory_allows():
     assert [a.worker_id for a in actions if isinstance(a, Stop)] == ["young"]
     with pytest.raises(ValueError, match="pool_min_age_s"):
         PolicyConfig(pool_min_age_s=-1)
+
+
+def test_a_pool_reshape_starts_the_new_standby_once_the_old_one_has_exited():
+    # the GPU holds the backbone and one standby of a shape no function has; the pool wants one of r8
+    # instead: the old one is stopped, and the new one starts only once the old process is gone (its
+    # memory is held until it exits: a start in it died of OOM creating its CUDA context)
+    import dataclasses
+
+    g = gpu("g0", total_gib=(13 + 2.01) / 0.92)
+    functions = [fn("ns/a", shape="r8", arrival_rate=0.5)]
+    old = standby("s-old", "g0", shape="r99", mem_gib=2, age_s=600)
+    config = PolicyConfig(pool_min_age_s=0)
+    plan = decide(snap([g], functions, [old]), config)
+    assert [(a.worker_id, a.reason) for a in plan.of_type(Stop)] == [("s-old", "pool_shrink")]
+    assert not plan.of_type(Start)
+    draining = dataclasses.replace(old, state="draining")
+    assert not decide(snap([g], functions, [draining]), config).of_type(Start)
+    after = decide(snap([g], functions, []), config)
+    assert [(a.shape, a.function) for a in after.of_type(Start)] == [("r8", None)]
