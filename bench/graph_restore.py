@@ -184,10 +184,12 @@ def _compare_and_time(st: Stages, state: Any, cfg: dict, result: dict, arrays: d
 
 
 def child(role: str, cfg: dict, mode: str | None = None) -> int:
-    """`role` capture, restore (compared with the capture), restore_alt (a restore with self-check `mode`:
-    its times only) or fallback."""
+    """`role` capture, restore (compared with the capture), restore_alt (a restore as `mode` says: its times
+    only) or fallback. `mode`: a self-check mode, optionally /tN for N instantiating threads ("one/t4")."""
     mode = mode or cfg["selfcheck"]
     label = f"{role}[{mode}]" if role == "restore_alt" else role
+    selfcheck_mode, _, threads = mode.partition("/t")
+    instantiate_threads = int(threads) if threads else cfg["instantiate_threads"]
     st = Stages(label)
     result: dict[str, Any] = {"role": label, "ok": False, "pid": os.getpid()}
     arrays: dict[str, Any] = {}
@@ -332,12 +334,16 @@ def child(role: str, cfg: dict, mode: str | None = None) -> int:
                     key,
                     state.state_top,
                     state.state_log,
-                    selfcheck=mode,
+                    selfcheck=selfcheck_mode,
                     trigger_layers=cfg["trigger_layers"],
+                    instantiate_threads=instantiate_threads,
                     selfcheck_fatal=False,  # go on: the comparisons below say more than the digest
                 )
             result["restore_stages_s"] = report.stages
             result["restore_detail_s"] = report.detail
+            result["restore_label"] = (
+                mode if instantiate_threads == 1 else f"{selfcheck_mode}/t{instantiate_threads}"
+            )
             result["key_s"], result["archive_read_s"] = st.times["key"], st.times["archive_read"]
             # what a fresh worker pays to get graphs without capturing: its key, the file, the restore
             result["restore_s"] = st.times["key"] + st.times["archive_read"] + report.total_s
@@ -353,7 +359,8 @@ def child(role: str, cfg: dict, mode: str | None = None) -> int:
             for w in report.warnings[:20]:
                 st.say(f"warning: {w}")
             st.say(
-                f"restore ({mode}) {1e3 * result['restore_s']:.1f} ms: key {1e3 * result['key_s']:.1f}, "
+                f"restore ({mode}, {instantiate_threads} instantiating threads) "
+                f"{1e3 * result['restore_s']:.1f} ms: key {1e3 * result['key_s']:.1f}, "
                 f"archive_read {1e3 * result['archive_read_s']:.1f}, "
                 + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in report.stages.items())
                 + " ms; harvest "
@@ -387,7 +394,7 @@ def child(role: str, cfg: dict, mode: str | None = None) -> int:
         result["stages_s"] = st.times
         if arrays:
             np.savez(out / f"{role}.npz", **arrays)
-        name = f"restore_{mode}" if role == "restore_alt" else role
+        name = f"restore_{mode.replace('/', '_')}" if role == "restore_alt" else role
         (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
     return 0 if result["ok"] else 1
 
@@ -483,7 +490,7 @@ def _summary(
     # graphs ready per self-check mode (the compared restore's, and each extra child's), and net of the
     # first calls of library kernels that capture and restore both pay (measured in the restore: its
     # harvest's eager pass cold minus warm)
-    ready = {res["restore_report"]["selfcheck_mode"]: res["restore_s"]}
+    ready = {res["restore_label"]: res["restore_s"]}
     for mode, alt in (alts or {}).items():
         if alt.get("ok"):
             ready[mode] = alt["restore_s"]
@@ -538,7 +545,9 @@ def _print(s: dict) -> None:
     print(f"{'graphs ready (s), self-check:':34}{'':24}   ratio (target >= 30x)   net of first calls")
     for mode, v in s["ready_s"].items():
         note = (
-            " (the wait for the digests taken out)" if mode == "none" and mode not in s["restore_alt"] else ""
+            " (the compared restore with the wait for its digests taken out)"
+            if mode == "none" and mode not in s["restore_alt"]
+            else ""
         )
         print(
             f"{'  ' + mode:34}{s['capture_s']:12.3f}{v:12.3f}   {s['ratios'][mode]:6.1f}x"
@@ -629,9 +638,16 @@ def main(argv: list[str] | None = None) -> int:
         help="self-check of the compared restore: every bucket, the smallest, none",
     )
     ap.add_argument(
-        "--also-selfcheck",
-        default="one",
-        help="comma-separated self-check modes of extra restore children (times only; '' for none)",
+        "--instantiate-threads",
+        type=int,
+        default=1,
+        help="threads instantiating the compared restore's graphs",
+    )
+    ap.add_argument(
+        "--also-restore",
+        default="one,one/t4",
+        help="extra restore children (times only; '' for none), comma-separated: a self-check mode, "
+        "optionally /tN for N instantiating threads",
     )
     ap.add_argument(
         "--child", choices=("capture", "restore", "restore_alt", "fallback"), help=argparse.SUPPRESS
@@ -666,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         "replays": args.replays,
         "trigger_layers": args.trigger_layers or None,
         "selfcheck": args.selfcheck,
+        "instantiate_threads": args.instantiate_threads,
         "arena_base": args.arena_base,
         "arena_bytes": args.arena_gib << 30,
     }
@@ -722,7 +739,7 @@ def _run(args: argparse.Namespace, cfg: dict, workdir: Path) -> int:
         "restore.npz",
         "fallback.json",
         "decode.lfgraph",
-        *(f"restore_{m}.json" for m in ("all", "one", "none")),
+        *(p.name for p in workdir.glob("restore_*.json")),
     ):
         (workdir / stale).unlink(missing_ok=True)  # a crashed child must not leave an old run's answer
     first_capture_s = None
@@ -740,11 +757,9 @@ def _run(args: argparse.Namespace, cfg: dict, workdir: Path) -> int:
             json.loads((workdir / "restore.json").read_text()) if (workdir / "restore.json").exists() else {}
         )
     alts: dict[str, dict] = {}
-    for mode in (
-        [m for m in args.also_selfcheck.split(",") if m and m != args.selfcheck] if res.get("ok") else []
-    ):
+    for mode in [m for m in args.also_restore.split(",") if m] if res.get("ok") else []:
         _run_child("restore_alt", cfg_path, args.timeout, mode)
-        path = workdir / f"restore_{mode}.json"
+        path = workdir / f"restore_{mode.replace('/', '_')}.json"
         alts[mode] = json.loads(path.read_text()) if path.exists() else {"ok": False}
     fb: dict = {}
     if res.get("ok") and not args.no_fallback_check:

@@ -13,6 +13,7 @@
  */
 #include <cuda.h>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,6 +55,8 @@ typedef CUresult (*fn_cuGraphKernelNodeGetAttribute)(CUgraphNode, CUkernelNodeAt
 typedef CUresult (*fn_cuGraphKernelNodeSetAttribute)(CUgraphNode, CUkernelNodeAttrID,
                                                      const CUkernelNodeAttrValue *);
 typedef CUresult (*fn_cuCtxGetCurrent)(CUcontext *);
+typedef CUresult (*fn_cuCtxSetCurrent)(CUcontext);
+typedef CUresult (*fn_cuGraphInstantiateWithFlags)(CUgraphExec *, CUgraph, unsigned long long);
 typedef CUresult (*fn_cuGetErrorName)(CUresult, const char **);
 
 static struct {
@@ -67,11 +70,14 @@ static struct {
     fn_cuGraphKernelNodeGetAttribute get_attr;
     fn_cuGraphKernelNodeSetAttribute set_attr;
     fn_cuCtxGetCurrent ctx;
+    fn_cuCtxSetCurrent set_ctx;
+    fn_cuGraphInstantiateWithFlags instantiate;
     fn_cuGetErrorName error_name;
 } D;
 
-static char error[512];
-static char warning[512]; /* the first launch attribute that could not be set (not fatal) */
+/* per thread: graph_restore.py may instantiate several graphs at once from a thread pool */
+static __thread char error[512];
+static __thread char warning[512]; /* the first launch attribute that could not be set (not fatal) */
 
 const char *lorafn_graph_error(void) { return error; }
 const char *lorafn_graph_warning(void) { return warning; }
@@ -79,21 +85,26 @@ const char *lorafn_graph_warning(void) { return warning; }
 static int cu_failed(CUresult r, const char *what, int64_t node) {
     const char *name = NULL;
     if (D.error_name) D.error_name(r, &name);
-    snprintf(error, sizeof error, "node %lld: %s failed: %s (CUresult %d)", (long long)node, what,
-             name ? name : "CUDA_ERROR_?", (int)r);
+    if (node >= 0)
+        snprintf(error, sizeof error, "node %lld: %s failed: %s (CUresult %d)", (long long)node, what,
+                 name ? name : "CUDA_ERROR_?", (int)r);
+    else
+        snprintf(error, sizeof error, "%s failed: %s (CUresult %d)", what, name ? name : "CUDA_ERROR_?", (int)r);
     return -1;
 }
 
 #define LOAD(field, symbol)                                                                  \
     do {                                                                                     \
-        *(void **)&D.field = dlsym(D.lib, symbol);                                           \
+        *(void **)&D.field = dlsym(lib, symbol);                                           \
         if (!D.field) {                                                                      \
             snprintf(error, sizeof error, "libcuda.so.1 has no symbol %s", symbol);          \
             return -1;                                                                       \
         }                                                                                    \
     } while (0)
 
-static int load_driver(void) {
+static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int load_driver_locked(void) {
     if (D.lib) return 0;
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
@@ -101,7 +112,6 @@ static int load_driver(void) {
         snprintf(error, sizeof error, "cannot load libcuda.so.1: %s", e ? e : "unknown error");
         return -1;
     }
-    D.lib = lib;
     LOAD(create, "cuGraphCreate");
     LOAD(destroy, "cuGraphDestroy");
     LOAD(kernel, "cuGraphAddKernelNode_v2"); /* CUDA_KERNEL_NODE_PARAMS_v2: func, or kern + ctx */
@@ -111,8 +121,18 @@ static int load_driver(void) {
     LOAD(get_attr, "cuGraphKernelNodeGetAttribute");
     LOAD(set_attr, "cuGraphKernelNodeSetAttribute");
     LOAD(ctx, "cuCtxGetCurrent");
+    LOAD(set_ctx, "cuCtxSetCurrent");
+    LOAD(instantiate, "cuGraphInstantiateWithFlags");
     LOAD(error_name, "cuGetErrorName");
+    D.lib = lib; /* loaded: only once every symbol is there */
     return 0;
+}
+
+static int load_driver(void) {
+    pthread_mutex_lock(&load_lock);
+    int rc = load_driver_locked();
+    pthread_mutex_unlock(&load_lock);
+    return rc;
 }
 
 /* Builds the graph into *out (a CUgraph handle); *attr_failures counts launch attributes the driver
@@ -269,4 +289,19 @@ done:
     free(ptrs);
     free(deps);
     return rc;
+}
+
+/* cuGraphInstantiateWithFlags(flags 0) of `graph` in context `ctx` (made current in the calling thread: a
+ * thread of graph_restore.py's pool has none), into *exec_out. 0, or -1 with lorafn_graph_error(). */
+int lorafn_graph_instantiate(uint64_t ctx, uint64_t graph, uint64_t *exec_out) {
+    error[0] = 0;
+    *exec_out = 0;
+    if (load_driver() != 0) return -1;
+    CUresult r = D.set_ctx((CUcontext)(uintptr_t)ctx);
+    if (r != CUDA_SUCCESS) return cu_failed(r, "cuCtxSetCurrent", -1);
+    CUgraphExec exec = NULL;
+    r = D.instantiate(&exec, (CUgraph)(uintptr_t)graph, 0);
+    if (r != CUDA_SUCCESS) return cu_failed(r, "cuGraphInstantiateWithFlags", -1);
+    *exec_out = (uint64_t)(uintptr_t)exec;
+    return 0;
 }

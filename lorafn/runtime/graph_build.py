@@ -74,6 +74,11 @@ class GraphBuilder:
         lib.lorafn_graph_warning.restype = ctypes.c_char_p
         lib.lorafn_graph_spec_size.restype = ctypes.c_int64
         lib.lorafn_graph_attr_value_size.restype = ctypes.c_int64
+        lib.lorafn_graph_instantiate.argtypes = [
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ]
         lib.lorafn_graph_build.argtypes = [
             ctypes.POINTER(_Spec),
             ctypes.POINTER(ctypes.c_uint64),
@@ -144,3 +149,11 @@ class GraphBuilder:
         warning = (self._lib.lorafn_graph_warning() or b"").decode(errors="replace")
         del keep, blob, fn  # the driver copied what it needs
         return int(out.value), int(failures.value), warning
+
+    def instantiate(self, ctx: int, graph: int) -> int:
+        """cuGraphInstantiateWithFlags(graph, 0) with `ctx` made current in the calling thread (any thread:
+        ctypes lets go of the GIL, so a pool instantiates several graphs at once); the CUgraphExec handle."""
+        out = ctypes.c_uint64()
+        if self._lib.lorafn_graph_instantiate(int(ctx), int(graph), ctypes.byref(out)) != 0:
+            raise GraphBuildError((self._lib.lorafn_graph_error() or b"").decode(errors="replace"))
+        return int(out.value)

@@ -30,6 +30,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -864,6 +865,7 @@ def restore_graphs(
     selfcheck: str | bool = "all",
     trigger_layers: int | None = 1,
     selfcheck_fatal: bool = True,
+    instantiate_threads: int = 1,
 ) -> RestoreReport:
     """Rebuild the archive's graphs into `runner` (a DecodeGraphRunner over the state built in the arena,
     not captured): after this, `runner.run(...)` replays restored graphs. Raises ArchiveError (key or
@@ -874,7 +876,9 @@ def restore_graphs(
 
     Per bucket (ascending) the graph is built (C), instantiated, and either its self-check replay is
     enqueued or it is uploaded: the GPU replays one bucket's check while the CPU builds the next; the
-    digests are read back once at the end (the `selfcheck` stage is that wait)."""
+    digests are read back once at the end (the `selfcheck` stage is that wait). `instantiate_threads` > 1:
+    all graphs built first, then instantiated by that many threads at once (the C call lets go of the
+    GIL; whether the driver instantiates in parallel is what the probe measures)."""
     report = RestoreReport()
     cu = _cu()
     with _stage(report, "check"):
@@ -918,33 +922,59 @@ def restore_graphs(
         runner.outputs = outputs
         runner.graphs = {}
         stream = torch.cuda.current_stream().cuda_stream
+    (ctx,) = _ok(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    ordered = sorted(archive.graphs, key=lambda r: r.bucket)
+    built: dict[int, int] = {}
+    execs: dict[int, int] = {}
+
+    def build(g: GraphRecord) -> None:
+        refs = [functions.get((kind, ident)) for kind, ident, _name in g.table.funcs]
+        lacking = [g.table.funcs[i][2] for i, f in enumerate(refs) if f is None]
+        if lacking:
+            raise GraphRestoreError(f"bucket {g.bucket}: no function for {lacking[:4]}")
+        try:
+            handle, refused, first = builder.build(g.table, [int(f) for f in refs if f is not None])
+        except GraphBuildError as exc:
+            raise GraphRestoreError(f"bucket {g.bucket}: {exc}") from exc
+        if refused:  # reported, not fatal: the comparisons and the self-check show what it changes
+            report.warnings.append(f"bucket {g.bucket}: {refused} launch attributes not set ({first})")
+        built[g.bucket] = handle
+        report.nodes += len(g.table)
+
+    def instantiate(bucket: int) -> int:
+        try:
+            return builder.instantiate(int(ctx), built[bucket])
+        except GraphBuildError as exc:
+            raise GraphRestoreError(f"bucket {bucket}: {exc}") from exc
+
     pending: list[tuple[int, torch.Tensor]] = []
-    for g in sorted(archive.graphs, key=lambda r: r.bucket):
+
+    def ready(g: GraphRecord) -> None:
+        """Registered in the runner; its self-check replay enqueued, or (not checked) uploaded."""
+        restored = RestoredGraph(cu.CUgraph(built[g.bucket]), cu.CUgraphExec(execs[g.bucket]), g.bucket)
+        runner.graphs[g.bucket] = restored
+        if g.bucket in checked and g.selfcheck is not None:
+            pending.append((g.bucket, selfcheck_launch(runner, g.bucket, restored.replay)))
+        else:  # a first replay would upload it; a checked graph's check replay does
+            _ok(cu.cuGraphUpload(restored.exec, stream), f"cuGraphUpload(bucket {g.bucket})")
+
+    if instantiate_threads > 1:  # every graph built, then instantiated at once by a pool
         with _stage(report, "rebuild"):
-            refs = [functions.get((kind, ident)) for kind, ident, _name in g.table.funcs]
-            lacking = [g.table.funcs[i][2] for i, f in enumerate(refs) if f is None]
-            if lacking:
-                raise GraphRestoreError(f"bucket {g.bucket}: no function for {lacking[:4]}")
-            try:
-                handle, refused, first = builder.build(g.table, [int(f) for f in refs if f is not None])
-            except GraphBuildError as exc:
-                raise GraphRestoreError(f"bucket {g.bucket}: {exc}") from exc
-            if refused:  # reported, not fatal: the comparisons and the self-check show what it changes
-                report.warnings.append(f"bucket {g.bucket}: {refused} launch attributes not set ({first})")
-            graph = cu.CUgraph(handle)
-            report.nodes += len(g.table)
+            for g in ordered:
+                build(g)
         with _stage(report, "instantiate"):
-            try:
-                (exec_,) = _ok(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate(bucket {g.bucket})")
-            except GraphRestoreError:
-                cu.cuGraphDestroy(graph)
-                raise
-            restored = RestoredGraph(graph, exec_, g.bucket)
-            runner.graphs[g.bucket] = restored
-            if g.bucket in checked and g.selfcheck is not None:
-                pending.append((g.bucket, selfcheck_launch(runner, g.bucket, restored.replay)))
-            else:  # a first replay would upload it; a checked graph's check replay did
-                _ok(cu.cuGraphUpload(exec_, stream), f"cuGraphUpload(bucket {g.bucket})")
+            buckets = [g.bucket for g in ordered]
+            with ThreadPoolExecutor(min(instantiate_threads, len(buckets))) as pool:
+                execs.update(zip(buckets, pool.map(instantiate, buckets), strict=True))
+            for g in ordered:
+                ready(g)
+    else:  # per bucket: the GPU runs one bucket's check while the CPU builds the next
+        for g in ordered:
+            with _stage(report, "rebuild"):
+                build(g)
+            with _stage(report, "instantiate"):
+                execs[g.bucket] = instantiate(g.bucket)
+                ready(g)
     with _stage(report, "selfcheck" if pending else "sync"):
         digests = selfcheck_collect([d for _, d in pending])
         torch.cuda.synchronize()
@@ -970,6 +1000,7 @@ def restore_or_capture(
     write: bool = True,
     trigger_layers: int | None = 1,
     selfcheck: str | bool = "all",
+    instantiate_threads: int = 1,
 ) -> tuple[str, float, RestoreReport | None]:
     """The decode graphs of `state.runner`: restored from `archive_path` when it is there, matches and
     passes the self-check; else captured (logged as a warning naming why) and, with `write`, archived
@@ -994,6 +1025,7 @@ def restore_or_capture(
                 state.state_log,
                 selfcheck=selfcheck,
                 trigger_layers=trigger_layers,
+                instantiate_threads=instantiate_threads,
             )
             return "restored", time.perf_counter() - t0, report
         except (ArchiveError, GraphRestoreError) as exc:

@@ -43,6 +43,13 @@ CUresult cuGraphCreate(CUgraph *g, unsigned f) { *g = (CUgraph)(uintptr_t)0x6000
 CUresult cuGraphDestroy(CUgraph g) { destroyed++; return 0; }
 CUresult cuCtxGetCurrent(CUcontext *c) { *c = (CUcontext)(uintptr_t)0x77; return 0; }
 CUresult cuGetErrorName(CUresult r, const char **s) { *s = "CUDA_ERROR_INVALID_VALUE"; return 0; }
+static __thread CUcontext current = NULL;
+CUresult cuCtxSetCurrent(CUcontext c) { current = c; return 0; }
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long f) {
+    if (current != (CUcontext)(uintptr_t)0x77) return CUDA_ERROR_INVALID_VALUE; /* no context made current */
+    *e = (CUgraphExec)((uintptr_t)g + 1 + f);
+    return 0;
+}
 CUresult cuGraphAddKernelNode_v2(CUgraphNode *h, CUgraph g, const CUgraphNode *d, size_t n,
                                  const CUDA_KERNEL_NODE_PARAMS_v2 *p) {
     char b[256];
@@ -136,6 +143,13 @@ try:
 except GraphBuildError as exc:
     out["failed"] = str(exc)
 out["destroyed"] = fake.fake_destroyed()
+from concurrent.futures import ThreadPoolExecutor
+with ThreadPoolExecutor(3) as pool:  # each thread has no context until the builder makes ctx current
+    out["instantiated"] = list(pool.map(lambda g: builder.instantiate(0x77, g), [0x6000, 0x7000, 0x8000]))
+try:
+    builder.instantiate(0x55, 0x6000)
+except GraphBuildError as exc:
+    out["instantiate_failed"] = str(exc)
 print(json.dumps(out))
 """
 
@@ -266,6 +280,13 @@ def test_a_driver_failure_names_the_node_and_drops_the_graph(build_run: dict) ->
         "node 3: cuGraphAddMemcpyNode failed: CUDA_ERROR_INVALID_VALUE (CUresult 1)"
     )
     assert build_run["destroyed"] == 1
+
+
+def test_instantiation_makes_the_context_current_in_any_thread(build_run: dict) -> None:
+    assert build_run["instantiated"] == [0x6001, 0x7001, 0x8001]
+    assert build_run["instantiate_failed"] == (
+        "cuGraphInstantiateWithFlags failed: CUDA_ERROR_INVALID_VALUE (CUresult 1)"
+    )
 
 
 def test_a_table_with_a_bad_index_is_refused_before_the_builder() -> None:
