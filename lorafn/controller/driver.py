@@ -469,11 +469,15 @@ class Controller:
         if now - self._bound_at.get(gpu, -1e18) >= delay:
             self._deferred_since.pop(gpu, None)
             return False
-        since = self._deferred_since.setdefault(gpu, now)
-        if now - since >= delay:
-            return False
-        log.info("controller: standby start on %s deferred: a worker there was just bound", gpu)
-        return True
+        since = self._deferred_since.get(gpu)
+        if since is None:  # logged once per deferral, not every round of it (~8 lines a second)
+            since = self._deferred_since[gpu] = now
+            log.info(
+                "controller: standby starts on %s deferred up to %.1f s: a worker there was just bound",
+                gpu,
+                delay,
+            )
+        return now - since < delay
 
     def _send_bind(self, action: Bind, fast: bool) -> None:
         entry_id = self.store.run(
