@@ -634,8 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--selfcheck",
         default="all",
-        choices=("all", "one", "none"),
-        help="self-check of the compared restore: every bucket, the smallest, none",
+        choices=("all", "cover", "one", "none"),
+        help="self-check of the compared restore: every bucket, every function once, the smallest, none",
     )
     ap.add_argument(
         "--instantiate-threads",
@@ -645,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--also-restore",
-        default="one,one/t4",
+        default="one,cover,one/t4",
         help="extra restore children (times only; '' for none), comma-separated: a self-check mode, "
         "optionally /tN for N instantiating threads",
     )

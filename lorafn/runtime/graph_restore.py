@@ -87,7 +87,7 @@ FUNC_ATTRS = (
     "CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
 )
 _MEMCPY_INTS = MEMCPY_FIELDS[:15]  # the numeric fields; the memory types and addresses follow
-SELFCHECK_MODES = ("all", "one", "none")
+SELFCHECK_MODES = ("all", "cover", "one", "none")
 
 
 class GraphRestoreError(RuntimeError):
@@ -656,8 +656,13 @@ def selfcheck_digest(runner: Any, bucket: int, replay: Any) -> str:
     return digest
 
 
-def selfcheck_buckets(mode: str | bool, buckets: Sequence[int]) -> list[int]:
-    """The buckets a restore checks: "all", "one" (the smallest: the cheapest replay) or "none"."""
+def selfcheck_buckets(
+    mode: str | bool, buckets: Sequence[int], functions: Mapping[int, set[Any]] | None = None
+) -> list[int]:
+    """The buckets a restore checks: "all", "one" (the smallest: the cheapest replay), "cover" (ascending,
+    each bucket whose graph names a function, Triton image or library kernel, that no smaller checked
+    bucket's does: every function of the archive replayed at least once; `functions` per bucket) or
+    "none"."""
     if mode is True:
         mode = "all"
     elif mode is False:
@@ -665,6 +670,16 @@ def selfcheck_buckets(mode: str | bool, buckets: Sequence[int]) -> list[int]:
     if mode not in SELFCHECK_MODES:
         raise ValueError(f"selfcheck: {mode!r} is not one of {SELFCHECK_MODES}")
     ordered = sorted(buckets)
+    if mode == "cover":
+        if functions is None:
+            raise ValueError("selfcheck 'cover' needs the functions of each bucket")
+        seen: set[Any] = set()
+        chosen = []
+        for b in ordered:
+            if functions.get(b, set()) - seen:
+                chosen.append(b)
+                seen |= functions[b]
+        return chosen
     return ordered if mode == "all" else ordered[:1] if mode == "one" else []
 
 
@@ -870,9 +885,9 @@ def restore_graphs(
     """Rebuild the archive's graphs into `runner` (a DecodeGraphRunner over the state built in the arena,
     not captured): after this, `runner.run(...)` replays restored graphs. Raises ArchiveError (key or
     layout differ: nothing was changed) or GraphRestoreError naming the stage and node. `selfcheck`:
-    "all" buckets (True), "one" (the smallest) or "none" (False) are replayed on padding inputs and must
-    give the capturing process's digest; `selfcheck_fatal` False keeps graphs that fail it (a probe that
-    goes on to compare them), with a warning.
+    "all" buckets (True), "cover" (every function replayed once), "one" (the smallest) or "none" (False)
+    are replayed on padding inputs and must give the capturing process's digest; `selfcheck_fatal` False
+    keeps graphs that fail it (a probe that goes on to compare them), with a warning.
 
     Per bucket (ascending) the graph is built (C), instantiated, and either its self-check replay is
     enqueued or it is uploaded: the GPU replays one bucket's check while the CPU builds the next; the
@@ -888,7 +903,8 @@ def restore_graphs(
             raise ArchiveError(
                 f"buckets: {[g.bucket for g in archive.graphs]} archived, {list(runner.buckets)} here"
             )
-        checked = set(selfcheck_buckets(selfcheck, runner.buckets))
+        functions_of = {g.bucket: {(k, i) for k, i, _n in g.table.funcs} for g in archive.graphs}
+        checked = set(selfcheck_buckets(selfcheck, runner.buckets, functions_of))
         report.selfcheck_mode = (
             "all" if selfcheck is True else "none" if selfcheck is False else str(selfcheck)
         )

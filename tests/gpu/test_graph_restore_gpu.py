@@ -53,7 +53,8 @@ def test_restored_decode_graphs_replay_like_captured_ones(tmp_path: Path) -> Non
     # the extra restore child with the one-bucket self-check (times only) checked the smallest bucket
     assert s["restore_alt"]["one"]["restore_report"]["selfcheck"] == {"1": True}, log
     assert s["restore_alt"]["one/t4"]["restore_report"]["selfcheck"] == {"1": True}, log  # 4 threads
-    assert set(s["ready_s"]) == {"all", "one", "one/t4", "none"}
+    assert s["restore_alt"]["cover"]["restore_report"]["selfcheck"].get("1") is True, log
+    assert set(s["ready_s"]) == {"all", "one", "cover", "one/t4", "none"}
     assert set(s["buckets"]) == {"1", "4", "32"}
     for bucket, r in s["buckets"].items():
         assert r["restored_vs_captured_logits_bitwise"], (bucket, r)

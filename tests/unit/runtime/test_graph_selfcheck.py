@@ -50,5 +50,11 @@ def test_selfcheck_modes_pick_their_buckets() -> None:
     assert selfcheck_buckets(True, [4, 1]) == [1, 4]
     assert selfcheck_buckets("one", [4, 1, 2]) == [1]
     assert selfcheck_buckets("none", [4, 1]) == [] == selfcheck_buckets(False, [1])
-    with pytest.raises(ValueError, match=r"selfcheck: 'some' is not one of \('all', 'one', 'none'\)"):
+    funcs = {1: {"rms", "gemv"}, 2: {"rms", "gemv"}, 4: {"rms"}, 32: {"rms", "nvjet_a"}, 64: {"nvjet_a"}}
+    assert selfcheck_buckets("cover", [64, 32, 4, 2, 1], funcs) == [1, 32]  # each function replayed once
+    with pytest.raises(ValueError, match="needs the functions"):
+        selfcheck_buckets("cover", [1])
+    with pytest.raises(
+        ValueError, match=r"selfcheck: 'some' is not one of \('all', 'cover', 'one', 'none'\)"
+    ):
         selfcheck_buckets("some", [1])
