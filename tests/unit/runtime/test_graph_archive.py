@@ -218,3 +218,17 @@ def test_trigger_buckets_cover_every_library_name_with_few_triggers() -> None:
     assert ga.trigger_buckets({}) == []
     assert ga.trigger_buckets({8: {"a"}, 4: {"a"}}) == [4]  # a tie goes to the cheaper trigger
     assert ga.trigger_buckets({1: {"a"}, 2: {"a", "b", "c"}, 4: {"c", "d"}}) == [2, 4]
+
+
+def test_a_graph_with_empty_tables_round_trips_and_a_bad_table_is_corrupt() -> None:
+    lone = ga.GraphRecord.from_nodes(1, [ga.EmptyNode()], [[]], ga.TensorRef(1, (1,), (1,), "float32"))
+    archive = ga.Archive(key=_key(), layout={}, modules={}, graphs=[lone])
+    back = ga.decode(ga.encode(archive))
+    assert back == archive and back.graphs[0].nodes == [ga.EmptyNode()] and back.library_names() == set()
+    # a table whose dependency points forward is refused as corrupt (a checksum over a wrong table passes)
+    original = _archive()
+    table = original.graphs[0].table
+    table.arrays["dep"] = table.arrays["dep"].copy()
+    table.arrays["dep"][0] = 3
+    with pytest.raises(ga.ArchiveCorrupt, match="bucket 2: dependencies are not in topological order"):
+        ga.decode(ga.encode(original))
