@@ -303,9 +303,9 @@ def child(role: str, cfg: dict, mode: str | None = None) -> int:
 
             logging.getLogger("lorafn.runtime.graph_restore").addHandler(_Keep(logging.WARNING))
             with st("restore_or_capture"):
-                mode, seconds, _report = restore_or_capture(state, arena, tampered_path, write=False)
-            result["fallback"] = {"mode": mode, "seconds": seconds, "warnings": warnings}
-            st.say(f"fallback: {mode} in {seconds:.3f} s; warnings {warnings}")
+                how, seconds, _report = restore_or_capture(state, arena, tampered_path, write=False)
+            result["fallback"] = {"mode": how, "seconds": seconds, "warnings": warnings}
+            st.say(f"fallback: {how} in {seconds:.3f} s; warnings {warnings}")
             result["ok"] = True
             return 0
         else:
