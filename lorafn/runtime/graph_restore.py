@@ -720,9 +720,10 @@ def harvest_library_functions(
     process: one eager pass over the buckets' steps (first `layers` layers; lazy module loads, cuBLAS set-up
     and heuristics), then ONE throwaway stream capture of the same steps, walked, never run. Triton
     launches are no-ops throughout. The capture is begun directly, not through `torch.cuda.graph`, whose
-    entry synchronizes the device and empties torch's cache (and, in torch versions before the
-    `force_cudagraph_gc` switch, runs gc.collect(): tens of ms in a process that has imported torch and
-    transformers). `times` gets the seconds of the eager pass, the capture and the walk."""
+    entry synchronizes the device and empties torch's cache (cudaFree of every cached block; before torch
+    2.9 it also ran gc.collect()); Python's cyclic GC is off during it, as torch.cuda.graph does since
+    (a collection mid-capture may finalize an object whose destructor calls CUDA: pytorch#161037).
+    `times` gets the seconds of the eager pass, the capture and the walk."""
     cu = _cu()
     model = _model_view(runner.model, layers)
     kv = runner.kv_cache.layers if model is runner.model else runner.kv_cache.layers[: len(model.layers)]
@@ -738,13 +739,19 @@ def harvest_library_functions(
         stream.synchronize()
         t1 = time.perf_counter()
         trigger = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.stream(stream):
-            trigger.capture_begin(capture_error_mode="relaxed")
-            try:
-                for batch in batches:
-                    model.forward(batch, kv)
-            finally:
-                trigger.capture_end()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(stream):
+                trigger.capture_begin(capture_error_mode="relaxed")
+                try:
+                    for batch in batches:
+                        model.forward(batch, kv)
+                finally:
+                    trigger.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
     t2 = time.perf_counter()
     handles, _edges = _nodes_and_edges(cu.CUgraph(trigger.raw_cuda_graph()))
     for h in handles:
