@@ -32,6 +32,9 @@ def test_process_bytes_reads_this_process_from_the_driver() -> None:
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.zeros(1, device=device)
+    # memory torch's allocator cached for earlier tests in this process would take the block without the
+    # driver seeing a new allocation (it failed so after the whole GPU suite, seventh session)
+    torch.cuda.empty_cache()
     before = process_bytes(device)
     assert before is not None and before > 0, "NVML does not list this process on its GPU"
     block = torch.empty(512 * MiB, dtype=torch.uint8, device=device)
