@@ -67,6 +67,12 @@ class Executor(Protocol):
 
     def exits(self) -> list[Exit]: ...
 
+    # True when `exits()` reports every worker's end, clean ones too (`lorafn up` reaps its processes): then a
+    # stopped worker's memory counts as held until its exit is reported. Kubernetes reports only failed
+    # containers (operator.reducers), so there a stopped worker counts as gone once it deregisters (a pod's
+    # start takes seconds anyway). Read with getattr: False when an executor does not say.
+    reports_every_exit: bool
+
 
 @dataclass
 class ControllerConfig:
@@ -357,7 +363,8 @@ class Controller:
         patched = []
         seen = {w.id for w in snapshot.workers}
         for wid, exiting in self._exiting.items():
-            if wid not in seen:  # deregistered, its process not yet gone: its memory is still held
+            # deregistered, its process not yet gone (where the executor says when it is): memory held
+            if wid not in seen and getattr(self.executor, "reports_every_exit", False):
                 w = exiting.last
                 patched.append(dataclasses.replace(w, state="draining", running=0, preloaded=None))
         for w in snapshot.workers:

@@ -100,6 +100,10 @@ def clamp(value: int | None, low: int, high: int) -> int:
 
 
 class KubernetesExecutor:
+    # the operator reports failed worker containers only (operator.reducers): a cleanly stopped pod's end is
+    # never seen here, so the driver counts a stopped worker gone once it deregisters
+    reports_every_exit = False
+
     def __init__(
         self,
         store: Store,

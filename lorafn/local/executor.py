@@ -83,6 +83,8 @@ def query_gpus() -> list[tuple[int, int]]:
 class LocalExecutor:
     """Starts worker processes for the controller and tells it which are still coming up or ended."""
 
+    reports_every_exit = True  # it reaps every worker (forked or spawned) and reports each end
+
     def __init__(
         self,
         procs: ProcessGroup,

@@ -25,6 +25,8 @@ MiB = 1 << 20
 
 
 class _Executor(RecordingExecutor):
+    reports_every_exit = True  # as `lorafn up`'s executor
+
     def __init__(self, gpus: list[GPU]) -> None:
         super().__init__(gpus)
         self.stopped: list[str] = []
@@ -88,3 +90,21 @@ def test_a_start_waits_until_its_offloaded_victim_has_exited(world) -> None:
     controller.round()
     assert [s.function for s in executor.started if s.function] == [NEW]
     assert executor.stopped == ["w-idle"]
+
+
+def test_where_clean_exits_are_not_reported_a_deregistered_worker_counts_as_gone(world) -> None:
+    # Kubernetes: the operator reports failed containers only; waiting for a clean exit that is never
+    # reported would hold the start for the whole bind timeout
+    store, keys, controller, executor = world
+    executor.reports_every_exit = False
+    controller.round()
+    size = controller.reader.sizes[NEW].mem_bytes
+    executor._gpus = [GPU("g0", "n", int((2 * size + size // 2) / 0.92), {"tiny": 0})]
+    _worker(store, keys, "w-idle", IDLE, size)
+    _worker(store, keys, "w-other", OTHER, size, running=1)
+    queue_request(store, keys, NEW, "r1")
+    controller.round()
+    assert executor.stopped == ["w-idle"] and not [s for s in executor.started if s.function == NEW]
+    store.run(workers.deregister(keys, "w-idle", IDLE))
+    controller.round()
+    assert [s.function for s in executor.started if s.function] == [NEW]
