@@ -944,7 +944,7 @@ def serve_worker(settings: WorkerSettings) -> int:
 def log_startup(engine: Any, settings: WorkerSettings, built_at_ms: float) -> None:
     """One line with where a fresh worker's start went: spawn -> engine set-up (imports, or the fork), then
     the engine's stages (`ModelRunner.startup_s`: CUDA context, adapter, backbone views, KV cache, decode
-    graphs). bench/coldstart.py and issue 11's figures read it."""
+    graphs); docs/benchmarks.md "Fresh worker to first token" is read from it."""
     stages = dict(getattr(getattr(engine, "runner", None), "startup_s", None) or {})
     now_ms = time.time() * 1000
     parts = []
