@@ -51,6 +51,7 @@ from lorafn.replay.platform import (  # noqa: E402
     FunctionSetup,
     ManagedPlatform,
     new_keys,
+    own_adapter_dirs,
     prepare_adapters,
     prepare_model,
 )
@@ -311,6 +312,7 @@ def main() -> int:
     )
     adapters = prepare_adapters(model_dir, work / "adapters", min(args.functions, 4), args.rank, "all-linear")
     functions = [f"{NAMESPACE}/f{i:02d}" for i in range(args.functions)]
+    adapters = own_adapter_dirs(adapters, functions, work / "functions")
     slo_list = [int(s) for s in args.slos.split(",") if s.strip()]
     if not slo_list:
         raise SystemExit("--slos: give at least one TTFT SLO in ms")

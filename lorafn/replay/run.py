@@ -29,6 +29,7 @@ from lorafn.replay.platform import (
     local_config_fields,
     manifest,
     new_keys,
+    own_adapter_dirs,
     prepare_adapters,
     prepare_model,
     registry_facts,
@@ -267,6 +268,7 @@ def run_replay(options: ReplayOptions, console: Console | None = None) -> dict[s
             m.rank,
             m.target_modules,
         )
+        adapters = own_adapter_dirs(adapters, functions, assets / "functions")
         for config in options.configs:
             try:
                 runs.append(_run_managed(options, m, config, plan, functions, model_dir, adapters, console))

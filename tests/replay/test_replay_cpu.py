@@ -33,6 +33,8 @@ def test_replay_on_cpu_accounts_for_every_request(tiny_model_dir: Path, tmp_path
         capture_output=True, text=True, timeout=500,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # 3 functions over 2 adapters, each in a directory of its own: no shared-adapter warning
+    assert "can read the other's adapter" not in done.stdout + done.stderr
     report = json.loads((out / "replay.json").read_text())
     for name in ("ttft_cdf.png", "workers_memory.png", "slo_violations.png"):
         png = out / name
