@@ -300,14 +300,9 @@ class _Round:
         down, pool shrink), largest first; none that a Wait of this plan counts already."""
         own, free = [], []
         for w in self.on_gpu.get(gpu, ()):
-            if w.id in self.room_used:
+            if w.id in self.room_used or (w.id not in self.gone and w.state != "draining"):
                 continue
-            if w.id in self.gone:
-                target = self.stopped_for.get(w.id, "")
-            elif w.state == "draining":
-                target = w.room_for or ""
-            else:
-                continue
+            target = self.room_target(w)
             if target == fn.name:
                 own.append(w)
             elif not target:
@@ -337,6 +332,7 @@ class _Round:
         return True
 
     def room_target(self, w: Worker) -> str:
+        """The function an exiting worker's memory is for ("" none): its Stop's in this plan, else its own."""
         return self.stopped_for.get(w.id, "") if w.id in self.gone else (w.room_for or "")
 
     def wait_for_room(self, fn: Function, gpu: str, exiting: list[Worker]) -> None:
