@@ -104,13 +104,14 @@ class _PendingBind:
 
 
 @dataclass
-class _Exiting:
-    """A worker told to stop, until its process has exited: ``last`` is its last record (GPU, memory),
-    ``room_for`` the function its stop made room for ("" = none)."""
+class _Stopped:
+    """A worker told to stop, until its exit is reported (or `bind_timeout_s` passed): when the stop went
+    out, the function it made room for ("" = none) and its last record (GPU, memory; None when the plan's
+    snapshot did not have it)."""
 
-    last: Worker
-    room_for: str
     sent_at: float
+    room_for: str = ""
+    last: Worker | None = None
 
 
 @dataclass(frozen=True)
@@ -138,11 +139,10 @@ class Controller:
         self._problems: set[str] | None = None  # functions whose status holds a `problem` (None: unknown)
         # workers that reached serving (a `bound` event): a later crash is not a failed start
         self._served: set[str] = set()
-        # worker id -> when its stop was sent: one stop command per worker, not one per round
-        self._stops_sent: dict[str, float] = {}
-        # stopped workers whose exit the executor has not reported: their memory is held until then, also
-        # after they deregistered (the process tears its CUDA context down last)
-        self._exiting: dict[str, _Exiting] = {}
+        # workers told to stop whose exit the executor has not reported: one stop command per worker, not
+        # one per round, and their memory held until then, also after they deregistered (the process tears
+        # its CUDA context down last)
+        self._stops_sent: dict[str, _Stopped] = {}
         # demand entries after this one wake the loop (None: from the first wait on)
         self.demand_cursor: str | None = None
         self._exits: list[Exit] = []  # ended workers not yet learned from
@@ -288,7 +288,6 @@ class Controller:
             )
         self._binds.pop(ended.worker_id, None)
         self._stops_sent.pop(ended.worker_id, None)
-        self._exiting.pop(ended.worker_id, None)
         self._served.discard(ended.worker_id)
 
     def _learn_events(self) -> None:
@@ -352,21 +351,23 @@ class Controller:
         for wid, pending in list(self._preloads.items()):
             if now - pending.sent_at > self.config.preload_timeout_s:
                 del self._preloads[wid]  # not seen in its heartbeat: the next plan may send it again
-        for wid, sent_at in list(self._stops_sent.items()):
-            if now - sent_at > self.config.bind_timeout_s:  # still there: let the policy see it again
+        for wid, stopped in list(self._stops_sent.items()):
+            # still there, or its exit never reported: let the policy see it again
+            if now - stopped.sent_at > self.config.bind_timeout_s:
                 del self._stops_sent[wid]
-        for wid, exiting in list(self._exiting.items()):
-            if now - exiting.sent_at > self.config.bind_timeout_s:  # its exit was never reported
-                del self._exiting[wid]
-        if not self._binds and not self._preloads and not self._stops_sent and not self._exiting:
+        if not self._binds and not self._preloads and not self._stops_sent:
             return snapshot
         patched = []
         seen = {w.id for w in snapshot.workers}
-        for wid, exiting in self._exiting.items():
+        for wid, stopped in self._stops_sent.items():
             # deregistered, its process not yet gone (where the executor says when it is): memory held
-            if wid not in seen and getattr(self.executor, "reports_every_exit", False):
-                w = exiting.last
-                patched.append(dataclasses.replace(w, state="draining", running=0, preloaded=None))
+            if (
+                wid not in seen
+                and stopped.last is not None
+                and getattr(self.executor, "reports_every_exit", False)
+            ):
+                w = dataclasses.replace(stopped.last, state="draining", running=0, preloaded=None)
+                patched.append(dataclasses.replace(w, room_for=stopped.room_for or None))
         for w in snapshot.workers:
             pending = self._binds.get(w.id)
             if pending is not None and w.state == "standby":
@@ -375,10 +376,15 @@ class Controller:
                 )
             elif pending is not None and w.state == "bound":
                 del self._binds[w.id]  # its heartbeat says bound: confirmed
-            if w.id in self._stops_sent and w.state in ("standby", "bound", "starting"):
+            stopped = self._stops_sent.get(w.id)
+            if stopped is not None and w.state in ("standby", "bound", "starting"):
                 # told to stop, still heartbeating (or starting) for a moment: its memory is held, but it
                 # is neither bound nor stopped again (a bind sent now would follow the stop and be lost)
                 w = dataclasses.replace(w, state="draining", running=0, preloaded=None)
+            if stopped is not None and stopped.room_for and w.state == "draining":
+                # stopped to make room for a function: that function waits for this memory (policy
+                # `room_coming`) instead of the next rounds offloading more for it
+                w = dataclasses.replace(w, room_for=stopped.room_for)
             preload = self._preloads.get(w.id)
             if preload is not None and w.state == "standby":
                 if w.preloaded == preload.function:
@@ -386,14 +392,6 @@ class Controller:
                 else:  # sent, not yet loaded: plan as if it were (no second command)
                     w = dataclasses.replace(w, preloaded=preload.function)
             patched.append(w)
-        # a worker stopped to make room for a function: that function waits for this memory (policy
-        # `room_coming`) instead of the next rounds offloading more for it
-        patched = [
-            dataclasses.replace(w, room_for=self._exiting[w.id].room_for)
-            if w.state == "draining" and w.id in self._exiting and self._exiting[w.id].room_for
-            else w
-            for w in patched
-        ]
         return dataclasses.replace(snapshot, workers=tuple(patched))
 
     # -- carrying the plan out -------------------------------------------------------------------
@@ -402,10 +400,6 @@ class Controller:
         by_id = {w.id: w for w in snapshot.workers} if snapshot is not None else {}
         for action in plan.actions:
             if isinstance(action, Stop):
-                if action.worker_id in by_id:
-                    self._exiting[action.worker_id] = _Exiting(
-                        by_id[action.worker_id], action.room_for, time.monotonic()
-                    )
                 log.info("controller: stop %s (%s) %s", action.worker_id, action.reason, action.detail)
                 self.metrics.stops.labels(action.reason).inc()
                 if action.reason == "offload":
@@ -413,7 +407,9 @@ class Controller:
                 self.store.run(
                     workers.send_control(self.keys, action.worker_id, "stop", reason=action.reason)
                 )
-                self._stops_sent[action.worker_id] = time.monotonic()
+                self._stops_sent[action.worker_id] = _Stopped(
+                    time.monotonic(), action.room_for, by_id.get(action.worker_id)
+                )
                 self.executor.stop(action.worker_id)
             elif isinstance(action, Start):
                 if action.function is None and self._defer_refill(action.gpu):
