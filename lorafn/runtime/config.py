@@ -62,6 +62,11 @@ class EngineConfig:
     # start (it waits anyway).
     lazy_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
+    # CUDA: decode state in a fixed-address arena, and decode graphs restored from an archive written by the
+    # first worker of the same key instead of captured (graph_cache.py; a standby's start, a lazy worker's
+    # first decode step); archives under `graph_archive_dir` (default: cache_dir) /graphs/
+    graph_archives: bool = False
+    graph_archive_dir: str | Path | None = None
     cache_dir: str | Path | None = None
     # CUDA: the per-thread stack the context reserves local memory for (None: the driver's 1 KiB);
     # 256 saves ~200 MiB per worker process on an H100 (docs/benchmarks.md "Per-worker memory"), and a

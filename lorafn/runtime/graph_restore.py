@@ -77,6 +77,8 @@ CODE_FILES = (
     _RUNTIME / "cuda_graphs.py",
     _RUNTIME / "lora.py",
     _RUNTIME / "kv_cache.py",
+    _RUNTIME / "model_runner.py",  # the order a worker builds its decode state in (graph_cache.py)
+    _RUNTIME / "graph_cache.py",
     _RUNTIME / "arena_alloc.c",
     _RUNTIME / "graph_build.c",
 )
@@ -570,8 +572,11 @@ def archive_graphs(
             raise GraphRestoreError(message)
         log.warning("decode graphs: %s", message)
     if selfcheck:  # enqueued back to back, read back once
-        launched = [selfcheck_launch(runner, r.bucket, runner.graphs[r.bucket].replay) for r in walk.graphs]
-        for record, digest in zip(walk.graphs, selfcheck_collect(launched), strict=True):
+        with lora_pattern(runner.model.lora):
+            graphs = runner.graphs
+            launched = [selfcheck_launch(runner, r.bucket, graphs[r.bucket].replay) for r in walk.graphs]
+            digests = selfcheck_collect(launched)
+        for record, digest in zip(walk.graphs, digests, strict=True):
             record.selfcheck = digest
     torch.cuda.synchronize()
     layout = {
@@ -624,6 +629,37 @@ def output_digest(out: torch.Tensor) -> torch.Tensor:
         w = torch.bitwise_or(idx * _signed64(mul) + _signed64(add), 1)  # int64 arithmetic wraps mod 2^64
         sums.append((x * w).sum())
     return torch.stack(sums)
+
+
+def _lora_tensors(lora: Any) -> list[torch.Tensor]:
+    if lora is None:
+        return []
+    out: list[torch.Tensor] = []
+    for groups in lora.layers:
+        for g in groups.values():
+            out.append(g.a_cat)
+            out.extend(b for _p, _o, _r, b in g.targets)
+    return out
+
+
+@contextlib.contextmanager
+def lora_pattern(lora: Any) -> Iterator[None]:
+    """The LoRA buffers hold one deterministic pattern inside (their values are put back after): the
+    self-check's digests then depend on the weights and the adapter *shape* only, so an archive written by a
+    worker bound to one adapter checks in a standby holding zeros or another adapter of the shape. Small
+    non-zero values (|v| <= 0.01): every LoRA kernel's output reaches the digest. Built on the device by
+    elementwise ops only: the same bits in every process."""
+    tensors = _lora_tensors(lora)
+    saved = [t.clone() for t in tensors]
+    try:
+        for i, t in enumerate(tensors):
+            n = t.numel()
+            idx = torch.arange(n, device=t.device, dtype=torch.float32)
+            t.copy_(((idx * 0.6180339887 + 0.137 * (i % 7)).remainder(1.0) - 0.5).mul(0.02).view_as(t))
+        yield
+    finally:
+        for t, v in zip(tensors, saved, strict=True):
+            t.copy_(v)
 
 
 def reset_static_inputs(runner: Any) -> None:
@@ -981,26 +1017,28 @@ def restore_graphs(
         else:  # a first replay would upload it; a checked graph's check replay does
             _ok(cu.cuGraphUpload(restored.exec, stream), f"cuGraphUpload(bucket {g.bucket})")
 
-    if instantiate_threads > 1:  # every graph built, then instantiated at once by a pool
-        with _stage(report, "rebuild"):
-            for g in ordered:
-                build(g)
-        with _stage(report, "instantiate"):
-            buckets = [g.bucket for g in ordered]
-            with ThreadPoolExecutor(min(instantiate_threads, len(buckets))) as pool:
-                execs.update(zip(buckets, pool.map(instantiate, buckets), strict=True))
-            for g in ordered:
-                ready(g)
-    else:  # per bucket: the GPU runs one bucket's check while the CPU builds the next
-        for g in ordered:
+    # the check replays see the pattern the capturing process checked with (lora_pattern)
+    with lora_pattern(getattr(runner.model, "lora", None)):
+        if instantiate_threads > 1:  # every graph built, then instantiated at once by a pool
             with _stage(report, "rebuild"):
-                build(g)
+                for g in ordered:
+                    build(g)
             with _stage(report, "instantiate"):
-                execs[g.bucket] = instantiate(g.bucket)
-                ready(g)
-    with _stage(report, "selfcheck" if pending else "sync"):
-        digests = selfcheck_collect([d for _, d in pending])
-        torch.cuda.synchronize()
+                buckets = [g.bucket for g in ordered]
+                with ThreadPoolExecutor(min(instantiate_threads, len(buckets))) as pool:
+                    execs.update(zip(buckets, pool.map(instantiate, buckets), strict=True))
+                for g in ordered:
+                    ready(g)
+        else:  # per bucket: the GPU runs one bucket's check while the CPU builds the next
+            for g in ordered:
+                with _stage(report, "rebuild"):
+                    build(g)
+                with _stage(report, "instantiate"):
+                    execs[g.bucket] = instantiate(g.bucket)
+                    ready(g)
+        with _stage(report, "selfcheck" if pending else "sync"):
+            digests = selfcheck_collect([d for _, d in pending])
+            torch.cuda.synchronize()
     want = {g.bucket: g.selfcheck for g in archive.graphs}
     report.selfcheck = {b: got == want[b] for (b, _), got in zip(pending, digests, strict=True)}
     bad = [b for b, ok in report.selfcheck.items() if not ok]
@@ -1010,7 +1048,7 @@ def restore_graphs(
         runner.graphs, runner.outputs = {}, {}
         raise GraphRestoreError(
             f"self-check: buckets {bad} replayed to other outputs than in the capturing process "
-            "(same weights and LoRA values assumed); the restored graphs were dropped"
+            "(same weights and adapter shape assumed); the restored graphs were dropped"
         )
     return report
 

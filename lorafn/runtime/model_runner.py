@@ -18,8 +18,12 @@ and one more `capture_graphs()`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +43,9 @@ from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import LoRAWeights, copy_lora, fits_shape, load_lora, zero_lora
 from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
 from lorafn.runtime.scheduler import ScheduledChunk, SchedulerOutput
+
+if TYPE_CHECKING:
+    from lorafn.runtime.graph_cache import ArchivedGraphs
 
 log = logging.getLogger(__name__)
 
@@ -109,37 +116,90 @@ class ModelRunner:
             # attention, which need no per-shape plan (see EngineConfig.cudnn_attention)
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.weight_source = config.weight_source or SafetensorsWeightSource(Path(config.model))
+        # graph archives (graph_cache.py): the decode state below is built in the arena's state pool
+        self.archives: ArchivedGraphs | None = None
+        if device.type == "cuda" and config.use_cuda_graphs and config.graph_archives:
+            from lorafn.runtime.graph_cache import ArchivedGraphs
+
+            archive_dir = Path(config.graph_archive_dir or config.resolved_cache_dir)
+            self.archives = ArchivedGraphs(device, config.resolved_cache_dir, archive_dir)
+        in_state: Callable[[], AbstractContextManager[object]] = (
+            self.archives.state if self.archives is not None else contextlib.nullcontext
+        )
         # A standby holds zeroed buffers of its prepared shape (graphs are captured over them; a bind
         # copies the adapter in); a bound worker its adapter; a base-model engine none.
-        self.lora: LoRAWeights | None = (
-            load_lora(config.adapter, model_config, device, dtype)
-            if config.adapter
-            else zero_lora(config.lora_shape, model_config, device, dtype)
-            if config.lora_shape
-            else None
-        )
+        self.lora: LoRAWeights | None = None
+        if config.adapter:
+            loaded = load_lora(config.adapter, model_config, device, dtype)
+            if self.archives is None:
+                self.lora = loaded
+            else:  # buffers of its shape in the state, as a standby's (the same layout), then the values
+                with in_state():
+                    self.lora = zero_lora(loaded.shape_key, model_config, device, dtype)
+                copy_lora(self.lora, loaded)
+                del loaded
+        elif config.lora_shape:
+            with in_state():
+                self.lora = zero_lora(config.lora_shape, model_config, device, dtype)
         self.prepared = config.adapter is None and config.lora_shape is not None
         clock.lap("adapter")
         use_triton = device.type == "cuda" and _triton_available()
-        self.model = LlamaModel(
-            model_config,
-            self.weight_source,
-            device,
-            dtype,
-            self.lora,
-            max_position=max_model_len,
-            use_triton_attention=use_triton,
-            fused_decode=use_triton and config.fused_decode,
-            lora_expand=config.lora_expand,
-        )
+        with in_state():
+            self.model = LlamaModel(
+                model_config,
+                self.weight_source,
+                device,
+                dtype,
+                self.lora,
+                max_position=max_model_len,
+                use_triton_attention=use_triton,
+                fused_decode=use_triton and config.fused_decode,
+                lora_expand=config.lora_expand,
+            )
         clock.lap("backbone")  # the weight views (the shared backbone mapped, or loaded)
         self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
         self.num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache(model_config, self.num_blocks, config.block_size, device, dtype)
-        clock.lap("kv_cache")
+        with in_state():
+            self.kv_cache = KVCache(model_config, self.num_blocks, config.block_size, device, dtype)
         self.graphs: DecodeGraphRunner | None = None
+        if self.archives is not None:
+            self._archived_state(use_triton)
+        clock.lap("kv_cache")
         self.graph_capture_s = 0.0
         self.max_blocks_per_seq = 0
+
+    def _buckets(self) -> list[int]:
+        # No batch is larger than the KV cache has blocks (one per sequence at least): a small budget
+        # captures few buckets, and their graph pool (activations) stays small.
+        cfg = self.config
+        return graph_buckets(cfg.cuda_graph_batch_sizes, min(cfg.max_num_seqs, self.num_blocks))
+
+    def _archived_state(self, use_triton: bool) -> None:
+        """The last part of the decode state (the graphs' static inputs) in the arena, then its key."""
+        from lorafn.runtime.graph_restore import current_key
+
+        assert self.archives is not None
+        cfg = self.config
+        max_blocks = blocks_for_tokens(self.max_model_len, cfg.block_size)
+        with self.archives.state():
+            self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self._buckets(), max_blocks)
+        manifest = getattr(self.weight_source, "manifest", None)
+        weights_in = f"W@0x{int(manifest['w_addr']):x}" if manifest and "w_addr" in manifest else "arena"
+        self.archives.state_built(
+            current_key(
+                model_dir=cfg.model,
+                dtype=self.dtype,
+                adapter_shape=self.lora.shape_key if self.lora is not None else None,
+                fused_decode=use_triton and cfg.fused_decode,
+                lora_expand=cfg.lora_expand,
+                buckets=self.graphs.buckets,
+                max_blocks_per_seq=max_blocks,
+                block_size=cfg.block_size,
+                num_kv_blocks=self.num_blocks,
+                arena=self.archives.arena,
+                weights_in=weights_in,
+            )
+        )
 
     def capture_graphs(self, max_blocks_per_seq: int) -> None:
         """Capture the decode CUDA graphs (CUDA and `use_cuda_graphs` only; else nothing to do).
@@ -150,12 +210,41 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         if self.device.type != "cuda" or not cfg.use_cuda_graphs:
             return
-        # No batch is larger than the KV cache has blocks (one per sequence at least): a small budget
-        # captures few buckets, and their graph pool (activations) stays small.
-        buckets = graph_buckets(cfg.cuda_graph_batch_sizes, min(cfg.max_num_seqs, self.num_blocks))
-        self.graphs = DecodeGraphRunner(self.model, self.kv_cache, buckets, max_blocks_per_seq)
+        archives = self.archives
+        if archives is not None and archives.usable and self.graphs is not None:
+            if self.graphs.max_blocks == max_blocks_per_seq and not self.graphs.graphs:
+                if not cfg.lazy_graphs:  # a standby: restored when an archive of its key exists
+                    import time
+
+                    t0 = time.perf_counter()
+                    if not archives.restore(self.graphs):
+                        archives.capture(self.graphs)
+                    self.graph_capture_s = time.perf_counter() - t0
+                else:
+                    archives.outcome = "lazy"
+                self.startup_s.setdefault("graphs", self.graph_capture_s)
+                return
+            archives.abandon(
+                f"decode graphs recaptured outside the arena (max_blocks_per_seq {max_blocks_per_seq}, "
+                f"the state's {self.graphs.max_blocks}; or graphs captured already)"
+            )
+        self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self._buckets(), max_blocks_per_seq)
         self.graph_capture_s = 0.0 if cfg.lazy_graphs else self.graphs.capture()
         self.startup_s.setdefault("graphs", self.graph_capture_s)  # the first capture (a start's)
+
+    def _capture_bucket(self, bucket: int) -> tuple[float, str]:
+        """One pending bucket's graph (a lazy worker's), or every bucket from the archive when one of this
+        state's key exists and nothing is captured yet; (seconds, what was done) for the log."""
+        import time
+
+        g, archives = self.graphs, self.archives
+        assert g is not None
+        if archives is None or not archives.usable:
+            return g.capture(buckets=[bucket]), "captured"
+        t0 = time.perf_counter()
+        if not g.graphs and archives.available and archives.restore(g):
+            return time.perf_counter() - t0, f"restored with {len(g.graphs) - 1} more"
+        return archives.capture(g, [bucket]), "captured"
 
     def ensure_graph(self, num_decodes: int) -> None:
         """Before a decode step of ``num_decodes`` rows: capture its bucket's graph if it is still pending
@@ -165,9 +254,9 @@ class ModelRunner:
             return
         bucket = bucket_for(num_decodes, g.buckets)
         if bucket is not None and bucket not in g.graphs:
-            seconds = g.capture(buckets=[bucket])
+            seconds, how = self._capture_bucket(bucket)
             self.graph_capture_s += seconds
-            log.info("decode graph for batch %d captured on first need in %.0f ms", bucket, seconds * 1000)
+            log.info("decode graph for batch %d %s on first need in %.0f ms", bucket, how, seconds * 1000)
 
     def capture_pending_graph(self) -> bool:
         """Capture one pending decode graph, the largest (a lazily started worker's idle time); False when
@@ -176,11 +265,11 @@ class ModelRunner:
         if g is None or not g.pending:
             return False
         bucket = g.pending[-1]
-        seconds = g.capture(buckets=[bucket])
+        seconds, how = self._capture_bucket(bucket)
         self.graph_capture_s += seconds
         log.info(
-            "decode graph for batch %d captured while idle in %.0f ms (%d left)",
-            bucket, seconds * 1000, len(g.pending),
+            "decode graph for batch %d %s while idle in %.0f ms (%d left)",
+            bucket, how, seconds * 1000, len(g.pending),
         )  # fmt: skip
         return True
 
@@ -200,6 +289,8 @@ class ModelRunner:
             return f"copied into the prepared {self.lora.shape_key} buffers"
         self.lora = self.model.lora = loaded
         self.prepared = False
+        if self.archives is not None:  # the new buffers are outside the arena: graphs as without archives
+            self.archives.abandon(f"bound to {loaded.shape_key}, not the state's shape")
         if self.graphs is not None:
             self.capture_graphs(self.max_blocks_per_seq)
         return f"loaded {loaded.shape_key}" + (

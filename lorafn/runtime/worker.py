@@ -783,6 +783,16 @@ class WorkerSettings(SharedSettings):
         "captured when a decode step first needs it, the rest while idle (its first token waits for none; "
         "~1.2-1.6 s of a 7B's start on an H100)",
     )
+    graph_archives: bool = Field(
+        default=False,
+        description="CUDA: build the decode state in a fixed-address arena and restore decode graphs from "
+        "the archive the first worker of the same key wrote, instead of capturing them (graph_cache.py)",
+    )
+    graph_archive_dir: str | None = Field(
+        default=None,
+        description="where graph archives live (default: the cache directory); on Kubernetes a volume "
+        "shared by the node's workers",
+    )
     cuda_stack_bytes: int | None = Field(
         default=256,
         ge=16,
@@ -874,6 +884,8 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
             # a fresh worker serves before its decode graphs are captured; a standby captures them while
             # it waits for a bind anyway
             lazy_graphs=settings.lazy_graphs and not settings.standby,
+            graph_archives=settings.graph_archives,
+            graph_archive_dir=settings.graph_archive_dir,
         )
     )
 
