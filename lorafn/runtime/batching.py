@@ -22,6 +22,17 @@ The serving loop (`worker.py`) calls `Batching` at four points; the decisions ar
 - `after_step()` after the step (its wall time into the profile; the blocked check) and `pipeline_ops()`
   on the round trip the loop makes right after every step: the release of the share (with the step's
   end time, so the record shows how late it came), the active mark (M), the profile's publication.
+
+Decode gating (`decode_gating=True`, on top of admission; docs/scheduler.md#decode-gating): the ask
+carries the function's urgent threshold (`slo.urgent_threshold_ms`) and the script marks a grant with
+a smaller margin urgent. While this worker knows other workers to be active on its GPU (M >= 2, from the
+active mark's and the ask's answers), the round trip after each step also reads the GPU's urgent
+grants (one HGETALL in that pipeline, no round trip of its own; alone on its GPU it reads nothing).
+Seeing another worker's urgent grant, `pause_decodes()` before the next step with decodes waits for it
+to end (`gate_wait`: one round trip, woken by the urgent worker's release), at most the TPOT slack
+(`slo.decode_delay_bound_ms`; the function's `tpotMs`, else `gate_tpot_ms`) and at most once per step
+(`slo.DecodeGate`). A worker that runs a granted prefill itself is never paused. The gated steps and
+their wait go into the GPU's gating counters on the next round trip.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import logging
 import math
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +74,10 @@ class BatchingConfig:
     publish_every: int = 32  # store the fit every this many measured steps of a kind
     warmup_steps: int = 2  # first steps of each kind are not measured (kernels load, caches fill)
     blocked_recheck_ms: float = 2000.0  # a worker that could not prefill asks again after this at the latest
+    decode_gating: bool = False  # opt-in (WorkerSettings.decode_gating); needs gpu_admission
+    gate_tpot_ms: float = 200.0  # the TPOT SLO that bounds a paused decode when the spec has no tpotMs
+    urgent_fraction: float = 0.5  # a grant is urgent when its margin is below this share of the TTFT SLO
+    gate_min_pause_ms: float = 5.0  # a TPOT slack smaller than this is not worth a pause's round trip
 
     def __post_init__(self) -> None:
         if (
@@ -70,7 +86,11 @@ class BatchingConfig:
             or (self.prefill_tokens < 1)
         ):
             raise ValueError(f"prefill_tokens must be an integer >= 1, got {self.prefill_tokens!r}")
-        for name in ("lease_ms", "poll_ms", "active_ttl_ms", "blocked_recheck_ms"):
+        if not 0 <= self.urgent_fraction <= 1:
+            raise ValueError(f"urgent_fraction must be in [0, 1], got {self.urgent_fraction!r}")
+        if not self.gate_min_pause_ms >= 0:
+            raise ValueError(f"gate_min_pause_ms must be >= 0, got {self.gate_min_pause_ms!r}")
+        for name in ("lease_ms", "poll_ms", "active_ttl_ms", "blocked_recheck_ms", "gate_tpot_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("ttft_ms", "tpot_ms"):
@@ -87,6 +107,17 @@ def gpu_model_name(device: str) -> str:
 
     index = int(device.partition(":")[2] or 0)
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", torch.cuda.get_device_name(index)).strip("_") or "cuda"
+
+
+@dataclass(frozen=True)
+class GatedStep:
+    """One decode step that waited for another worker's urgent prefill: the bound it was allowed (ms),
+    how long it waited (ms, the round trip included) and whether the urgent step's end woke it (False:
+    it ran to the bound)."""
+
+    bound_ms: float
+    waited_ms: float
+    woken: bool
 
 
 class Batching:
@@ -119,10 +150,20 @@ class Batching:
         self._prefill_cap: int | None = None  # the tokens of the share granted for the next step
         self._was_active = False
         self.granted = self.refused = 0  # slot answers (tests and logs read them)
+        self.gate = slo.DecodeGate(worker_id, config.gate_min_pause_ms)
+        self._others_active: bool | None = None  # another worker active on the GPU (None: not known yet)
+        self._urgent = False  # this worker's share is an urgent grant
+        self._gated_unsent = (0, 0.0, 0)  # gated steps, their wait (ms), timeouts: not yet counted in Redis
+        self.gated_log: deque[GatedStep] = deque(maxlen=1000)  # the recent gated steps (tests read them)
+        self.urgent_reads = 0  # round trips that carried the urgent-grant read (tests read it)
 
     @property
     def admission_on(self) -> bool:
         return self.config.gpu_admission and bool(self.config.gpu)
+
+    @property
+    def gating_on(self) -> bool:
+        return self.admission_on and self.config.decode_gating
 
     # -- start ----------------------------------------------------------------------------------
     def load(self, record: Any = None) -> None:
@@ -245,15 +286,20 @@ class Batching:
             deadline_ms = math.inf  # never urgent, behind every online waiter
         decode = self.fit(slo.DECODE)
         step_ms = decode.latency_ms(1) if decode else 0.0
+        ttft = cfg.ttft_ms or 1000.0
+        urgent_ms = slo.urgent_threshold_ms(ttft, t_ms, cfg.urgent_fraction) if self.gating_on else 0.0
         answer = self.store.run(
             store_admission.ask(
                 self.keys, cfg.gpu, self.worker_id, self.function,
                 deadline_ms=deadline_ms, t_ms=t_ms, lease_ms=max(cfg.lease_ms, 4 * t_ms),
                 waiter_ttl_ms=max(250.0, 4 * step_ms, 8 * cfg.poll_ms), active_ttl_ms=cfg.active_ttl_ms,
                 budget=cfg.prefill_tokens, tokens=self.prefill_tokens(engine, waiting, asking_for),
+                urgent_ms=urgent_ms,
             )
         )  # fmt: skip
         self._holds_slot = answer.granted  # a share kept from the last step was given up by this ask
+        self._urgent = answer.granted and answer.urgent
+        self._saw_active(answer.active)
         if answer.granted:
             self.granted += 1
             if callable(getattr(engine, "pending_prefill_tokens", None)) and answer.tokens > 0:
@@ -292,6 +338,7 @@ class Batching:
         """One engine step ran `step` = (prefill, decode) sequences in `ms`; `pending`: the prefills
         still pending after it. A step that held the share and prefilled nothing means the waiting
         requests cannot start until a running one ends."""
+        self.gate.stepped()
         if step is not None:
             self.observe(step, ms)
         self._pending_after = pending
@@ -310,6 +357,36 @@ class Batching:
             )
         )
 
+    # -- decode gating --------------------------------------------------------------------------
+    def _saw_active(self, active: int) -> int:
+        self._others_active = active >= 2  # M counts this worker's own batch
+        return active
+
+    def pause_decodes(self, decoding: Callable[[], int]) -> None:
+        """Before a step: while another worker of the GPU holds an urgent grant (seen on the last round
+        trip), wait for its step to end, at most this worker's TPOT slack (module doc). `decoding`: how
+        many running requests decode in the step (called only when a pause is possible)."""
+        if not (self.gating_on and self.gate.urgent_elsewhere):
+            return
+        fit = self.fit(slo.DECODE)
+        num = decoding() if fit is not None else 0
+        if fit is None or num <= 0:  # no profile yet: no bound to keep, so no pause
+            return
+        cfg = self.config
+        bound = slo.decode_delay_bound_ms(cfg.tpot_ms or cfg.gate_tpot_ms, fit.latency_ms(num))
+        pause = self.gate.pause_ms(num, self._holds_slot, bound)
+        if pause <= 0:
+            return
+        started = time.perf_counter()
+        answer = self.store.run(store_admission.gate_wait(self.keys, cfg.gpu, self.worker_id, pause / 1000))
+        waited = (time.perf_counter() - started) * 1000
+        timed_out = answer.gated and not answer.woken
+        self.gate.paused(waited, answer.gated, timed_out)
+        if answer.gated:
+            steps, ms, timeouts = self._gated_unsent
+            self._gated_unsent = (steps + 1, ms + waited, timeouts + int(timed_out))
+            self.gated_log.append(GatedStep(bound, waited, answer.woken))
+
     def pipeline_ops(self, busy: bool) -> list[Op[Any]]:
         """What rides on the loop's round trip: the share's release, the active mark, the profile. The
         release goes first in the pipeline the loop sends right after every step."""
@@ -322,6 +399,9 @@ class Batching:
                 # atomic call. A release here would hand it to a looser waiter in the round trip before
                 # that ask, and a tighter function then waited a whole long step of the looser one.
                 self._held_step = None
+                if self._urgent:  # its urgent step ran: the paused workers go on (the ask may re-mark)
+                    ops.append(store_admission.urgent_end(self.keys, cfg.gpu, self.worker_id))
+                    self._urgent = False
             elif self._holds_slot:
                 prefilled = self._held_step[0] if self._held_step is not None else -1
                 ops.append(
@@ -331,9 +411,11 @@ class Batching:
                     )
                 )  # fmt: skip
                 self._holds_slot, self._held_step, self._step_end_ms = False, None, 0.0
+                self._urgent = False  # the release ended its urgent mark too
             now = self.clock()
             if busy and (self._active_at is None or now - self._active_at > cfg.active_ttl_ms / 3000):
-                ops.append(store_admission.mark_active(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms))
+                mark = store_admission.mark_active(self.keys, cfg.gpu, self.worker_id, cfg.active_ttl_ms)
+                ops.append(mark.map(self._saw_active))
                 self._active_at, self._was_active = now, True
             elif not busy and self._was_active:
                 ops.append(
@@ -342,6 +424,15 @@ class Batching:
                     )
                 )
                 self._active_at, self._was_active = None, False
+        if self.gating_on:
+            self.gate.saw(())  # what this round trip reads replaces what the last one read
+            if busy and self._others_active is not False and not self._urgent:
+                ops.append(store_admission.urgent_grants(self.keys, cfg.gpu).map(self.gate.saw))
+                self.urgent_reads += 1
+            steps, ms, timeouts = self._gated_unsent
+            if steps:
+                ops.append(store_admission.add_gated(self.keys, cfg.gpu, self.function, steps, ms, timeouts))
+                self._gated_unsent = (0, 0.0, 0)
         if self._publish and self._profile_key():
             for kind in sorted(self._publish):
                 fit = self.fit(kind)

@@ -18,6 +18,14 @@ Three decisions, each a plain function of numbers so that it is tested on its ow
   `Δ = deadline − now − M·T(b)`), and the first that does not fit stops the line, so a large prefill is
   never overtaken forever by small ones. `lorafn/store/lua/gpu_admission.lua` takes the same decision
   atomically in Redis; `admit` is its reference (tests compare the two).
+- **Decode gating.** Admission orders prefills only; on a GPU without MPS each worker's CUDA context
+  time-slices with the others, so a tight function's prefill is stretched by every other worker's decode
+  steps. A grant is *urgent* when its margin is below `urgent_threshold_ms` (a fraction of its TTFT SLO,
+  at least its own step time `T(b)`) and its deadline has not passed (`is_urgent`); while another worker
+  of the GPU holds an urgent grant, a worker about to run a step with decodes (and no granted prefill of
+  its own) pauses it (`DecodeGate`) until
+  that prefill's step ends, at most its TPOT slack `tpotMs − T_decode(b)` (`decode_delay_bound_ms`) and at
+  most once per step: every output token is delayed by at most that bound, and every step runs.
 """
 
 from __future__ import annotations
@@ -231,3 +239,83 @@ def admit(
         granted.append(w)
         used_tokens += w.tokens
     return granted
+
+
+# -- decode gating ------------------------------------------------------------------------------
+def urgent_threshold_ms(ttft_ms: float, t_ms: float, fraction: float) -> float:
+    """The margin below which a grant is urgent: `fraction` of the TTFT SLO, and never less than the
+    prefill step's own time `T(b)` (a margin smaller than the step itself is at risk whatever the SLO).
+    0 (`fraction` 0): never urgent."""
+    _check_ms(ttft_ms, "ttft_ms")
+    _check_ms(t_ms, "t_ms")
+    if not (isinstance(fraction, int | float) and 0 <= fraction <= 1):
+        raise ValueError(f"urgent fraction must be in [0, 1], got {fraction!r}")
+    if fraction == 0:
+        return 0.0
+    return max(fraction * ttft_ms, t_ms)
+
+
+def is_urgent(deadline_ms: float, now_ms: float, active: int, t_ms: float, threshold_ms: float) -> bool:
+    """A grant whose prefill the other workers' decodes should make room for: its margin
+    `Δ = deadline − now − M·T(b)` is below `threshold_ms` (`urgent_threshold_ms`) and its deadline has
+    not passed. A prefill already late is not rescued by pausing others: it would cost every other
+    function's time per output token and save no violation. No deadline (+inf, offline batch requests)
+    or a threshold of 0: never urgent. `lorafn/store/lua/gpu_admission.lua` marks grants the same way."""
+    if threshold_ms <= 0 or math.isinf(deadline_ms):
+        return False
+    return deadline_ms > now_ms and margin_ms(deadline_ms, now_ms, active, t_ms) < threshold_ms
+
+
+def decode_delay_bound_ms(tpot_ms: float, decode_step_ms: float) -> float:
+    """The most one decode step (hence one output token) may be paused for another worker's urgent
+    prefill: the TPOT slack `tpotMs − T_decode(b)`, so a token whose step takes its profiled time still
+    meets the TPOT SLO. 0 when the step alone uses the whole SLO (never paused)."""
+    _check_ms(tpot_ms, "tpot_ms")
+    _check_ms(decode_step_ms, "decode_step_ms")
+    return max(0.0, tpot_ms - decode_step_ms)
+
+
+class DecodeGate:
+    """One worker's decode gating state (pure: the caller does the Redis side and the waiting).
+
+    `saw(urgent)` after each round trip that read the GPU's urgent grants (the worker ids holding one);
+    `pause_ms(...)` before a step: how long it may wait (0: run now); `paused(...)` once it waited;
+    `stepped()` after the step ran. The guarantees, whatever the urgent grants do: a step waits only
+    while another worker holds an urgent grant, never longer than `bound_ms` (the caller's
+    `decode_delay_bound_ms`), and at most once between two steps, so every step runs (no starvation)
+    and every output token is delayed by at most the bound."""
+
+    def __init__(self, worker: str, min_pause_ms: float = 5.0) -> None:
+        _check_ms(min_pause_ms, "min_pause_ms")
+        self.worker, self.min_pause_ms = worker, min_pause_ms
+        self.urgent_elsewhere = False  # another worker's urgent grant was live at the last read
+        self._paused = False  # paused since the last step
+        self.gated_steps = 0  # steps that waited for an urgent prefill
+        self.gated_ms = 0.0  # their total wait
+        self.timeouts = 0  # waits that ran to the bound (the urgent step had not ended)
+
+    def saw(self, urgent_workers: Iterable[str]) -> None:
+        self.urgent_elsewhere = any(w != self.worker for w in urgent_workers)
+
+    def pause_ms(self, decoding: int, prefilling: bool, bound_ms: float) -> float:
+        """How long the next step may wait for another worker's urgent prefill (ms; 0: run now). Only a
+        step with decodes waits (`decoding` > 0: the TPOT bound is what makes a wait safe), never a step
+        that runs a granted prefill (`prefilling`: an urgent one, or a share of the budget that a pause
+        would hold idle), never twice before a step, never when the slack is below `min_pause_ms` (the
+        wait's round trip would cost more than it saves)."""
+        _check_ms(bound_ms, "bound_ms")
+        if not self.urgent_elsewhere or decoding <= 0 or prefilling or self._paused:
+            return 0.0
+        return bound_ms if bound_ms >= self.min_pause_ms else 0.0
+
+    def paused(self, waited_ms: float, gated: bool, timed_out: bool) -> None:
+        """The wait happened (`gated`: an urgent grant was still live when it began; `timed_out`: it ran
+        to the bound). Either way no second wait before the next step."""
+        self._paused, self.urgent_elsewhere = True, False
+        if gated:
+            self.gated_steps += 1
+            self.gated_ms += max(0.0, waited_ms)
+            self.timeouts += int(timed_out)
+
+    def stepped(self) -> None:
+        self._paused = False

@@ -520,6 +520,8 @@ class Worker:
                 self.batching.wait_for_slot()
                 self._read(block_ms=None)
                 return
+        # decode gating: wait (bounded) while another worker's urgent prefill runs (no-op unless seen)
+        self.batching.pause_decodes(lambda: sum(1 for r in self.running.values() if r.completion_tokens))
         started = time.perf_counter()
         step_at = self.clock()
         for run in self.running.values():
@@ -820,6 +822,17 @@ class WorkerSettings(SharedSettings):
         description="ask the device's prefill slot (cross-function admission by deadline margin); opt-in "
         "until it beats no admission on a GPU (docs/benchmarks.md)",
     )
+    decode_gating: bool = Field(
+        default=False,
+        description="with gpu_admission: while another worker of the device runs an urgent prefill (small "
+        "deadline margin), pause this worker's decode steps, each at most its TPOT slack "
+        "(docs/scheduler.md); opt-in until measured on a GPU",
+    )
+    gate_tpot_ms: float = Field(
+        default=200.0,
+        gt=0,
+        description="decode gating: the TPOT SLO that bounds a pause without spec.slo.tpotMs",
+    )
     batch_hold: bool = Field(
         default=True, description="fill or expire: an idle worker holds its first prefill for companions"
     )
@@ -1025,6 +1038,8 @@ def serving_config(
         batching=BatchingConfig(
             gpu=settings.gpu,
             gpu_admission=settings.gpu_admission,
+            decode_gating=settings.decode_gating,
+            gate_tpot_ms=settings.gate_tpot_ms,
             batch_hold=settings.batch_hold,
             prefill_tokens=settings.gpu_prefill_tokens,
             backbone=settings.backbone or "",

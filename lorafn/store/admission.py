@@ -12,6 +12,15 @@ a capped stream (`admissions`): the grant with the runner-up's margin and how lo
 release with how long the share was held, whether the step prefilled anything and how late after the
 step's end the release came (`grants`, `releases`: what tests and `bench/admission.py` read).
 
+Decode gating (docs/scheduler.md#decode-gating): an `ask` with an urgent threshold is granted *urgent*
+when its margin is below it (`lorafn.runtime.slo.is_urgent`); the script lists it in the GPU's urgent
+hash until the share is released (`urgent_end` when the worker keeps it for its next ask). Other
+workers read that hash (`urgent_grants`) on the round trip they make after every step, and only while
+another worker of the GPU is active; seeing another's urgent grant they `gate_wait`: one round trip
+that joins the paused set and blocks until the last urgent grant ends or their own bound passes. The
+workers count their gated steps and the time they waited in the GPU's gating counters (`add_gated`,
+read by `gating_counters`).
+
 Profiles: a hash per (backbone, GPU model, adapter shape) with the fit of each step kind, written by
 the workers that measured it and read by a new worker as its prior.
 """
@@ -40,6 +49,7 @@ class SlotAnswer:
     waiters: int = 0
     retry_ms: int = 0
     tokens: int = 0
+    urgent: bool = False  # granted urgent: other workers' decodes make room for its step
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,16 @@ class Grant:
     tokens: int = 0
     used: int = 0
     waited_ms: float = 0.0
+    urgent: bool = False
+
+
+@dataclass(frozen=True)
+class GateWait:
+    """One paused step: `gated` (another worker's urgent grant was live when it began; False: it went on
+    at once), `woken` (the last urgent grant ended; False with `gated`: it ran to its bound)."""
+
+    gated: bool
+    woken: bool
 
 
 @dataclass(frozen=True)
@@ -75,7 +95,8 @@ class Release:
 def _keys(keys: Keys, gpu: str) -> list[str]:
     return [
         keys.gpu_slot(gpu), keys.gpu_waiting(gpu), keys.gpu_active(gpu), keys.gpu_admissions(gpu),
-        keys.gpu_wake(gpu),
+        keys.gpu_wake(gpu), keys.gpu_urgent(gpu), keys.gpu_paused(gpu), keys.gpu_gate_wake(gpu),
+        keys.gpu_gating(gpu),
     ]  # fmt: skip
 
 
@@ -104,10 +125,12 @@ def ask(
     active_ttl_ms: float,
     budget: int = 1,
     tokens: int = 1,
+    urgent_ms: float = 0.0,
 ) -> Op[SlotAnswer]:
     """Ask for `tokens` of the GPU's prefill `budget` for the step this worker wants to run (module doc).
     The defaults (1 of 1) make the budget one slot: a mutex. `deadline_ms` +inf: no deadline (only offline
-    batch requests to prefill): the margin is +inf, never urgent, behind every waiter with a deadline."""
+    batch requests to prefill): the margin is +inf, never urgent, behind every waiter with a deadline.
+    `urgent_ms`: the margin below which the grant is urgent (`slo.urgent_threshold_ms`; 0: never)."""
     check_id(worker, "worker id")
     if math.isnan(deadline_ms) or deadline_ms == -math.inf:
         raise ValueError(f"deadline_ms must be a time (unix ms) or +inf, got {deadline_ms!r}")
@@ -115,14 +138,17 @@ def ask(
     args = [
         "ask", worker, function, deadline, f"{max(0.0, t_ms):.3f}", _ms(lease_ms, "lease_ms"),
         max(1, _ms(waiter_ttl_ms, "waiter_ttl_ms")), max(1, _ms(active_ttl_ms, "active_ttl_ms")),
-        _tokens(budget, "budget"), _tokens(tokens, "tokens"),
+        _tokens(budget, "budget"), _tokens(tokens, "tokens"), _ms(urgent_ms, "urgent_ms"),
     ]  # fmt: skip
     names = _keys(keys, gpu)
 
     def parse(r: list[Any]) -> SlotAnswer:
         code, margin, active, *rest = r[0]
         if int(code) == 1:
-            return SlotAnswer(True, float(margin), int(active), waiters=int(rest[0]), tokens=int(rest[1]))
+            return SlotAnswer(
+                True, float(margin), int(active), waiters=int(rest[0]), tokens=int(rest[1]),
+                urgent=bool(int(rest[2])),
+            )  # fmt: skip
         return SlotAnswer(False, float(margin), int(active), other=str(rest[0]), retry_ms=int(rest[1]))
 
     return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, args), parse)
@@ -168,6 +194,66 @@ def wait_for_slot(keys: Keys, gpu: str, worker: str, timeout_s: float) -> Op[boo
     return Op(lambda pipe: pipe.blpop([key], timeout=max(0.001, timeout_s)), lambda r: r[0] is not None)
 
 
+def urgent_end(keys: Keys, gpu: str, worker: str) -> Op[None]:
+    """This worker's urgent step ran, and it keeps its share for its next ask (which may be urgent again):
+    the paused workers go on unless another urgent grant is live."""
+    names = _keys(keys, gpu)
+    return Op(lambda pipe: eval_script(pipe, "gpu_admission", names, ["urgent_end", worker]), lambda r: None)
+
+
+def urgent_grants(keys: Keys, gpu: str) -> Op[dict[str, str]]:
+    """The GPU's urgent grants: worker id -> lease end (server ms); {} when none (the usual answer). One
+    command, meant to ride on a round trip the worker makes anyway."""
+    key = keys.gpu_urgent(gpu)
+    return Op(lambda pipe: pipe.hgetall(key), lambda r: dict(r[0] or {}))
+
+
+def gate_wait(keys: Keys, gpu: str, worker: str, bound_s: float) -> Op[GateWait]:
+    """One round trip: while another worker's urgent grant is live, join the paused set and block until
+    the last one ends (woken) or `bound_s` passes; with none live, return at once (not gated)."""
+    check_id(worker, "worker id")
+    if not bound_s > 0:
+        raise ValueError(f"bound_s must be > 0, got {bound_s!r}")
+    names = _keys(keys, gpu)
+    wake = keys.gpu_gate_wake(gpu, worker)
+
+    def build(pipe: Any) -> None:
+        eval_script(pipe, "gpu_admission", names, ["gate", worker])
+        pipe.blpop([wake], timeout=max(0.001, bound_s))
+
+    def parse(r: list[Any]) -> GateWait:
+        live, popped = int(r[0]), r[1]
+        return GateWait(gated=live > 0, woken=popped is not None and popped[1] == "1")
+
+    return Op(build, parse)
+
+
+def add_gated(keys: Keys, gpu: str, function: str, steps: int, waited_ms: float, timeouts: int) -> Op[None]:
+    """Add a worker's gated steps, the time they waited and how many ran to their bound to the GPU's
+    gating counters (in total and per function)."""
+    key = keys.gpu_gating(gpu)
+
+    def build(pipe: Any) -> None:
+        for suffix in ("", f"|{function}"):
+            pipe.hincrby(key, f"gated_steps{suffix}", steps)
+            pipe.hincrbyfloat(key, f"gated_ms{suffix}", round(waited_ms, 3))
+            pipe.hincrby(key, f"timeouts{suffix}", timeouts)
+
+    return Op(build, lambda r: None)
+
+
+def gating_counters(keys: Keys, gpu: str) -> Op[dict[str, float]]:
+    """The GPU's gating counters: `urgent_grants`, `gated_steps`, `gated_ms`, `timeouts` (and the same per
+    function, `gated_steps|<function>` ...); missing ones are 0."""
+
+    def parse(r: list[Any]) -> dict[str, float]:
+        out: dict[str, float] = {"urgent_grants": 0.0, "gated_steps": 0.0, "gated_ms": 0.0, "timeouts": 0.0}
+        out.update({k: float(v) for k, v in (r[0] or {}).items()})
+        return out
+
+    return Op(lambda pipe: pipe.hgetall(keys.gpu_gating(gpu)), parse)
+
+
 def _f(fields: dict[str, str], name: str) -> float | None:
     value = fields.get(name)
     return float(value) if value else None
@@ -192,6 +278,7 @@ def grants(keys: Keys, gpu: str, count: int = 1000) -> Op[list[Grant]]:
                 tokens=int(f.get("tokens", 0)),
                 used=int(f.get("used", 0)),
                 waited_ms=float(f.get("waited_ms", 0)),
+                urgent=f.get("urgent") == "1",
             )
             out.append(grant)
         return out

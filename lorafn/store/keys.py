@@ -206,6 +206,25 @@ class Keys:
         base = f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:wake:"
         return base if worker_id is None else base + check_id(worker_id, "worker id")
 
+    def gpu_urgent(self, gpu: str) -> str:
+        """hash: worker id -> lease end (server ms) of its urgent grant (decode gating)."""
+        return f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:urgent"
+
+    def gpu_paused(self, gpu: str) -> str:
+        """set: worker ids whose decode step waits for the GPU's urgent grants to end (decode gating)."""
+        return f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:paused"
+
+    def gpu_gate_wake(self, gpu: str, worker_id: str | None = None) -> str:
+        """list: a token pushed when the last urgent grant ends, which a paused worker blocks on (BLPOP);
+        without `worker_id`, the prefix the Lua script appends a worker id to."""
+        base = f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:gatewake:"
+        return base if worker_id is None else base + check_id(worker_id, "worker id")
+
+    def gpu_gating(self, gpu: str) -> str:
+        """hash: decode gating counters (`urgent_grants`, `gated_steps`, `gated_ms`, `timeouts`, and per
+        function `gated_steps|<function>` ...)."""
+        return f"{self.prefix}:gpu:{check_token(gpu, 'gpu')}:gating"
+
     def latency_profile(self, backbone: str, gpu_model: str, shape: str) -> str:
         """hash: `<kind>.t0_ms`, `<kind>.alpha_ms`, `<kind>.samples` (kind: prefill, decode) of step
         latency on one backbone, GPU model and adapter shape."""

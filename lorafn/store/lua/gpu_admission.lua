@@ -8,17 +8,26 @@
 -- reference.
 -- Freed tokens are handed straight to the best waiters (holder entry flagged `handoff`, a token pushed
 -- on the waiter's wake list): a waiter blocked on that list starts at once, without polling.
--- KEYS: 1 holders hash (worker -> until|handoff|tokens|granted_at|t), 2 waiting hash (worker ->
---       deadline|t|expires|lease|tokens|since|fn), 3 active zset (worker -> last active ms),
+-- Decode gating (lorafn.runtime.slo.is_urgent is the reference): a grant whose margin is below the
+-- asker's urgent threshold (and whose deadline has not passed) is *urgent*: it is listed in the urgent
+-- hash until its share is released (or its lease ends). Other workers read that hash on the round trip
+-- they make after every step (only while others are active on the GPU) and, seeing another's urgent
+-- grant, `gate`: they join the paused set and block on their gate-wake list, at most their own bound
+-- (their TPOT slack); the end of the last live urgent grant pushes a token on every paused worker's list.
+-- KEYS: 1 holders hash (worker -> until|handoff|tokens|granted_at|t|urgent), 2 waiting hash (worker ->
+--       deadline|t|expires|lease|tokens|since|urgent_ms|fn), 3 active zset (worker -> last active ms),
 --       4 admissions stream (capped; `grant` entries: worker, function, margin_ms, active, waiters,
 --       runner_up_ms = the next margin in line, tokens, used = budget held after it, waited_ms;
 --       `release` entries: worker, held_ms, prefilled = sequences its step prefilled, late_ms = from the
---       step's end to the release), 5 wake-list key prefix (+ worker id: the list a waiter blocks on)
+--       step's end to the release), 5 wake-list key prefix (+ worker id: the list a waiter blocks on),
+--       6 urgent hash (worker -> lease end ms of its urgent grant), 7 paused set (workers blocked in a
+--       gate), 8 gate-wake list key prefix (+ worker id), 9 gating counters hash (`urgent_grants` here;
+--       the workers add `gated_steps`, `gated_ms`, `timeouts`)
 -- ARGV: 1 op, 2 worker id, then per op:
 --   ask:     3 function, 4 deadline (unix ms; `none`: only offline batch requests to prefill, no deadline:
 --            margin +inf, so it is never urgent and goes behind every waiter with a deadline), 5 t (ms), 6 lease (ms), 7 waiter ttl (ms), 8 active ttl (ms),
---            9 budget (tokens), 10 tokens
---            -> {1, margin, M, waiters, tokens}  granted (its share is held until released or the lease
+--            9 budget (tokens), 10 tokens, 11 urgent threshold (ms; 0 or absent: never urgent)
+--            -> {1, margin, M, waiters, tokens, urgent 0/1}  granted (its share is held until released or the lease
 --            ends); `tokens`: what the share holds, the most its step may prefill. A share handed on while
 --            it waited holds the tokens of that earlier ask (what the budget counted), or fewer if it now
 --            asks for fewer: a step never prefills more than the budget granted.
@@ -30,6 +39,9 @@
 --   active:  3 active ttl (ms) -> M (the asker marked active)
 --   idle:    3 active ttl (ms), 4 budget -> 1; the asker leaves the active set and the waiters, and hands
 --            on its share
+--   urgent_end: -> 1; the asker's urgent grant ends (its step ran; it keeps its share for the next ask)
+--   gate:    -> the live urgent grants of other workers; with some, the asker joins the paused set (its
+--            gate-wake list emptied first), with none a `0` token lets its BLPOP return at once
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local op = ARGV[1]
@@ -52,14 +64,16 @@ local function holders()
   local used, mine, any, soonest, wait = 0, nil, nil, nil, nil
   for i = 1, #all, 2 do
     local w = all[i]
-    local u, flag, tok, at, tt = string.match(all[i + 1], '^([^|]+)|([^|]+)|([^|]+)|([^|]+)|(.*)$')
+    local u, flag, tok, at, tt, urg =
+      string.match(all[i + 1], '^([^|]+)|([^|]+)|([^|]+)|([^|]+)|([^|]+)|(.*)$')
     u = tonumber(u)
     if u == nil or u <= now then
       redis.call('HDEL', KEYS[1], w) -- its holder died or hung, or a hand-off was not taken: lease over
+      redis.call('HDEL', KEYS[6], w)
     else
       used = used + tonumber(tok)
       if w == worker then
-        mine = {flag = flag, tokens = tonumber(tok), at = tonumber(at), t = tt}
+        mine = {flag = flag, tokens = tonumber(tok), at = tonumber(at), t = tt, urgent = urg}
       else
         any = w
       end
@@ -82,14 +96,15 @@ local function waiters_in_order(active)
   local all = redis.call('HGETALL', KEYS[2])
   for i = 1, #all, 2 do
     local w, entry = all[i], all[i + 1]
-    local dl, tt, exp, lease, tok, since, fn =
-      string.match(entry, '^([^|]+)|([^|]+)|([^|]+)|([^|]+)|([^|]+)|([^|]+)|(.*)$')
+    local dl, tt, exp, lease, tok, since, urg, fn =
+      string.match(entry, '^([^|]+)|([^|]+)|([^|]+)|([^|]+)|([^|]+)|([^|]+)|([^|]+)|(.*)$')
     exp = tonumber(exp)
     if exp == nil or exp <= now then
       redis.call('HDEL', KEYS[2], w)
     else
       out[#out + 1] = {worker = w, margin = deadline_of(dl) - now - active * tonumber(tt), expires = exp, t = tt,
-        lease = tonumber(lease), tokens = tonumber(tok), since = tonumber(since), fn = fn}
+        lease = tonumber(lease), tokens = tonumber(tok), since = tonumber(since), fn = fn,
+        urgent_ms = tonumber(urg) or 0, left = deadline_of(dl) - now}
     end
   end
   table.sort(out, function(a, b)
@@ -99,32 +114,68 @@ local function waiters_in_order(active)
   return out
 end
 
+-- the live urgent grants of workers other than `except` (entries whose lease ended are dropped)
+local function urgent_live(except)
+  local all = redis.call('HGETALL', KEYS[6])
+  local live = 0
+  for i = 1, #all, 2 do
+    local u = tonumber(all[i + 1])
+    if u == nil or u <= now then
+      redis.call('HDEL', KEYS[6], all[i])
+    elseif all[i] ~= except then
+      live = live + 1
+    end
+  end
+  return live
+end
+
+-- once no urgent grant is live, every paused worker goes on (a token on its gate-wake list)
+local function wake_if_calm()
+  if urgent_live(nil) > 0 then return end
+  local paused = redis.call('SMEMBERS', KEYS[7])
+  for _, m in ipairs(paused) do
+    local k = KEYS[8] .. m
+    redis.call('LPUSH', k, '1')
+    redis.call('LTRIM', k, 0, 0)
+    redis.call('PEXPIRE', k, 5000)
+  end
+  if #paused > 0 then redis.call('DEL', KEYS[7]) end
+end
+
 -- grant the waiters in line while they fit; returns true when `asker` was granted (its hold: its lease;
 -- another waiter's: until its waiter entry would expire, the token on its wake list tells it)
 local function admit(active, used, budget, asker, wait)
   local line = waiters_in_order(active)
-  local granted_asker = false
+  local granted_asker = false -- or 1 (granted), 2 (granted, urgent)
   for i, e in ipairs(line) do
     if used > 0 and used + e.tokens > budget and not (e.margin < wait) then break end
     used = used + e.tokens
     local handoff = e.worker == asker and '0' or '1'
     local hold = handoff == '1' and math.max(1, e.expires - now) or e.lease
+    -- urgent (slo.is_urgent): a small margin, the deadline not passed yet
+    local urgent = e.urgent_ms > 0 and e.left > 0 and e.margin < e.urgent_ms
     redis.call('HSET', KEYS[1], e.worker, tostring(now + hold) .. '|' .. handoff .. '|' .. tostring(e.tokens)
-      .. '|' .. tostring(now) .. '|' .. e.t)
+      .. '|' .. tostring(now) .. '|' .. e.t .. '|' .. (urgent and '1' or '0'))
     redis.call('PEXPIRE', KEYS[1], 60000)
+    if urgent then
+      redis.call('HSET', KEYS[6], e.worker, tostring(now + hold))
+      redis.call('PEXPIRE', KEYS[6], 60000)
+      redis.call('HINCRBY', KEYS[9], 'urgent_grants', 1)
+    end
     redis.call('HDEL', KEYS[2], e.worker)
     local second = line[i + 1]
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', '5000', '*', 'event', 'grant', 'worker', e.worker,
       'function', e.fn, 'margin_ms', tostring(e.margin), 'active', tostring(active),
       'waiters', tostring(#line - i + 1), 'runner_up_ms', second == nil and '' or tostring(second.margin),
-      'tokens', tostring(e.tokens), 'used', tostring(used), 'waited_ms', tostring(now - e.since))
+      'tokens', tostring(e.tokens), 'used', tostring(used), 'waited_ms', tostring(now - e.since),
+      'urgent', urgent and '1' or '0')
     if handoff == '1' then
       local wake = KEYS[5] .. e.worker
       redis.call('LPUSH', wake, '1')
       redis.call('LTRIM', wake, 0, 0)
       redis.call('PEXPIRE', wake, hold)
     else
-      granted_asker = true
+      granted_asker = urgent and 2 or 1
     end
   end
   return granted_asker, line
@@ -139,7 +190,9 @@ local function release(ttl, budget, prefilled, step_end)
     'held_ms', tostring(now - at), 'prefilled', tostring(prefilled),
     'late_ms', step_end > 0 and tostring(now - step_end) or '')
   local used, _, _, _, wait = holders()
+  redis.call('HDEL', KEYS[6], worker)
   admit(count_active(ttl, nil), used, budget, nil, wait)
+  wake_if_calm()
   return 1
 end
 
@@ -158,6 +211,24 @@ if op == 'active' then
   redis.call('PEXPIRE', KEYS[3], ttl * 10)
   return count_active(ttl, nil)
 end
+if op == 'urgent_end' then
+  redis.call('HDEL', KEYS[6], worker)
+  wake_if_calm()
+  return 1
+end
+if op == 'gate' then
+  local k = KEYS[8] .. worker
+  redis.call('DEL', k) -- a token left by a wake that came after its last wait had timed out
+  local live = urgent_live(worker)
+  if live == 0 then
+    redis.call('LPUSH', k, '0')
+    redis.call('PEXPIRE', k, 5000)
+    return 0
+  end
+  redis.call('SADD', KEYS[7], worker)
+  redis.call('PEXPIRE', KEYS[7], 60000)
+  return live
+end
 if op ~= 'ask' then
   return redis.error_reply('gpu_admission: unknown op ' .. tostring(op))
 end
@@ -170,6 +241,7 @@ local waiter_ttl = tonumber(ARGV[7])
 local active_ttl = tonumber(ARGV[8])
 local budget = tonumber(ARGV[9])
 local tokens = tonumber(ARGV[10])
+local urgent_ms = tonumber(ARGV[11] or '0') or 0
 local active = count_active(active_ttl, worker)
 local own = deadline - now - active * t_ms
 
@@ -178,12 +250,16 @@ if mine ~= nil and mine.flag == '1' then -- handed to this worker while it waite
   -- the budget granted the tokens of the ask it waited with; more arrived since wait for the next grant
   local granted = math.min(mine.tokens, tokens)
   redis.call('HSET', KEYS[1], worker, tostring(now + lease) .. '|0|' .. tostring(granted) .. '|'
-    .. tostring(mine.at) .. '|' .. ARGV[5])
+    .. tostring(mine.at) .. '|' .. ARGV[5] .. '|' .. mine.urgent)
   redis.call('HDEL', KEYS[2], worker)
-  return {1, tostring(own), active, 0, granted}
+  if mine.urgent == '1' then -- its urgent mark lasts as long as the share now does
+    redis.call('HSET', KEYS[6], worker, tostring(now + lease))
+  end
+  return {1, tostring(own), active, 0, granted, tonumber(mine.urgent) or 0}
 end
 if mine ~= nil then -- kept from its last step (more to prefill): give it up and compete afresh, at once
   redis.call('HDEL', KEYS[1], worker)
+  redis.call('HDEL', KEYS[6], worker) -- re-marked below if this ask is granted urgent again
   used = used - mine.tokens
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', '5000', '*', 'event', 'release', 'worker', worker,
     'held_ms', tostring(now - mine.at), 'prefilled', '-1', 'late_ms', '')
@@ -195,11 +271,13 @@ if prev then
   since = tonumber(string.match(prev, '^[^|]+|[^|]+|[^|]+|[^|]+|[^|]+|([^|]+)|')) or now
 end
 redis.call('HSET', KEYS[2], worker, ARGV[4] .. '|' .. ARGV[5] .. '|' .. tostring(now + waiter_ttl) .. '|'
-  .. tostring(lease) .. '|' .. tostring(tokens) .. '|' .. tostring(since) .. '|' .. fn)
+  .. tostring(lease) .. '|' .. tostring(tokens) .. '|' .. tostring(since) .. '|' .. tostring(urgent_ms)
+  .. '|' .. fn)
 redis.call('PEXPIRE', KEYS[2], waiter_ttl * 10)
 local granted, line = admit(active, used, budget, worker, wait)
+if mine ~= nil and mine.urgent == '1' then wake_if_calm() end -- its kept urgent share ended here
 if granted then
-  return {1, tostring(own), active, #line, tokens}
+  return {1, tostring(own), active, #line, tokens, granted == 2 and 1 or 0}
 end
 local other = any -- a holder, else the waiter first in line
 for _, e in ipairs(line) do

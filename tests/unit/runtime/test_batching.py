@@ -159,3 +159,39 @@ def test_a_granted_step_that_prefilled_nothing_stops_the_asking_until_a_request_
     b._blocked, b._blocked_at = frozenset({"w"}), clock.t
     with pytest.raises(AttributeError):  # nothing to decode: it must ask (nothing else would free it)
         b.allow_prefill(engine, waiting, {"w"})
+
+
+def test_decode_gating_switch_reaches_the_serving_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAFN_GPU_ADMISSION", "true")
+    monkeypatch.setenv("LORAFN_DECODE_GATING", "true")
+    monkeypatch.setenv("LORAFN_GATE_TPOT_MS", "150")
+    settings = WorkerSettings(function="ns/fn", gpu="local/0", backbone="tiny")
+    cfg = serving_config(settings, "ns/fn", None, object()).batching
+    assert (cfg.decode_gating, cfg.gate_tpot_ms) == (True, 150.0)
+    monkeypatch.delenv("LORAFN_DECODE_GATING")
+    assert not serving_config(
+        WorkerSettings(function="ns/fn"), "ns/fn", None, object()
+    ).batching.decode_gating
+    assert not _batching(decode_gating=True, gpu_admission=False).gating_on  # gating rides on admission
+    with pytest.raises(ValueError, match="urgent_fraction"):
+        BatchingConfig(urgent_fraction=2.0)
+
+
+def test_the_urgent_grants_are_read_only_while_other_workers_are_active() -> None:
+    b = _batching(decode_gating=True)
+    b._saw_active(1)  # alone on its GPU (the active mark's answer)
+    for _ in range(5):  # decode steps: nothing gating-related rides on the round trip
+        b.pipeline_ops(busy=True)
+    assert b.urgent_reads == 0
+    b._saw_active(3)
+    n = len(b.pipeline_ops(busy=True))
+    assert b.urgent_reads == 1
+    b._saw_active(1)
+    assert len(b.pipeline_ops(busy=True)) == n - 1 and b.urgent_reads == 1
+    off = _batching()  # admission without gating never reads them
+    off._saw_active(3)
+    off.pipeline_ops(busy=True)
+    assert off.urgent_reads == 0
+    # nothing seen: the loop's pause is a no-op without a store
+    b.pause_decodes(lambda: 4)
+    assert b.gate.gated_steps == 0

@@ -368,3 +368,104 @@ def test_decode_only_step_never_holds_back_decodes() -> None:
     assert [c.seq_id for c in out.chunks] == ["a", "b"]
     sched.update(out, {"a": 9, "b": 1})
     assert sched.num_pending_prefills == 0
+
+
+# -- decode gating ------------------------------------------------------------------------------
+def test_urgent_threshold_is_a_share_of_the_slo_and_at_least_the_step() -> None:
+    assert slo.urgent_threshold_ms(500.0, 40.0, 0.5) == 250.0
+    assert slo.urgent_threshold_ms(100.0, 80.0, 0.5) == 80.0  # the step itself is longer than half the SLO
+    assert slo.urgent_threshold_ms(500.0, 40.0, 0.0) == 0.0  # switched off: never urgent
+    with pytest.raises(ValueError, match="urgent fraction"):
+        slo.urgent_threshold_ms(500.0, 40.0, 1.5)
+    with pytest.raises(ValueError, match="ttft_ms"):
+        slo.urgent_threshold_ms(-1.0, 40.0, 0.5)
+
+
+def test_urgent_means_a_small_margin_and_a_deadline_still_ahead() -> None:
+    now = 1_000_000.0
+    # deadline in 300 ms, 3 active batches of 40 ms: margin 180 < 250
+    assert slo.is_urgent(now + 300, now, 3, 40.0, 250.0)
+    assert not slo.is_urgent(now + 600, now, 3, 40.0, 250.0)  # margin 480: it can wait
+    assert not slo.is_urgent(now - 1, now, 3, 40.0, 250.0)  # already late: pausing others saves nothing
+    assert not slo.is_urgent(now + 300, now, 3, 40.0, 0.0)  # no threshold: gating off
+    assert not slo.is_urgent(math.inf, now, 3, 40.0, 250.0)  # offline batch requests: no deadline
+
+
+def test_the_delay_bound_is_the_tpot_slack() -> None:
+    assert slo.decode_delay_bound_ms(200.0, 30.0) == 170.0
+    assert slo.decode_delay_bound_ms(20.0, 30.0) == 0.0  # the step alone misses its TPOT: never paused
+    with pytest.raises(ValueError, match="tpot_ms"):
+        slo.decode_delay_bound_ms(math.nan, 30.0)
+
+
+def test_the_gate_pauses_only_for_another_workers_urgent_grant_with_decodes_and_slack() -> None:
+    gate = slo.DecodeGate("me", min_pause_ms=5.0)
+    assert gate.pause_ms(decoding=4, prefilling=False, bound_ms=100.0) == 0  # nothing urgent seen
+    gate.saw(["me"])  # its own urgent grant: nothing to make room for
+    assert gate.pause_ms(4, False, 100.0) == 0
+    gate.saw(["me", "other"])
+    assert gate.pause_ms(0, False, 100.0) == 0  # no decodes: no TPOT bound that makes a wait safe
+    assert gate.pause_ms(4, True, 100.0) == 0  # its own granted prefill runs in this step
+    assert gate.pause_ms(4, False, 4.0) == 0  # slack below the minimum
+    assert gate.pause_ms(4, False, 100.0) == 100.0
+    gate.paused(60.0, gated=True, timed_out=False)
+    assert gate.pause_ms(4, False, 100.0) == 0  # once per step, even if it saw the flag again
+    gate.saw(["other"])
+    assert gate.pause_ms(4, False, 100.0) == 0
+    gate.stepped()
+    gate.saw(["other"])
+    assert gate.pause_ms(4, False, 100.0) == 100.0
+    gate.paused(100.0, gated=True, timed_out=True)
+    gate.stepped()
+    gate.paused(0.5, gated=False, timed_out=False)  # the urgent step ended before the wait began
+    assert (gate.gated_steps, gate.gated_ms, gate.timeouts) == (2, 160.0, 1)
+
+
+urgent_windows = st.lists(st.tuples(st.floats(0, 5000), st.floats(1, 800)), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.floats(1, 60), min_size=1, max_size=60),
+    windows=urgent_windows,
+    tpot=st.floats(1, 400),
+    retries=st.integers(1, 3),
+)
+def test_gated_decodes_are_bounded_and_never_starve(
+    steps: list[float], windows: list[tuple[float, float]], tpot: float, retries: int
+) -> None:
+    """A decoding worker next to arbitrary urgent grants of another worker (any overlap, back to back,
+    covering everything): each output token comes at most its step time plus the TPOT slack after the
+    one before (bounded delay), and every step runs (no starvation), also when the loop asks the gate
+    several times before a step."""
+
+    def urgent_until(t: float) -> float | None:  # when the urgent grants live at t end (None: none)
+        if not any(start <= t < start + length for start, length in windows):
+            return None
+        end = t
+        while True:  # back-to-back or overlapping grants: the last one's end
+            later = max((s + n for s, n in windows if s <= end < s + n), default=end)
+            if later == end:
+                return end
+            end = later
+
+    gate = slo.DecodeGate("decoder", min_pause_ms=0.0)
+    t, last_token, tokens = 0.0, 0.0, 0
+    for step_ms in steps:
+        bound = slo.decode_delay_bound_ms(tpot, step_ms)  # the profile predicts this step exactly
+        gate.saw(["urgent"] if urgent_until(t) is not None else [])  # the round trip after the last step
+        for _ in range(retries):
+            pause = gate.pause_ms(decoding=1, prefilling=False, bound_ms=bound)
+            if pause == 0:
+                continue
+            end = urgent_until(t)  # what the script sees when the wait begins
+            waited = 0.0 if end is None else min(pause, end - t)  # woken at the end, or the bound
+            gate.paused(waited, gated=end is not None, timed_out=end is not None and waited == pause)
+            t += waited
+        t += step_ms  # the step runs
+        gate.stepped()
+        tokens += 1
+        assert t - last_token <= step_ms + bound + 1e-6  # bounded delay: the TPOT SLO when step <= tpot
+        last_token = t
+    assert tokens == len(steps)  # never starved
+    assert gate.gated_ms <= sum(slo.decode_delay_bound_ms(tpot, s) for s in steps) + 1e-6
