@@ -180,7 +180,9 @@ class ModelRunner:
 
         assert self.archives is not None
         cfg = self.config
-        max_blocks = blocks_for_tokens(self.max_model_len, cfg.block_size)
+        # what the engine passes to capture_graphs: the scheduler caps the longest sequence to the cache
+        longest = min(self.max_model_len, self.num_blocks * cfg.block_size)
+        max_blocks = blocks_for_tokens(longest, cfg.block_size)
         with self.archives.state():
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self._buckets(), max_blocks)
         manifest = getattr(self.weight_source, "manifest", None)

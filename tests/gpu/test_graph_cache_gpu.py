@@ -44,7 +44,14 @@ def test_archived_graphs_restore_in_standbys_and_lazy_workers(
 ) -> None:
     a1, a2 = (str(a) for a in adapters)
     prompts = mixed_prompts(seed=3, lengths=(5, 19, 33, 2, 11), vocab=1000)
-    common = {"model": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache"), "prompts": prompts}
+    # 1 MiB of KV holds 1024 tokens of the tiny bf16 model, fewer than its 2048 positions: the scheduler caps
+    # the longest sequence to the cache, and the state's block tables must be sized as the engine asks
+    common = {
+        "model": str(tiny_model_dir),
+        "cache_dir": str(tmp_path / "cache"),
+        "prompts": prompts,
+        "kv_mib": 1,
+    }
     reference = _child({**common, "adapter": a1, "archives": False})
     shape = reference["shape"]
     # 1. the first standby of the key captures and writes the archive
