@@ -6,13 +6,16 @@ Heavy imports (numpy, httpx, matplotlib, torch for the random assets) happen ins
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
 app = typer.Typer(help="Benchmarks through the real platform (docs/replay.md).", no_args_is_help=True)
 
 TRACES = ("code", "conv")
+PIPED_WIDTH = 160
 
 
 def default_data_dir() -> Path:
@@ -21,6 +24,16 @@ def default_data_dir() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def _console() -> Any:
+    """The terminal's width, or 160 columns where the output goes to a file or a pipe (a device run's
+    log): at Rich's default of 80 the tables crop their right columns and cut the configurations'
+    names, and the tables are what gets pasted. $COLUMNS still decides where it is set."""
+    from rich.console import Console
+
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=PIPED_WIDTH if piped else None)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -63,9 +76,25 @@ def replay(
         help="Mean arrival rate (requests/s) the trace is scaled to: rate × duration consecutive trace rows, "
         "their timestamps stretched linearly to span the duration (the trace's bursts keep their shape).",
     ),
-    duration: float = typer.Option(60.0, "--duration", min=0.1, help="Seconds of arrivals to replay."),
+    duration: float = typer.Option(
+        60.0,
+        "--duration",
+        min=0.1,
+        help="Seconds of arrivals to replay: the measured window (a --warmup-s comes before it).",
+    ),
     trace_start: float = typer.Option(
         0.0, "--trace-start", min=0.0, help="Seconds into the trace where the replayed window begins."
+    ),
+    warmup_s: float = typer.Option(
+        0.0,
+        "--warmup-s",
+        min=0.0,
+        help="Seconds of warm-up sent before the measured window: the trace rows just before it, scaled "
+        "the same way (a busier stretch sends more), over the same functions and seed, open-loop like the "
+        "rest. Its requests are reported apart (a 'warm-up' row per configuration) and count in no "
+        "figure of the window, nor do its GPU-seconds, peaks or cost; the window's requests are the same "
+        "as without a warm-up. Without one (0) every function's first request is a cold start of a "
+        "function the platform has never seen, which a platform in service does not have all at once.",
     ),
     zipf: float = typer.Option(
         1.0,
@@ -203,11 +232,11 @@ def replay(
     For each configuration it starts `lorafn up` (its own state under <out>/runs/<config>), registers the
     backbone and the functions, waits until the platform is settled, then sends every request at its
     time (streamed completions; arrivals never wait for answers) while it samples the workers' records
-    in Redis. It reports per function and overall TTFT, TPOT and end-to-end p50/p90/p99, SLO violations,
-    the path each request took (warm / standby / fresh / queued), GPU-seconds held and their cost, beside
+    in Redis; with --warmup-s, the trace before the measured window first, measured apart. It reports
+    per function and overall TTFT, TPOT and end-to-end p50/p90/p99, SLO violations, the path each
+    request took (warm / standby / fresh / queued), GPU-seconds held and their cost, beside
     ServerlessLoRA's own tables (docs/replay.md).
     """
-    from rich.console import Console
 
     from lorafn.replay.configs import select_configs
     from lorafn.replay.driver import DriveOptions
@@ -268,6 +297,7 @@ def replay(
                 max_prompt_tokens,
                 max_output_tokens,
                 prompt_size == "trace",
+                warmup_s,
             ),
             configs=chosen,
             out_dir=out,
@@ -278,7 +308,7 @@ def replay(
             managed=managed,
             external=external,
         )
-        report = run_replay(options, Console())
+        report = run_replay(options, _console())
     except (ValueError, RuntimeError, OSError) as exc:
         raise _fail(str(exc)) from None
     runs = [r for r in report["configs"] if not r.get("unavailable")]
@@ -301,12 +331,10 @@ def report(
     keeps its first run."""
     import json
 
-    from rich.console import Console
-
     from lorafn.replay.run import finish, merge_reports
 
     try:
         loaded = [json.loads(f.read_text()) for f in files]
-        finish(merge_reports(loaded), out, plots, Console())
+        finish(merge_reports(loaded), out, plots, _console())
     except (OSError, ValueError, KeyError) as exc:
         raise _fail(str(exc)) from None

@@ -47,7 +47,9 @@ class Drive:
     results: list[RequestResult]
     samples: list[Sample] = field(default_factory=list)
     events: list[BoundEvent] = field(default_factory=list)
-    duration_s: float = 0.0  # from the first arrival's time to the last answer (or the drain's end)
+    # from the measured window's start (the first arrival's time without a warm-up) to the last answer (or
+    # the drain's end)
+    duration_s: float = 0.0
 
 
 def _error_message(body: bytes) -> str:
@@ -189,9 +191,20 @@ async def drive(
     options: DriveOptions,
     on_sent: Callable[[], None] | None = None,
     on_done: Callable[[], None] | None = None,
+    warmup_s: float = 0.0,
 ) -> Drive:
-    """Replay `plan` open-loop against `target`; every planned request has a result (answer or error)."""
-    results = [RequestResult(r.index, r.function, r.at_s) for r in plan]
+    """Replay `plan` open-loop against `target`; every planned request has a result (answer or error).
+
+    The clock (every time recorded) starts at -`warmup_s`, so that 0 is the measured window's start: the
+    warm-up's requests (planned at negative times) and samples lie before it."""
+    if warmup_s < 0:
+        raise ValueError(f"warmup_s: {warmup_s} s must be >= 0")
+    early = [r.at_s for r in plan if r.at_s < -warmup_s]
+    if early:
+        raise ValueError(
+            f"plan: a request at {min(early):g} s, before the warm-up's start at {-warmup_s:g} s"
+        )
+    results = [RequestResult(r.index, r.function, r.at_s, warmup=r.warmup) for r in plan]
     store = AsyncStore(target.redis_url, max_connections=8) if target.redis_url else None
     keys = Keys(target.key_prefix)
     since = await store.run(ctl.last_event_id(keys)) if store else "0-0"
@@ -218,9 +231,10 @@ async def drive(
 
     try:
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            # the clock starts once the client is built (its TLS context takes a moment), not before
-            wall_t0 = time.time()
-            t0 = time.perf_counter()
+            # the clock starts once the client is built (its TLS context takes a moment), not before;
+            # its 0 is the measured window's start, `warmup_s` from now
+            wall_t0 = time.time() + warmup_s
+            t0 = time.perf_counter() + warmup_s
             if store:
                 sampler = asyncio.create_task(
                     _sampler(store, keys, t0, options.sample_interval_s, samples, stop)

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+WINDOW_START_LABEL = "measured window starts"
+
 
 def _pyplot() -> Any:
     try:
@@ -52,7 +54,8 @@ def ttft_cdf(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def workers_over_time(report: dict[str, Any], path: Path) -> Path:
+def workers_figure(report: dict[str, Any]) -> Any:
+    """The figure of `workers_over_time` (returned open, for tests to read its lines)."""
     plt = _pyplot()
     fig, (ax_w, ax_m) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     for run in _runs(report):
@@ -65,15 +68,27 @@ def workers_over_time(report: dict[str, Any], path: Path) -> Path:
             t, series["standby"], linestyle="--", color=line.get_color(), label=f"{run['config']} standby"
         )
         ax_m.plot(t, np.asarray(series["held_mib"]) / 1024, color=line.get_color(), label=run["config"])
+    warmup_s = report["workload"].get("warmup_s") or 0
+    if warmup_s > 0:  # times run from the window's start: the warm-up is the negative part
+        for ax in (ax_w, ax_m):
+            ax.axvline(0.0, color="black", linewidth=1, linestyle=":", label=WINDOW_START_LABEL)
+        ax_m.set_xlabel(f"seconds since the measured window's start (before it: the {warmup_s:g} s warm-up)")
+    else:
+        ax_m.set_xlabel("seconds since the first arrival")
     ax_w.set_ylabel("workers")
     ax_w.set_title("workers (bound solid, standby dashed) and memory held on the devices")
     _legend(ax_w, ncol=2)
     ax_m.set_ylabel("memory held (GiB)")
-    ax_m.set_xlabel("seconds since the first arrival")
     _legend(ax_m)
     for ax in (ax_w, ax_m):
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def workers_over_time(report: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    fig = workers_figure(report)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -12,6 +12,7 @@ from rich.table import Table
 from lorafn.replay import paper
 from lorafn.replay.configs import BASELINES
 from lorafn.replay.stats import (
+    WINDOW_START_S,
     MiB,
     RequestResult,
     Sample,
@@ -63,24 +64,30 @@ def config_figures(
     worker_overhead_bytes: int,
     usd_per_gpu_hour: float,
 ) -> dict[str, Any]:
-    """Summary, GPU-seconds, cost, series and throughput of one configuration's run."""
-    summary = summarize_all(results, slo_ms)
-    gpu_s = gpu_seconds(samples, end_s, device_bytes, backbone_bytes, shared, worker_overhead_bytes)
+    """Summary, GPU-seconds, cost, series and throughput of one configuration's run: all of the measured
+    window (from WINDOW_START_S to `end_s`) only. The warm-up's requests are summarized apart
+    (`warmup`); its samples stay in the series (negative times, for the plots) but count in no
+    GPU-second, peak or cost."""
+    measured = [r for r in results if not r.warmup]
+    summary = summarize_all(measured, slo_ms)
+    gpu_s = gpu_seconds(
+        samples, end_s, device_bytes, backbone_bytes, shared, worker_overhead_bytes, start_s=WINDOW_START_S
+    )
     series: dict[str, list[float]] = worker_series(samples)
     series["held_mib"] = [
         sum(held_bytes(s, list(device_bytes), backbone_bytes, shared, worker_overhead_bytes).values()) / MiB
         for s in sorted(samples, key=lambda s: s.t_s)
     ]
+    window = [i for i, t in enumerate(series["t_s"]) if t >= WINDOW_START_S]
     overall = summary["overall"]
     return {
         "summary": summary,
+        "warmup": {"summary": summarize_all([r for r in results if r.warmup], slo_ms)},
         "gpu_seconds": gpu_s,
         "cost_usd": cost_usd(gpu_s, usd_per_gpu_hour),
-        "peak_held_mib": max(series["held_mib"], default=0.0),
-        "peak_workers": max(
-            (b + s for b, s in zip(series["bound"], series["standby"], strict=True)), default=0
-        ),
-        "throughput": throughput(results),
+        "peak_held_mib": max((series["held_mib"][i] for i in window), default=0.0),
+        "peak_workers": max((series["bound"][i] + series["standby"][i] for i in window), default=0),
+        "throughput": throughput(measured),
         "series": series,
         "row": {  # the flat figures the comparisons use
             "ttft_ms_p50": overall["ttft_ms"]["p50"],
@@ -132,18 +139,54 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
+WARMUP_ROW = "  warm-up"  # the warm-up's row, under its configuration's
+
+
+def window_title(workload: dict[str, Any]) -> str:
+    """A few words for a table's title that tell a warmed run from a cold one."""
+    warmup_s = workload.get("warmup_s") or 0
+    if warmup_s > 0:
+        return f"measured window {workload['duration_s']:g} s after a {warmup_s:g} s warm-up"
+    return f"measured {workload['duration_s']:g} s from a cold start, no warm-up"
+
+
+def window_line(workload: dict[str, Any]) -> str:
+    """The measured window and the warm-up in full (a report older than warm-ups had none)."""
+    trace = (workload.get("window") or {}).get("trace_s")
+    where = f" (trace {trace[0]:.0f}-{trace[1]:.0f} s)" if trace else ""
+    line = f"Measured window: {workload['duration_s']:g} s, {workload['requests']} requests{where}. "
+    warmup_s = workload.get("warmup_s") or 0
+    if warmup_s <= 0:
+        return line + (
+            "No warm-up: the window starts cold, every function's first request a cold start of a "
+            "function the platform has never seen."
+        )
+    wtrace = (workload.get("window") or {}).get("warmup_trace_s")
+    wwhere = f" (trace {wtrace[0]:.0f}-{wtrace[1]:.0f} s)" if wtrace else ""
+    return line + (
+        f"Warm-up before it: {warmup_s:g} s, {workload.get('warmup_requests', 0)} requests{wwhere}, sent "
+        "the same way and left out of every figure but its own 'warm-up' rows; GPU-seconds, peaks and "
+        "cost are the window's."
+    )
+
+
 def render(report: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     w = report["workload"]
+    warmed = (w.get("warmup_s") or 0) > 0
     console.rule(
         f"replay: {w['trace']} trace ({w['workload_class']}, CoV {w['interarrival_cov']}), {w['requests']} "
-        f"requests over {w['duration_s']:g} s onto {w['functions']} functions"
+        f"requests over {w['duration_s']:g} s onto {w['functions']} functions; {window_title(w)}"
     )
-    lat = Table(title="Latency per configuration (ms; SLO = each function's spec.slo.ttftMs)")
+    lat = Table(
+        title=f"Latency per configuration, {window_title(w)} (ms; SLO = each function's spec.slo.ttftMs)",
+        caption=window_line(w),
+        caption_justify="left",
+    )
     columns = ("config", "req", "ok", "err", "TTFT p50", "p90", "p99", "TPOT p50", "E2E p50", "p99", "SLO")
     for col in columns:
         lat.add_column(col, justify="left" if col == "config" else "right")
-    res = Table(title="Paths and resources per configuration")
+    res = Table(title=f"Paths and resources per configuration, {window_title(w)}")
     for col in ("config", "warm", "standby", "fresh", "queued", "GPU-s", "peak GiB", "cost $", "CE×"):
         res.add_column(col, justify="left" if col == "config" else "right")
     ce = report["comparison"]["cost_effectiveness"]
@@ -164,6 +207,19 @@ def render(report: dict[str, Any], console: Console | None = None) -> None:
             f"{run['gpu_seconds']:.1f}", f"{run['peak_held_mib'] / 1024:.1f}", f"{run['cost_usd']:.4f}",
             _x(ce.get(run["config"])),
         )  # fmt: skip
+        if warmed and run.get("warmup"):  # the warm-up's own figures, under its configuration's row
+            wo = run["warmup"]["summary"]["overall"]
+            lat.add_row(
+                WARMUP_ROW, str(wo["requests"]), str(wo["answered"]), str(wo["errors"]),
+                _ms(wo["ttft_ms"]["p50"]), _ms(wo["ttft_ms"]["p90"]), _ms(wo["ttft_ms"]["p99"]),
+                _ms(wo["tpot_ms"]["p50"]), _ms(wo["e2e_ms"]["p50"]), _ms(wo["e2e_ms"]["p99"]),
+                _pct(wo["slo_violation_rate"]), style="dim",
+            )  # fmt: skip
+            wp = wo["paths"]
+            res.add_row(
+                WARMUP_ROW, *(str(wp.get(k, 0)) for k in ("warm", "standby", "fresh", "queued")),
+                "-", "-", "-", "-", style="dim",
+            )  # fmt: skip
     console.print(lat)
     console.print(res)
 

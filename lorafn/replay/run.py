@@ -43,6 +43,7 @@ from lorafn.replay.trace import (
     load_questions,
     parse_trace,
     plan_requests,
+    window_facts,
 )
 
 
@@ -105,7 +106,12 @@ def _git_commit() -> str:
 
 
 def _drive_with_progress(
-    plan: list[PlannedRequest], target: Target, options: DriveOptions, label: str, console: Console
+    plan: list[PlannedRequest],
+    target: Target,
+    options: DriveOptions,
+    label: str,
+    console: Console,
+    warmup_s: float,
 ) -> Drive:
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -117,8 +123,18 @@ def _drive_with_progress(
             drive(
                 plan, target, options,
                 on_sent=lambda: progress.advance(sent), on_done=lambda: progress.advance(done),
+                warmup_s=warmup_s,
             )
         )  # fmt: skip
+
+
+def _requests_json(result: Drive) -> dict[str, list[dict[str, Any]]]:
+    """`requests`: the measured window's (what every figure is made of, as before warm-ups existed);
+    `warmup_requests`: the warm-up's, kept apart so that no reader of `requests` counts them."""
+    return {
+        "requests": [r.to_json() for r in result.results if not r.warmup],
+        "warmup_requests": [r.to_json() for r in result.results if r.warmup],
+    }
 
 
 def _device_bytes(device: str, settings: dict[str, Any]) -> dict[str, int]:
@@ -172,7 +188,9 @@ def _run_managed(
             console.print(f"[yellow]{config.name}: not settled after {m.settle_timeout_s:g} s: {settled}[/]")
         setup_s = time.monotonic() - started
         target = Target(state.gateway_url, keys, state.redis_url, state.key_prefix)
-        result = _drive_with_progress(plan, target, options.drive, config.name, console)
+        result = _drive_with_progress(
+            plan, target, options.drive, config.name, console, options.plan.warmup_s
+        )
     finally:
         platform.stop()
     assign_paths(result.results, result.events)
@@ -193,7 +211,7 @@ def _run_managed(
         "log": str(platform.log_path),
         **figures,
         "bound_events": [e.__dict__ for e in result.events],
-        "requests": [r.to_json() for r in result.results],
+        **_requests_json(result),
     }
 
 
@@ -201,7 +219,7 @@ def _run_external(
     options: ReplayOptions, e: External, plan: list[PlannedRequest], functions: list[str], console: Console
 ) -> dict[str, Any]:
     target = Target(e.gateway_url, e.api_keys, e.redis_url, e.key_prefix)
-    result = _drive_with_progress(plan, target, options.drive, "external", console)
+    result = _drive_with_progress(plan, target, options.drive, "external", console, options.plan.warmup_s)
     assign_paths(result.results, result.events)
     gpus = sorted({w.gpu for s in result.samples for w in s.workers if w.gpu}) or ["local/0"]
     device_bytes = dict.fromkeys(gpus, int(e.device_memory_gib * 1024 * MiB))
@@ -220,7 +238,7 @@ def _run_external(
         "duration_s": result.duration_s,
         **figures,
         "bound_events": [ev.__dict__ for ev in result.events],
-        "requests": [r.to_json() for r in result.results],
+        **_requests_json(result),
     }
 
 
@@ -240,6 +258,8 @@ def run_replay(options: ReplayOptions, console: Console | None = None) -> dict[s
     else:
         functions = function_names(options.plan.num_functions)
     plan = plan_requests(rows, questions, functions, options.plan)
+    warmup = [p for p in plan if p.warmup]
+    window = window_facts(rows, options.plan)
     options.out_dir.mkdir(parents=True, exist_ok=True)
     workload = {
         "trace": options.trace.stem.replace("azure_llm_2023_", ""),
@@ -249,12 +269,24 @@ def run_replay(options: ReplayOptions, console: Console | None = None) -> dict[s
         "duration_s": options.plan.duration_s,
         **describe_plan(plan, options.plan.duration_s),
         "plan_options": options.plan.__dict__,
-        "function_share": {fn: sum(p.function == fn for p in plan) for fn in functions},
+        "function_share": {fn: sum(p.function == fn and not p.warmup for p in plan) for fn in functions},
+        "warmup_s": options.plan.warmup_s,
+        "warmup_requests": len(warmup),
+        "warmup_functions_used": len({p.function for p in warmup}),
+        "window": window,
     }
+    a, b = window["trace_s"]
     console.print(
         f"{workload['requests']} requests ({workload['workload_class']}, CoV {workload['interarrival_cov']}) "
-        f"over {options.plan.duration_s:g} s onto {len(functions)} functions"
+        f"over {options.plan.duration_s:g} s (trace {a:.0f}-{b:.0f} s) onto {len(functions)} functions"
     )
+    if warmup:
+        wa, wb = window["warmup_trace_s"]
+        console.print(
+            f"warm-up first: {len(warmup)} requests over {options.plan.warmup_s:g} s (trace "
+            f"{wa:.0f}-{wb:.0f} s, {workload['warmup_functions_used']} functions), sent like the rest and "
+            "left out of every figure of the measured window"
+        )
     runs: list[dict[str, Any]] = []
     if options.managed is not None:
         m = options.managed
@@ -311,6 +343,20 @@ def finish(report: dict[str, Any], out_dir: Path, plots: bool, console: Console)
     return report
 
 
+# A report written before warm-ups existed has none of these: it ran without one.
+_NO_WARMUP = {"warmup_s": 0.0, "warmup_requests": 0, "warmup_functions_used": 0}
+
+
+def _comparable_workload(workload: dict[str, Any]) -> dict[str, Any]:
+    """What must be equal for two reports to be one replay: the workload less the file paths (which may
+    differ between machines; the plan may not) and the derived trace window, with a report older than
+    warm-ups read as one without."""
+    w = {k: v for k, v in workload.items() if not k.endswith("_file") and k != "window"}
+    w = {**_NO_WARMUP, **w}
+    w["plan_options"] = {"warmup_s": 0.0, **(w.get("plan_options") or {})}
+    return w
+
+
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from several runs of the same workload (e.g. the configurations split over several
     commands to fit a time limit): configurations in the order given, a name seen twice keeps the first.
@@ -321,9 +367,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     for other in reports[1:]:
         for key in ("workload", "usd_per_gpu_hour"):
             a, b = first.get(key), other.get(key)
-            if key == "workload":  # file paths may differ between machines; the plan may not
-                a = {k: v for k, v in (a or {}).items() if not k.endswith("_file")}
-                b = {k: v for k, v in (b or {}).items() if not k.endswith("_file")}
+            if key == "workload":
+                a, b = _comparable_workload(a or {}), _comparable_workload(b or {})
             if a != b:
                 raise ValueError(f"reports: {key} differs between the files; they are not one replay")
     configs: list[dict[str, Any]] = []

@@ -17,11 +17,14 @@ QUANTILES = (50, 90, 99)
 # `bound` event the replay could match (e.g. the run ended first); `none`: it never reached a worker.
 PATHS = ("warm", "standby", "fresh", "queued", "cold", "none")
 MiB = 1 << 20
+# The replay's clock: 0 is the measured window's start; a warm-up runs at negative times before it.
+WINDOW_START_S = 0.0
 
 
 @dataclass
 class RequestResult:
-    """One request as the client saw it. Times are seconds from the replay's start; durations in ms."""
+    """One request as the client saw it. Times are seconds from the measured window's start (negative:
+    the warm-up before it); durations in ms."""
 
     index: int
     function: str
@@ -36,6 +39,7 @@ class RequestResult:
     completion_tokens: int | None = None
     error: str | None = None  # set for every request that did not end with a complete answer
     path: str = "none"
+    warmup: bool = False  # sent in the warm-up before the measured window: none of its figures
 
     @property
     def ok(self) -> bool:
@@ -70,7 +74,7 @@ class WorkerSample:
 
 @dataclass
 class Sample:
-    """The platform at one instant (seconds from the replay's start)."""
+    """The platform at one instant (seconds from the measured window's start; negative in the warm-up)."""
 
     t_s: float
     workers: list[WorkerSample] = field(default_factory=list)
@@ -204,17 +208,23 @@ def gpu_seconds(
     backbone_bytes: dict[str, int],
     shared: bool,
     worker_overhead_bytes: int = 0,
+    start_s: float | None = None,
 ) -> float:
-    """∫ Σ_devices min(1, held / device size) dt over [first sample, end_s]: a GPU held whole for a second
-    is one GPU-second; half its memory for a second, half of one (what a GPU shared by functions costs
-    each). Each sample holds until the next (step function)."""
+    """∫ Σ_devices min(1, held / device size) dt over [first sample, end_s], or over [start_s, end_s] when
+    given (the measured window after a warm-up): a GPU held whole for a second is one GPU-second; half its
+    memory for a second, half of one (what a GPU shared by functions costs each). Each sample holds until
+    the next (step function), so the sample in force at `start_s` counts from `start_s` on and the
+    samples before it count for nothing else."""
     if not samples:
         return 0.0
     ordered = sorted(samples, key=lambda s: s.t_s)
     total = 0.0
     for s, nxt in zip(ordered, [*ordered[1:], None], strict=True):
+        since = s.t_s if start_s is None else max(s.t_s, start_s)
         until = end_s if nxt is None else nxt.t_s
-        dt = max(0.0, until - s.t_s)
+        dt = max(0.0, until - since)
+        if dt == 0.0:
+            continue
         held = held_bytes(s, list(device_bytes), backbone_bytes, shared, worker_overhead_bytes)
         total += dt * sum(min(1.0, held.get(d, 0) / size) for d, size in device_bytes.items() if size > 0)
     return total

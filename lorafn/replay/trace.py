@@ -5,6 +5,10 @@ rows over one hour. A replay takes `rate × duration` consecutive rows from a st
 compresses their timestamps linearly so that they span `duration`: the mean rate is the target and the
 shape of the arrivals (bursts, gaps, hence the inter-arrival CoV) is the trace's own. Each request goes to
 one of N functions drawn from a Zipf-like popularity (function 0 the most popular), seeded.
+
+A warm-up (`PlanOptions.warmup_s`) prepends the trace rows just before that window, scaled by the window's
+own factor, so that the platform has seen traffic (and the controller arrival history) when the measured
+window opens; the window's requests are exactly those of the same replay without a warm-up.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +51,8 @@ class PlannedRequest:
     prompt: str
     prompt_tokens: int  # wanted (from the trace, capped), not necessarily what the tokenizer makes of it
     max_tokens: int
+    # sent before the measured window (at_s < 0, index < 0): excluded from every figure of the window
+    warmup: bool = False
 
 
 def _parse_timestamp(text: str) -> float:
@@ -97,11 +104,21 @@ def workload_class(cov: float) -> str:
     return "normal" if cov <= NORMAL_MAX_COV else "bursty"
 
 
-def select_and_scale(
-    rows: Sequence[TraceRow], start_s: float, rate_rps: float, duration_s: float
-) -> list[tuple[float, TraceRow]]:
-    """`round(rate × duration)` consecutive rows from `start_s` on, with arrival times (seconds from 0)
-    stretched linearly so that the span from the first to the row after the last is `duration_s`."""
+@dataclass(frozen=True)
+class Window:
+    """Where a replay's measured window lies in the trace: rows `[first, first + count)`, the first at
+    `t0_s` trace seconds; the row after the last (`t_end_s`) closes the span, which is stretched by
+    `factor` (replay seconds per trace second) to last the replay's duration."""
+
+    first: int
+    count: int
+    t0_s: float
+    t_end_s: float
+    factor: float
+
+
+def scale_window(rows: Sequence[TraceRow], start_s: float, rate_rps: float, duration_s: float) -> Window:
+    """The measured window: `round(rate × duration)` consecutive rows from `start_s` on."""
     if rate_rps <= 0:
         raise ValueError(f"rate: {rate_rps} requests/s must be > 0")
     if duration_s <= 0:
@@ -119,8 +136,38 @@ def select_and_scale(
     t0, t_end = window[0].at_s, window[-1].at_s
     if t_end <= t0:
         raise ValueError(f"trace rows from {start_s:g} s all share one timestamp: cannot scale them")
-    factor = duration_s / (t_end - t0)
-    return [((r.at_s - t0) * factor, r) for r in window[:count]]
+    return Window(first, count, t0, t_end, duration_s / (t_end - t0))
+
+
+def select_and_scale(
+    rows: Sequence[TraceRow], start_s: float, rate_rps: float, duration_s: float
+) -> list[tuple[float, TraceRow]]:
+    """`round(rate × duration)` consecutive rows from `start_s` on, with arrival times (seconds from 0)
+    stretched linearly so that the span from the first to the row after the last is `duration_s`."""
+    w = scale_window(rows, start_s, rate_rps, duration_s)
+    return [((r.at_s - w.t0_s) * w.factor, r) for r in rows[w.first : w.first + w.count]]
+
+
+def select_warmup(
+    rows: Sequence[TraceRow], start_s: float, rate_rps: float, duration_s: float, warmup_s: float
+) -> list[tuple[float, TraceRow]]:
+    """The rows before the measured window whose times, scaled by the window's own factor (so the
+    warm-up has the window's scale: a busier stretch of trace sends more), fall in [-warmup_s, 0):
+    `warmup_s` is replay (wall-clock) seconds, `warmup_s / factor` seconds of trace."""
+    if warmup_s < 0:
+        raise ValueError(f"warm-up: {warmup_s} s must be >= 0")
+    w = scale_window(rows, start_s, rate_rps, duration_s)
+    if warmup_s == 0:
+        return []
+    needed_trace_s = warmup_s / w.factor
+    if needed_trace_s > w.t0_s - rows[0].at_s:
+        raise ValueError(
+            f"warm-up: {warmup_s:g} s at this scaling (×{w.factor:.3g}) needs {needed_trace_s:.0f} s of "
+            f"trace before the window, which starts {w.t0_s - rows[0].at_s:.0f} s into the trace: lower "
+            "--warmup-s or raise --trace-start"
+        )
+    out = [((r.at_s - w.t0_s) * w.factor, r) for r in rows[: w.first]]
+    return [(t, r) for t, r in out if t >= -warmup_s]
 
 
 def zipf_weights(num_functions: int, exponent: float) -> np.ndarray:
@@ -133,9 +180,17 @@ def zipf_weights(num_functions: int, exponent: float) -> np.ndarray:
     return w / w.sum()
 
 
-def assign_functions(count: int, num_functions: int, exponent: float, seed: int) -> list[int]:
-    """A function index for each of `count` requests, drawn from `zipf_weights` with `seed`."""
-    rng = np.random.default_rng(seed)
+# `assign_functions` streams: the measured window draws from `seed` alone (as before warm-ups existed), the
+# warm-up from an independent stream of the same seed, so a warm-up never changes the window's functions.
+WINDOW_STREAM, WARMUP_STREAM = 0, 1
+
+
+def assign_functions(
+    count: int, num_functions: int, exponent: float, seed: int, stream: int = WINDOW_STREAM
+) -> list[int]:
+    """A function index for each of `count` requests, drawn from `zipf_weights` with `seed` (and a
+    `stream` other than the window's: an independent draw of the same popularity)."""
+    rng = np.random.default_rng(seed if stream == WINDOW_STREAM else [seed, stream])
     return [int(i) for i in rng.choice(num_functions, size=count, p=zipf_weights(num_functions, exponent))]
 
 
@@ -187,6 +242,7 @@ class PlanOptions:
     max_prompt_tokens: int = 512
     max_output_tokens: int = 64
     prompt_from_trace: bool = True  # False: the GSM8K question alone, whatever the trace's context size
+    warmup_s: float = 0.0  # replay seconds of the trace before the window, sent first, measured apart
 
 
 def function_names(num_functions: int, namespace: str = "replay") -> list[str]:
@@ -207,23 +263,49 @@ def plan_requests(
     arrivals = select_and_scale(rows, options.trace_start_s, options.rate_rps, options.duration_s)
     which = assign_functions(len(arrivals), options.num_functions, options.zipf_exponent, options.seed)
     offset = int(np.random.default_rng(options.seed + 1).integers(len(questions)))
-    out = []
-    for i, ((at, row), fn) in enumerate(zip(arrivals, which, strict=True)):
+
+    def planned(index: int, at: float, row: TraceRow, fn: int, warmup: bool) -> PlannedRequest:
         prompt_tokens = max(1, min(row.context_tokens, options.max_prompt_tokens))
-        prompt = build_prompt(questions, offset + i, prompt_tokens if options.prompt_from_trace else 0)
+        prompt = build_prompt(questions, offset + index, prompt_tokens if options.prompt_from_trace else 0)
         max_tokens = max(1, min(row.generated_tokens, options.max_output_tokens))
-        out.append(PlannedRequest(i, at, functions[fn], prompt, prompt_tokens, max_tokens))
+        return PlannedRequest(index, at, functions[fn], prompt, prompt_tokens, max_tokens, warmup)
+
+    early = select_warmup(rows, options.trace_start_s, options.rate_rps, options.duration_s, options.warmup_s)
+    early_which = assign_functions(
+        len(early), options.num_functions, options.zipf_exponent, options.seed, WARMUP_STREAM
+    )
+    # warm-up request j of n is index j - n (-n..-1): time order, and the prompts run on into the window's
+    # (question offset - 1 just before offset + 0)
+    out = [
+        planned(j - len(early), at, row, fn, True)
+        for j, ((at, row), fn) in enumerate(zip(early, early_which, strict=True))
+    ]
+    out += [
+        planned(i, at, row, fn, False) for i, ((at, row), fn) in enumerate(zip(arrivals, which, strict=True))
+    ]
     return out
 
 
+def window_facts(rows: Sequence[TraceRow], options: PlanOptions) -> dict[str, Any]:
+    """Where the measured window and the warm-up lie in the trace (trace seconds), and the scale."""
+    w = scale_window(rows, options.trace_start_s, options.rate_rps, options.duration_s)
+    return {
+        "trace_s": [round(w.t0_s, 3), round(w.t_end_s, 3)],
+        "warmup_trace_s": [round(w.t0_s - options.warmup_s / w.factor, 3), round(w.t0_s, 3)],
+        "factor": round(w.factor, 6),  # replay seconds per trace second
+    }
+
+
 def describe_plan(plan: Sequence[PlannedRequest], duration_s: float) -> dict[str, float | int | str]:
-    """Counts and shape of a plan: requests, mean rate, inter-arrival CoV and its workload class."""
-    times = [p.at_s for p in plan]
+    """Counts and shape of a plan's measured window (its warm-up left out): requests, mean rate,
+    inter-arrival CoV and its workload class."""
+    window = [p for p in plan if not p.warmup]
+    times = [p.at_s for p in window]
     cov = interarrival_cov(times)
     return {
-        "requests": len(plan),
-        "rate_rps": len(plan) / duration_s if duration_s > 0 else math.nan,
+        "requests": len(window),
+        "rate_rps": len(window) / duration_s if duration_s > 0 else math.nan,
         "interarrival_cov": round(cov, 3),
         "workload_class": workload_class(cov),
-        "functions_used": len({p.function for p in plan}),
+        "functions_used": len({p.function for p in window}),
     }

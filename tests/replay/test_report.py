@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
-from lorafn.replay.report import compare, config_figures, render
+from lorafn.replay.cli import app
+from lorafn.replay.report import compare, config_figures, render, window_line
 from lorafn.replay.run import merge_reports
 from lorafn.replay.stats import MiB, RequestResult, Sample, WorkerSample
+
+# a report written before warm-ups existed (commit 5918dfd, H100, full and no-sharing): no warm-up fields
+OLD_REPORT = Path(__file__).resolve().parents[2] / "docs" / "img" / "replay-h100-5918dfd" / "replay.json"
 
 
 def _run(name: str, ttft: float, e2e: float, mem_mib: int) -> dict:
@@ -62,3 +69,89 @@ def test_merge_reports_keeps_one_workload_and_the_first_run_of_each_config() -> 
         merge_reports([a, {**b, "usd_per_gpu_hour": 3.0}])
     with pytest.raises(ValueError, match="none given"):
         merge_reports([])
+
+
+def _workload(warmup_s: float = 0.0, warmup_requests: int = 0) -> dict:
+    return {"trace": "code", "workload_class": "normal", "interarrival_cov": 1.1, "requests": 4,
+            "duration_s": 10.0, "functions": 1, "plan_options": {"seed": 0, "warmup_s": warmup_s},
+            "warmup_s": warmup_s, "warmup_requests": warmup_requests,
+            "warmup_functions_used": min(1, warmup_requests),
+            "window": {"trace_s": [600.0, 612.5], "warmup_trace_s": [590.0, 600.0], "factor": 0.8},
+            }  # fmt: skip
+
+
+def test_a_warmed_run_says_so_in_its_tables_and_shows_the_warmup_apart() -> None:
+    warm = [
+        RequestResult(-1, "a/x", -2.0, -2.0, 200, True, "r", 7777, 8000, 10, 4, path="fresh", warmup=True)
+    ]
+    window = [RequestResult(i, "a/x", i, i, 200, False, "r", 120, 400, 10, 4) for i in range(4)]
+    samples = [Sample(-2.0, []), Sample(0.0, [WorkerSample("w", "serving", "a/x", "g0", "bb", 100 * MiB)])]
+    figures = config_figures(
+        warm + window, samples, 10.0, {"a/x": 1000.0}, {"g0": 1000 * MiB}, {"bb": 100 * MiB}, True, 0, 3.6
+    )
+    run = {"config": "full", **figures}
+    report = {"workload": _workload(10.0, 1), "configs": [run], "comparison": compare([run])}
+    out = io.StringIO()
+    render(report, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "measured window 10 s after a 10 s warm-up" in text
+    words = " ".join(text.split())  # the caption under the table wraps at its width
+    assert "Warm-up before it: 10 s, 1 requests (trace 590-600 s)" in words
+    (lat_warm, res_warm) = [line for line in text.splitlines() if "warm-up " in line and "│" in line]
+    assert "7,777" in lat_warm and "100%" in lat_warm  # its TTFT, over the 1000 ms SLO
+    cells = [c.strip() for c in res_warm.split("│")]
+    assert cells[1:6] == ["warm-up", "0", "0", "1", "0"]  # its one fresh path
+    # without a warm-up the tables say the window starts cold, and there is no warm-up row
+    cold_run = {"config": "full", **config_figures(
+        window, samples[1:], 10.0, {"a/x": 1000.0}, {"g0": 1000 * MiB}, {"bb": 100 * MiB}, True, 0, 3.6
+    )}  # fmt: skip
+    out = io.StringIO()
+    render({"workload": _workload(), "configs": [cold_run], "comparison": compare([cold_run])},
+           Console(file=out, width=200))  # fmt: skip
+    text = out.getvalue()
+    assert "from a cold start, no warm-up" in " ".join(text.split())
+    assert not [line for line in text.splitlines() if "warm-up" in line and "│" in line]
+    assert window_line({"duration_s": 60, "requests": 9}).startswith("Measured window: 60 s, 9 requests. No")
+
+
+def test_merge_reads_a_report_older_than_warmups_as_one_without() -> None:
+    old_workload = {k: v for k, v in _workload().items() if not k.startswith("warmup") and k != "window"}
+    old_workload["plan_options"] = {"seed": 0}
+    old = {"workload": old_workload, "usd_per_gpu_hour": 2.0, "configs": [{"config": "full"}]}
+    new = {"workload": _workload(), "usd_per_gpu_hour": 2.0, "configs": [{"config": "always-on"}]}
+    assert [c["config"] for c in merge_reports([old, new])["configs"]] == ["full", "always-on"]
+    warmed = {**new, "workload": _workload(120.0, 480)}
+    with pytest.raises(ValueError, match="workload differs"):
+        merge_reports([old, warmed])
+
+
+@pytest.mark.skipif(not OLD_REPORT.exists(), reason="the committed H100 report is absent")
+def test_bench_report_merges_files_written_before_warmups(tmp_path: Path) -> None:
+    old = json.loads(OLD_REPORT.read_text())
+    assert "warmup_s" not in old["workload"] and all("warmup" not in c for c in old["configs"])
+    files = []
+    for c in old["configs"]:  # one file per configuration, as the device runs write them
+        path = tmp_path / f"{c['config']}.json"
+        path.write_text(json.dumps({**old, "configs": [c]}))
+        files.append(str(path))
+    done = CliRunner().invoke(app, ["report", *files, "--out", str(tmp_path / "merged")], terminal_width=200)
+    assert done.exit_code == 0, done.output
+    merged = json.loads((tmp_path / "merged" / "replay.json").read_text())
+    assert [c["config"] for c in merged["configs"]] == [c["config"] for c in old["configs"]]
+    assert "from a cold start, no warm-up" in " ".join(done.output.split())
+    assert not [line for line in done.output.splitlines() if "warm-up" in line and "│" in line]
+    assert (tmp_path / "merged" / "workers_memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_workers_plot_marks_the_window_start_after_a_warmup() -> None:
+    from lorafn.replay.plots import WINDOW_START_LABEL, workers_figure
+
+    series = {"t_s": [-5.0, 0.0, 5.0], "bound": [3, 1, 1], "standby": [0, 1, 1], "held_mib": [900, 400, 400]}
+    runs = [{"config": "full", "series": series}]
+    for warmup_s, marked in ((5.0, True), (0.0, False)):
+        fig = workers_figure({"workload": {"warmup_s": warmup_s}, "configs": runs})
+        for ax in fig.axes:
+            lines = [ln for ln in ax.get_lines() if ln.get_label() == WINDOW_START_LABEL]
+            assert len(lines) == int(marked)
+            if marked:
+                assert list(lines[0].get_xdata()) == [0.0, 0.0]

@@ -6,7 +6,7 @@ import pytest
 
 from lorafn.replay import paper
 from lorafn.replay.configs import CONFIGS, DEFAULT_CONFIGS, resolve, select_configs
-from lorafn.replay.report import peak_in_flight, throughput
+from lorafn.replay.report import config_figures, peak_in_flight, throughput
 from lorafn.replay.stats import (
     BoundEvent,
     MiB,
@@ -110,6 +110,51 @@ def test_held_bytes_and_gpu_seconds() -> None:
     series = worker_series(samples)
     assert series["bound"] == [1, 0, 1] and series["standby"] == [1, 0, 0]
     assert series["worker_mib"] == [150, 0, 2000]
+
+
+def test_gpu_seconds_from_the_window_start_count_no_warmup_sample() -> None:
+    dev = {"g0": 1000 * MiB}
+    samples = [
+        _sample(-4.0, ("serving", "g0", 1000 * MiB)),  # warm-up only: the whole GPU, until -1
+        _sample(-1.0, ("serving", "g0", 500 * MiB)),  # in force at the window's start: counts from 0 to 1
+        _sample(1.0, ("serving", "g0", 250 * MiB)),  # 1 to 3
+    ]
+    assert gpu_seconds(samples, 3.0, dev, {}, True, start_s=0.0) == pytest.approx(1 * 0.5 + 2 * 0.25)
+    assert gpu_seconds(samples, 3.0, dev, {}, True) == pytest.approx(3 * 1.0 + 2 * 0.5 + 2 * 0.25)
+    # a start after every sample's time: only the last one, from the start on
+    assert gpu_seconds(samples, 3.0, dev, {}, True, start_s=2.0) == pytest.approx(0.25)
+
+
+def test_config_figures_are_the_measured_window_s_and_the_warmup_is_summarized_apart() -> None:
+    dev, bb = {"g0": 1000 * MiB}, {"bb": 100 * MiB}
+    warm = [
+        RequestResult(-2, "a/x", -3.0, -3.0, 200, True, "r", 9000, 9500, 10, 5, warmup=True),
+        RequestResult(-1, "a/x", -2.0, -2.0, 0, None, error="http 503: busy", e2e_ms=1, warmup=True),
+    ]
+    window = [_ok("a/x", 0.5, 100, 400), _ok("a/x", 1.0, 3000, 3500)]
+    samples = [
+        _sample(-3.5, ("serving", "g0", 900 * MiB), ("serving", "g0", 900 * MiB)),  # the start-up burst
+        _sample(-0.5, ("serving", "g0", 200 * MiB)),
+        _sample(2.0, ("serving", "g0", 100 * MiB), ("standby", "g0", 100 * MiB)),
+    ]
+    f = config_figures(warm + window, samples, 4.0, {"a/x": 2500.0}, dev, bb, True, 0, 3.6)
+    o = f["summary"]["overall"]
+    assert (o["requests"], o["answered"], o["slo_violations"]) == (2, 2, 1)
+    assert o["ttft_ms"]["p50"] == pytest.approx(1550)
+    wo = f["warmup"]["summary"]["overall"]
+    assert (wo["requests"], wo["answered"], wo["errors"], wo["slo_violations"]) == (2, 1, 1, 2)
+    assert wo["ttft_ms"]["p50"] == pytest.approx(9000)
+    # 0-2 s: (200 + 100 backbone) / 1000; 2-4 s: (200 + 100) / 1000; the burst before 0 counts nothing
+    assert f["gpu_seconds"] == pytest.approx(2 * 0.3 + 2 * 0.3)
+    assert f["cost_usd"] == pytest.approx(1.2 / 3600 * 3.6)
+    assert f["row"]["gpu_seconds"] == f["gpu_seconds"]
+    assert f["peak_held_mib"] == pytest.approx(300) and f["peak_workers"] == 2  # not the burst's 1900 / 2
+    # the window's requests only (the warm-up's first one, open from -3 to 6.5 s, would make it 2)
+    assert f["throughput"]["peak_in_flight"] == 1
+    assert f["throughput"]["requests_per_s"] == pytest.approx(2 / 4.0)  # 0.5 s to 4.5 s
+    assert f["series"]["t_s"] == [-3.5, -0.5, 2.0]  # the plots keep the warm-up
+    cold = config_figures(window, samples[2:], 4.0, {"a/x": 2500.0}, dev, bb, True, 0, 3.6)
+    assert cold["warmup"]["summary"]["overall"]["requests"] == 0
 
 
 def test_cost_and_cost_effectiveness() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from lorafn.replay.trace import (
     CHARS_PER_TOKEN,
+    WARMUP_STREAM,
     PlanOptions,
     TraceRow,
     assign_functions,
@@ -20,7 +21,10 @@ from lorafn.replay.trace import (
     load_questions,
     parse_trace,
     plan_requests,
+    scale_window,
     select_and_scale,
+    select_warmup,
+    window_facts,
     workload_class,
     zipf_weights,
 )
@@ -161,3 +165,67 @@ def test_plan_requests_is_deterministic_and_capped() -> None:
         plan_requests(rows, qs, fns[:2], opts)
     with pytest.raises(ValueError, match="max prompt/output"):
         plan_requests(rows, qs, fns, PlanOptions(3, 4.0, 10.0, max_output_tokens=0))
+
+
+def _bursty_rows(n: int) -> list[TraceRow]:
+    """n rows with uneven gaps (bursts and pauses), token counts varying by row."""
+    rng = np.random.default_rng(3)
+    times = np.cumsum(rng.exponential(1.0, n) * rng.choice([0.1, 1.0, 5.0], n))
+    return [TraceRow(float(t - times[0]), 100 + 37 * (i % 50), 1 + i % 90) for i, t in enumerate(times)]
+
+
+def test_warmup_is_the_trace_before_the_window_at_its_scale_and_leaves_the_window_as_it_was() -> None:
+    rows = _bursty_rows(600)
+    qs = [f"question {i}: how many apples does Ann have" for i in range(37)]
+    fns = function_names(5)
+    base = PlanOptions(5, rate_rps=3.0, duration_s=40.0, trace_start_s=rows[300].at_s, seed=4,
+                       max_prompt_tokens=64, max_output_tokens=16)  # fmt: skip
+    cold = plan_requests(rows, qs, fns, base)
+    warmed = plan_requests(rows, qs, fns, PlanOptions(**{**base.__dict__, "warmup_s": 25.0}))
+    window = [p for p in warmed if not p.warmup]
+    warmup = [p for p in warmed if p.warmup]
+    # the measured window: exactly the requests (times, functions, prompts, sizes, indices) of the cold run
+    assert window == cold and not any(p.warmup for p in cold)
+    # the warm-up: the trace rows just before the window, at the window's own scale, in [-25, 0)
+    w = scale_window(rows, base.trace_start_s, 3.0, 40.0)
+    expected = [r for r in rows[: w.first] if (r.at_s - w.t0_s) * w.factor >= -25.0]
+    assert len(warmup) == len(expected) > 10
+    assert [p.at_s for p in warmup] == pytest.approx([(r.at_s - w.t0_s) * w.factor for r in expected])
+    assert all(-25.0 <= p.at_s < 0 for p in warmup)
+    assert [p.index for p in warmup] == list(range(-len(warmup), 0))  # in time order, before window's 0..
+    assert [p.max_tokens for p in warmup] == [min(r.generated_tokens, 16) for r in expected]
+    assert [p.prompt_tokens for p in warmup] == [min(r.context_tokens, 64) for r in expected]
+    # sent first: the plan is in time order, the warm-up before the window
+    assert warmed == sorted(warmed, key=lambda p: p.at_s) and warmed[: len(warmup)] == warmup
+    # its functions are drawn from the same popularity by a stream of their own, not the window's draws
+    assert [fns.index(p.function) for p in warmup] == assign_functions(len(warmup), 5, 1.0, 4, WARMUP_STREAM)
+    # the count is what the trace had there, not rate × warm-up: its own shape, as the window keeps its
+    assert describe_plan(warmed, 40.0) == describe_plan(cold, 40.0)
+    facts = window_facts(rows, PlanOptions(**{**base.__dict__, "warmup_s": 25.0}))
+    assert facts["trace_s"] == [pytest.approx(w.t0_s, abs=1e-3), pytest.approx(w.t_end_s, abs=1e-3)]
+    assert facts["warmup_trace_s"][0] == pytest.approx(w.t0_s - 25.0 / w.factor, abs=1e-3)
+
+
+def test_warmup_refuses_what_the_trace_cannot_give() -> None:
+    rows = _bursty_rows(300)
+    start = rows[20].at_s
+    w = scale_window(rows, start, 2.0, 30.0)
+    history = w.t0_s * w.factor  # replay seconds of trace before the window at its scale
+    assert select_warmup(rows, start, 2.0, 30.0, 0.0) == []
+    assert len(select_warmup(rows, start, 2.0, 30.0, history)) == 20  # every row before: just fits
+    with pytest.raises(ValueError, match="--warmup-s or raise --trace-start"):
+        select_warmup(rows, start, 2.0, 30.0, history * 1.01)
+    with pytest.raises(ValueError, match="warm-up: -1"):
+        select_warmup(rows, start, 2.0, 30.0, -1.0)
+    opts = PlanOptions(2, 2.0, 30.0, trace_start_s=start, warmup_s=-1.0)
+    with pytest.raises(ValueError, match="warm-up"):
+        plan_requests(rows, ["q"], function_names(2), opts)
+
+
+def test_function_streams_are_independent_draws_of_one_popularity() -> None:
+    window = assign_functions(20_000, 4, 1.0, seed=7)
+    warm = assign_functions(20_000, 4, 1.0, seed=7, stream=WARMUP_STREAM)
+    assert window == assign_functions(20_000, 4, 1.0, seed=7, stream=0)  # the window's draws as before
+    assert warm != window
+    share = np.bincount(warm, minlength=4) / len(warm)
+    assert share == pytest.approx(zipf_weights(4, 1.0), abs=0.015)
