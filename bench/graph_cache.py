@@ -67,7 +67,11 @@ def child(cfg: dict) -> dict:
     while engine.capture_pending_graph():
         pass
     archives = runner.archives
+    from lorafn.runtime.gpu_memory import process_bytes
+
+    used = process_bytes(engine.device)  # the driver's figure for this process (context included)
     return {
+        "process_mib": None if used is None else used / 2**20,
         "at_start": at_start,
         "outcome": archives.outcome if archives is not None else "off",
         "written": bool(archives and archives.written),
@@ -190,12 +194,15 @@ def main() -> int:
         f"\nmodel {model}, {args.dtype}, shape {shape}, KV {args.kv_mib} MiB, "
         f"backbone server: {args.backbone}"
     )
-    print(f"{'engine':<48} {'archive':<10} {'buckets':>7} {'engine s':>9} {'graphs s':>9}  tokens")
+    print(f"{'engine':<48} {'archive':<10} {'buckets':>7} {'engine s':>9} {'graphs s':>9} {'MiB':>7}  tokens")
     for name, r in rows:
         graphs = r["startup_s"].get("graphs", 0.0) if r["at_start"] != "lazy" else r["restore_s"]
         same = r["tokens"] == ref["tokens"] and r["single"] == ref["single"]
         verdict = "equal" if same else "DIFFER"
-        cells = f"{r['outcome'][:10]:<10} {len(r['buckets']):>7} {r['engine_s']:>9.3f} {graphs:>9.3f}"
+        mib = f"{r['process_mib']:.0f}" if r.get("process_mib") is not None else "-"
+        cells = (
+            f"{r['outcome'][:10]:<10} {len(r['buckets']):>7} {r['engine_s']:>9.3f} {graphs:>9.3f} {mib:>7}"
+        )
         print(f"{name:<48} {cells}  {verdict}")
     cap = rows[0][1]["startup_s"].get("graphs", 0.0)
     res = statistics.median(r["startup_s"].get("graphs", 0.0) for r in restored)
