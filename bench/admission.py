@@ -1,12 +1,17 @@
-"""SLO-aware GPU admission, on and off, side by side in one run, through the real platform (`lorafn up`).
+"""SLO-aware GPU admission, on and off (and with decode gating), side by side in one run, through the
+real platform (`lorafn up`).
 
 N functions on one backbone and one device, each with its own TTFT SLO (cycled from --slos), all warm
 (minReplicas 1) before the traffic starts, so cold starts stay out of the comparison. The same bursty
 arrivals (the Azure LLM code trace, scaled to --rate over --duration-s, GSM8K prompts) are replayed
-open-loop over HTTP twice: once with cross-function admission (`gpu_admission: true`: the workers of the
-device share a prefill token budget, waiters served by deadline margin) and once without. Printed per
-function and overall: TTFT p50/p99, TPOT p50/p99, SLO violations (an error or a first token later than
-the function's SLO), throughput (completion tokens/s), and the budget's grants.
+open-loop over HTTP once per mode (`--modes`, default `on,off`): `on` with cross-function admission
+(`gpu_admission: true`: the workers of the device share a prefill token budget, waiters served by
+deadline margin), `off` without, `gate` with admission and decode gating (`LORAFN_DECODE_GATING`: while a
+tight function's urgent prefill runs, the other workers pause their decode steps, each at most its TPOT
+slack; docs/scheduler.md#decode-gating). Printed per function and overall: TTFT p50/p99, TPOT p50/p99, SLO
+violations (an error or a first token later than the function's SLO), throughput (completion tokens/s),
+the budget's grants, and per mode the gating counters (urgent grants, gated decode steps, their total and
+mean wait, pauses that ran to their bound).
 
     # CPU (tiny preset; minutes; ratios only on a shared 2-core machine)
     python bench/admission.py --preset tiny --device cpu --slos 300,2000,8000 --rate 3 --duration-s 20 \
@@ -20,6 +25,11 @@ the function's SLO), throughput (completion tokens/s), and the budget's grants.
         --slos 500,8000,8000 --rates 4,5,6 --duration-s 45 --trace-start-s 120 --max-prompt-tokens 512 \
         --max-tokens 128 --kv-mib 2048 --prefill-tokens 2048 --data-dir .data --workdir /tmp/adm \
         --json $OUT/admission.json
+    # the three modes side by side at one rate (each its own platform; ~8 min on an H100)
+    python bench/admission.py --model /tmp/llama-2-7b --device cuda --dtype bfloat16 --functions 8 \
+        --slos 500,8000,8000 --rates 10 --duration-s 45 --trace-start-s 120 --max-prompt-tokens 512 \
+        --max-tokens 128 --kv-mib 2048 --prefill-tokens 2048 --data-dir .data --workdir /tmp/adm \
+        --modes off,on,gate --json $OUT/admission.json
 
 `--rates` replays each rate in turn on the same platform of each mode (one start-up per mode; its records
 and figures per rate); `--prompt-size question` sends one GSM8K question per request instead of text of
@@ -100,25 +110,33 @@ def figures(
     }  # fmt: skip
 
 
+MODES = ("on", "off", "gate")  # admission; none; admission + decode gating
+
+
 def run_one(
     args: argparse.Namespace,
-    admission: bool,
+    mode: str,
     model_dir: Path,
     adapters: list[Path],
     plans: list[list[trace.PlannedRequest]],
     functions: list[str],
     slos: dict[str, int],
 ) -> list[dict[str, Any]]:
-    """One platform of one mode: warm up, then replay each plan (one per rate, in order, each after the
-    last one's answers came back); per plan its results and the budget's records during it."""
-    workdir = Path(args.workdir) / ("on" if admission else "off")
+    """One platform of one mode (`MODES`): warm up, then replay each plan (one per rate, in order, each
+    after the last one's answers came back); per plan its results, the budget's records during it and
+    the change of the gating counters."""
+    admission = mode != "off"
+    workdir = Path(args.workdir) / mode
     if workdir.exists():  # a repeat: a fresh platform each time
         shutil.rmtree(workdir)
     settings = {"device": args.device, "devices": 1, "gpu_admission": admission, "warm_pool": False}
     if args.device_memory_mib:
         settings["device_memory_mib"] = args.device_memory_mib
     env = {"LORAFN_GPU_PREFILL_TOKENS": str(args.prefill_tokens)} if args.prefill_tokens else {}
-    platform = ManagedPlatform(workdir, settings, env=env)  # the workers read the budget from the env
+    env["LORAFN_DECODE_GATING"] = "true" if mode == "gate" else "false"
+    if args.gate_tpot_ms:
+        env["LORAFN_GATE_TPOT_MS"] = str(args.gate_tpot_ms)
+    platform = ManagedPlatform(workdir, settings, env=env)  # the workers read these from the env
     keys = new_keys(functions)
     out: list[dict[str, Any]] = []
     try:
@@ -143,14 +161,15 @@ def run_one(
         seen: set[str] = set()
         budget_records(store, platform.keys, seen)  # the warm-up's
         for plan in plans:
-            print(
-                f"  admission {'on' if admission else 'off'}: replaying {len(plan)} requests ...", flush=True
-            )
+            print(f"  mode {mode}: replaying {len(plan)} requests ...", flush=True)
+            before = store.run(store_admission.gating_counters(platform.keys, "local/0"))
             done = asyncio.run(drive(plan, target, options))
             grants, releases = budget_records(store, platform.keys, seen)
             pending = sum(len(store.run(streams.pending(platform.keys, fn, 0))) for fn in functions)
+            after = store.run(store_admission.gating_counters(platform.keys, "local/0"))
+            gating = {k: v - before.get(k, 0.0) for k, v in after.items()}
             out.append({"results": done.results, "duration_s": done.duration_s, "grants": grants,
-                        "releases": releases, "pending": pending})  # fmt: skip
+                        "releases": releases, "pending": pending, "gating": gating})  # fmt: skip
     finally:
         platform.stop()
     return out
@@ -174,9 +193,9 @@ def budget_records(
 
 
 def summarize(
-    admission: bool, parts: list[dict[str, Any]], functions: list[str], slos: dict[str, int]
+    mode: str, parts: list[dict[str, Any]], functions: list[str], slos: dict[str, int]
 ) -> dict[str, Any]:
-    """The figures of one mode over its repeats (requests pooled, durations added)."""
+    """The figures of one mode over its repeats (requests pooled, durations added, counters summed)."""
     results = [r for p in parts for r in p["results"]]
     duration = sum(p["duration_s"] for p in parts)
     grants = [g for p in parts for g in p["grants"]]
@@ -184,8 +203,13 @@ def summarize(
     per_fn = {fn: figures([r for r in results if r.function == fn], slos[fn], duration) for fn in functions}
     overall = figures(results, {fn: float(s) for fn, s in slos.items()}, duration)
     contested = [g for g in grants if g.waiters > 1]
+    gating: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.get("gating", {}).items():
+            gating[k] = gating.get(k, 0.0) + v
     return {
-        "admission": admission, "overall": overall, "functions": per_fn, "duration_s": duration,
+        "mode": mode, "admission": mode != "off", "decode_gating": mode == "gate", "gating": gating,
+        "overall": overall, "functions": per_fn, "duration_s": duration,
         "repeats": len(parts), "grants": len(grants), "contested_grants": len(contested),
         "slot": slot_figures(grants, releases), "unanswered": sum(not r.ok for r in results),
         "pending_entries": sum(p["pending"] for p in parts), "results": [r.to_json() for r in results],
@@ -218,17 +242,29 @@ def _f(value: float | None, fmt: str = "{:.0f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def gating_line(gating: dict[str, float]) -> str:
+    """The gating counters of one mode: urgent grants, gated decode steps, their total and mean wait, how
+    many ran to their bound."""
+    steps, ms = gating.get("gated_steps", 0.0), gating.get("gated_ms", 0.0)
+    mean = ms / steps if steps else 0.0
+    return (
+        f"urgent grants {gating.get('urgent_grants', 0.0):.0f}, gated decode steps {steps:.0f}, waited "
+        f"{ms / 1000:.1f} s in all ({mean:.1f} ms each), {gating.get('timeouts', 0.0):.0f} ran to their bound"
+    )
+
+
 def render(
     runs: dict[str, dict[str, Any]], functions: list[str], slos: dict[str, int], title: str = ""
 ) -> None:
     cols = ["ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "slo_violations", "tokens_per_s", "errors"]
+    modes = list(runs)
     print()
     if title:
         print(title)
-    print(f"{'function (SLO ms)':<26}{'admission':<10}" + "".join(f"{c:>15}" for c in cols))
+    print(f"{'function (SLO ms)':<26}{'mode':<10}" + "".join(f"{c:>15}" for c in cols))
     rows = [(f"{fn} ({slos[fn]})", fn) for fn in functions] + [("all", None)]
     for label, fn in rows:
-        for name in ("on", "off"):
+        for name in modes:
             fig = runs[name]["overall"] if fn is None else runs[name]["functions"][fn]
             cells = []
             for c in cols:
@@ -241,19 +277,33 @@ def render(
                     else _f(v)
                 )
             print(f"{label:<26}{name:<10}" + "".join(f"{x:>15}" for x in cells))
-    on, off = runs["on"]["overall"], runs["off"]["overall"]
-    cost = 1 - on["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else None
     print()
-    print(f"grants: {runs['on']['grants']} ({runs['on']['contested_grants']} with several waiters); "
-          f"off: {runs['off']['grants']}")  # fmt: skip
-    slot = runs["on"]["slot"]
-    print("budget (on): " + ", ".join(f"{k} {_f(v, '{:.1f}')}" for k, v in slot.items()))
-    for name in ("on", "off"):
+    grants = "; ".join(f"{m}: {runs[m]['grants']} ({runs[m]['contested_grants']} with several waiters)"
+                       for m in modes)  # fmt: skip
+    print(f"grants: {grants}")
+    for name in modes:
+        if runs[name]["admission"]:
+            slot = runs[name]["slot"]
+            print(f"budget ({name}): " + ", ".join(f"{k} {_f(v, '{:.1f}')}" for k, v in slot.items()))
+    for name in modes:
+        if runs[name].get("decode_gating"):
+            print(f"gating ({name}): {gating_line(runs[name]['gating'])}")
+            paid = {fn: runs[name]["gating"].get(f"gated_ms|{fn}", 0.0) for fn in functions}
+            print(
+                "  waited per function (s): " + ", ".join(f"{fn} {ms / 1000:.1f}" for fn, ms in paid.items())
+            )
+    for name in modes:
         print(f"lost ({name}): {runs[name]['unanswered']} unanswered, {runs[name]['pending_entries']} "
               "entries left pending")  # fmt: skip
-    shown_cost = _f(cost * 100 if cost is not None else None, "{:.1f}%")
-    print(f"SLO violations: on {on['slo_violations'] * 100:.1f}% vs off {off['slo_violations'] * 100:.1f}%;"
-          f" throughput cost of admission: {shown_cost}")  # fmt: skip
+    base = runs["off"]["overall"] if "off" in runs else None
+    parts = []
+    for name in modes:
+        fig = runs[name]["overall"]
+        part = f"{name} {fig['slo_violations'] * 100:.1f}%"
+        if base is not None and name != "off" and base["tokens_per_s"]:
+            part += f" (throughput cost {(1 - fig['tokens_per_s'] / base['tokens_per_s']) * 100:.1f}%)"
+        parts.append(part)
+    print("SLO violations: " + " vs ".join(parts))
 
 
 def main() -> int:
@@ -291,7 +341,16 @@ def main() -> int:
         help="the device's prefill budget in prompt tokens (admission on; default: the workers' 4096)",
     )  # fmt: skip
     ap.add_argument("--warmup-rounds", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=1, help="replays per mode, alternating on/off, off/on")
+    ap.add_argument("--repeat", type=int, default=1, help="replays per mode, in --modes order, then reversed")
+    ap.add_argument(
+        "--modes", default="on,off",
+        help="comma-separated, in this order, each on its own platform: on (admission), off (none), gate "
+        "(admission + decode gating)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gate-tpot-ms", type=float, default=None,
+        help="gate: the TPOT SLO that bounds a paused decode step (the workers' gate_tpot_ms; default 200)",
+    )  # fmt: skip
     ap.add_argument("--device-memory-mib", type=int, default=None)
     ap.add_argument("--kv-mib", type=int, default=None, help="spec.resources.kvCacheMiB of every function")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
@@ -299,6 +358,9 @@ def main() -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="write every figure and request here")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise SystemExit(f"--modes: give distinct modes among {', '.join(MODES)}, got {args.modes!r}")
     args.trace = args.trace or str(Path(args.data_dir) / "azure_llm_2023_code.csv")
     args.questions = args.questions or str(Path(args.data_dir) / "gsm8k_test.jsonl")
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -335,20 +397,17 @@ def main() -> int:
     print(f"SLOs {slos}", flush=True)
 
     t0 = time.perf_counter()
-    parts: dict[str, list[list[dict[str, Any]]]] = {"on": [], "off": []}  # mode -> repeats -> rates
-    for i in range(args.repeat):  # on, off, off, on, ...: a drift in the machine's load hits both alike
-        for name in ("on", "off") if i % 2 == 0 else ("off", "on"):
-            parts[name].append(run_one(args, name == "on", model_dir, adapters, plans, functions, slos))
+    parts: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}  # mode -> repeats -> rates
+    for i in range(args.repeat):  # on, off, off, on, ...: a drift in the machine's load hits all alike
+        for name in modes if i % 2 == 0 else modes[::-1]:
+            parts[name].append(run_one(args, name, model_dir, adapters, plans, functions, slos))
     sweep: dict[str, dict[str, dict[str, Any]]] = {}
     for k, rate in enumerate(rates):
-        runs = {
-            name: summarize(name == "on", [rep[k] for rep in parts[name]], functions, slos)
-            for name in ("on", "off")
-        }
+        runs = {name: summarize(name, [rep[k] for rep in parts[name]], functions, slos) for name in modes}
         sweep[f"{rate:g}"] = runs
         render(runs, functions, slos, title=f"== {rate:g} requests/s" if len(rates) > 1 else "")
     elapsed = time.perf_counter() - t0
-    print(f"\n({2 * args.repeat} platforms, {len(rates)} rate(s) each, in {elapsed:.0f} s; "
+    print(f"\n({len(modes) * args.repeat} platforms, {len(rates)} rate(s) each, in {elapsed:.0f} s; "
           f"model {model_dir}, device {args.device})")  # fmt: skip
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -426,7 +426,7 @@ class Batching:
                 self._active_at, self._was_active = None, False
         if self.gating_on:
             self.gate.saw(())  # what this round trip reads replaces what the last one read
-            if busy and self._others_active is not False and not self._urgent:
+            if busy and self._others_active and not self._urgent:  # not known yet: the mark tells
                 ops.append(store_admission.urgent_grants(self.keys, cfg.gpu).map(self.gate.saw))
                 self.urgent_reads += 1
             steps, ms, timeouts = self._gated_unsent

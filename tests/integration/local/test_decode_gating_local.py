@@ -1,0 +1,86 @@
+"""Decode gating as real processes: `lorafn up` on CPU (one simulated device), admission and decode
+gating on, a tight function (300 ms TTFT) and two loose ones (20 s); the loose ones stream long answers
+while the tight one gets a series of prompts. Asserted are behaviours, not times (this CPU is shared):
+tight prefills were granted urgent, the loose workers paused decode steps for them (the GPU's gating
+counters), the tight worker never paused, every pause ended either at the urgent step's end or at its
+bound, and nothing was lost (every request answered in full, no entry left pending)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from bench.admission import manifest
+from lorafn.replay.driver import DriveOptions, Target, drive
+from lorafn.replay.platform import ManagedPlatform, new_keys
+from lorafn.replay.trace import PlannedRequest
+from lorafn.store import admission as adm
+from lorafn.store import streams
+from tests.integration.runtime.engine_helpers import write_peft_adapter
+
+pytestmark = pytest.mark.slow
+
+TIGHT, LOOSE = "adm/tight", ("adm/loose-a", "adm/loose-b")
+SLOS = {TIGHT: 100, LOOSE[0]: 20_000, LOOSE[1]: 20_000}  # loose: never urgent (their margins stay large)
+
+
+def test_loose_workers_pause_decodes_for_the_tight_prefills_and_lose_nothing(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    functions = [TIGHT, *LOOSE]
+    adapters = [
+        write_peft_adapter(
+            tiny_model_dir, tmp_path / f"a{i}", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=i
+        )
+        for i in range(len(functions))
+    ]
+    settings = {"device": "cpu", "devices": 1, "warm_pool": False, "gpu_admission": True}
+    # a TPOT bound far above this CPU's step times: the pauses' bound is never what ends a test run early
+    env = {"LORAFN_DECODE_GATING": "true", "LORAFN_GATE_TPOT_MS": "2000"}
+    platform = ManagedPlatform(tmp_path / "up", settings, env=env)
+    keys = new_keys(functions)
+    try:
+        state = platform.start(timeout_s=180)
+        platform.apply(manifest(tiny_model_dir, "float32", functions, adapters, SLOS, keys))
+        settled = platform.settle(functions, 1, want_standby=False, shared=True, timeout_s=240)
+        assert settled.get("settled"), (settled, platform.log_tail())
+        target = Target(state.gateway_url, keys, state.redis_url, state.key_prefix)
+        options = DriveOptions(request_timeout_s=180, drain_timeout_s=180)
+        # warm-up: every worker measures its prefill and decode steps (the profile bounds the pauses)
+        warm = [PlannedRequest(i, 0.05 * i, fn, "Hello there.", 4, 12) for i, fn in enumerate(functions * 3)]
+        assert all(r.ok for r in asyncio.run(drive(warm, target, options)).results)
+        assert platform.store is not None
+        before = platform.store.run(adm.gating_counters(platform.keys, "local/0"))
+        prompt = "The quick brown fox jumps over the lazy dog. " * 12
+        # the loose functions decode all along (a new long answer every 0.2 s), the tight one's prompts
+        # come in between
+        plan = [PlannedRequest(i, 0.2 * i, LOOSE[i % 2], "Tell a long story.", 8, 120) for i in range(24)]
+        plan += [PlannedRequest(24 + i, 0.8 + 0.4 * i, TIGHT, prompt, 120, 4) for i in range(10)]
+        done = asyncio.run(drive(plan, target, options))
+        assert all(r.ok for r in done.results), [r.error for r in done.results if not r.ok]
+        assert all(r.completion_tokens for r in done.results)
+        for fn in functions:  # nothing left pending
+            assert platform.store.run(streams.pending(platform.keys, fn, 0)) == []
+        grants = platform.store.run(adm.grants(platform.keys, "local/0"))
+        after = platform.store.run(adm.gating_counters(platform.keys, "local/0"))
+    finally:
+        platform.stop()
+
+    urgent = [g for g in grants if g.urgent]
+    shown = [(g.function, g.margin_ms, g.active, g.urgent) for g in grants]
+    assert urgent and {g.function for g in urgent} == {TIGHT}, shown  # only the tight SLO is ever urgent
+    assert after["urgent_grants"] - before["urgent_grants"] == len([g for g in urgent if g.entry_id])
+    gated = after["gated_steps"] - before["gated_steps"]
+    assert gated >= 1, after  # the loose workers paused decode steps for the tight prefills
+    assert after.get(f"gated_steps|{TIGHT}", 0) == 0  # the urgent worker itself never pauses
+    assert sum(after.get(f"gated_steps|{fn}", 0) for fn in LOOSE) == after["gated_steps"]
+    assert after["gated_ms"] > 0 and after["timeouts"] <= after["gated_steps"]
+    # each pause is bounded by the TPOT slack (< LORAFN_GATE_TPOT_MS = 2 s; plus its round trip): a loose
+    # check of a bound the BLPOP timeout enforces, far from this CPU's step times
+    assert after["gated_ms"] <= after["gated_steps"] * 3000
+    print(
+        f"urgent grants {len(urgent)}, gated steps {gated:.0f}, waited {after['gated_ms']:.0f} ms in all, "
+        f"{after['timeouts']:.0f} ran to their bound"
+    )
