@@ -78,6 +78,7 @@ class BatchingConfig:
     gate_tpot_ms: float = 200.0  # the TPOT SLO that bounds a paused decode when the spec has no tpotMs
     urgent_fraction: float = 0.5  # a grant is urgent when its margin is below this share of the TTFT SLO
     gate_min_pause_ms: float = 5.0  # a TPOT slack smaller than this is not worth a pause's round trip
+    gate_max_pause_ms: float = 2000.0  # a pause blocks the loop's Redis connection: never near its timeout
 
     def __post_init__(self) -> None:
         if (
@@ -90,7 +91,15 @@ class BatchingConfig:
             raise ValueError(f"urgent_fraction must be in [0, 1], got {self.urgent_fraction!r}")
         if not self.gate_min_pause_ms >= 0:
             raise ValueError(f"gate_min_pause_ms must be >= 0, got {self.gate_min_pause_ms!r}")
-        for name in ("lease_ms", "poll_ms", "active_ttl_ms", "blocked_recheck_ms", "gate_tpot_ms"):
+        names = (
+            "lease_ms",
+            "poll_ms",
+            "active_ttl_ms",
+            "blocked_recheck_ms",
+            "gate_tpot_ms",
+            "gate_max_pause_ms",
+        )
+        for name in names:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("ttft_ms", "tpot_ms"):
@@ -373,7 +382,8 @@ class Batching:
         if fit is None or num <= 0:  # no profile yet: no bound to keep, so no pause
             return
         cfg = self.config
-        bound = slo.decode_delay_bound_ms(cfg.tpot_ms or cfg.gate_tpot_ms, fit.latency_ms(num))
+        slack = slo.decode_delay_bound_ms(cfg.tpot_ms or cfg.gate_tpot_ms, fit.latency_ms(num))
+        bound = min(slack, cfg.gate_max_pause_ms)
         pause = self.gate.pause_ms(num, self._holds_slot, bound)
         if pause <= 0:
             return
