@@ -289,9 +289,7 @@ def render(
         if runs[name].get("decode_gating"):
             print(f"gating ({name}): {gating_line(runs[name]['gating'])}")
             paid = {fn: runs[name]["gating"].get(f"gated_ms|{fn}", 0.0) for fn in functions}
-            print(
-                "  waited per function (s): " + ", ".join(f"{fn} {ms / 1000:.1f}" for fn, ms in paid.items())
-            )
+            print("  waited per function (ms): " + ", ".join(f"{fn} {ms:.0f}" for fn, ms in paid.items()))
     for name in modes:
         print(f"lost ({name}): {runs[name]['unanswered']} unanswered, {runs[name]['pending_entries']} "
               "entries left pending")  # fmt: skip
