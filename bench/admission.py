@@ -25,7 +25,7 @@ mean wait, pauses that ran to their bound).
         --slos 500,8000,8000 --rates 4,5,6 --duration-s 45 --trace-start-s 120 --max-prompt-tokens 512 \
         --max-tokens 128 --kv-mib 2048 --prefill-tokens 2048 --data-dir .data --workdir /tmp/adm \
         --json $OUT/admission.json
-    # the three modes side by side at one rate (each its own platform; ~8 min on an H100)
+    # the three modes side by side at one rate (each its own platform; ~5 min on an H100 after set-up)
     python bench/admission.py --model /tmp/llama-2-7b --device cuda --dtype bfloat16 --functions 8 \
         --slos 500,8000,8000 --rates 10 --duration-s 45 --trace-start-s 120 --max-prompt-tokens 512 \
         --max-tokens 128 --kv-mib 2048 --prefill-tokens 2048 --data-dir .data --workdir /tmp/adm \
@@ -399,6 +399,12 @@ def main() -> int:
     for i in range(args.repeat):  # on, off, off, on, ...: a drift in the machine's load hits all alike
         for name in modes if i % 2 == 0 else modes[::-1]:
             parts[name].append(run_one(args, name, model_dir, adapters, plans, functions, slos))
+            for rate, part in zip(rates, parts[name][-1], strict=True):  # at once: a run cut short keeps it
+                fig = summarize(name, [part], functions, slos)
+                viol, tps = fig["overall"]["slo_violations"] * 100, fig["overall"]["tokens_per_s"]
+                lost = fig["unanswered"]
+                print(f"  mode {name} at {rate:g} rps: violations {viol:.1f}%, {tps:.1f} tokens/s, {lost} "
+                      f"unanswered; {gating_line(fig['gating'])}", flush=True)  # fmt: skip
     sweep: dict[str, dict[str, dict[str, Any]]] = {}
     for k, rate in enumerate(rates):
         runs = {name: summarize(name, [rep[k] for rep in parts[name]], functions, slos) for name in modes}
