@@ -64,6 +64,12 @@ def child(cfg: dict) -> dict:
     params = SamplingParams(max_tokens=cfg.get("max_tokens", 12), temperature=0.0, ignore_eos=True)
     tokens = [list(o.token_ids) for o in engine.generate(cfg["prompts"], params)]  # batched: several buckets
     single = [list(engine.generate([p], params)[0].token_ids) for p in cfg["prompts"][:2]]  # bucket 1
+    # one decode batch of n rows per n (ignore_eos: every sequence runs to max_tokens, so the batch stays n):
+    # n = 1, 2, 3, 5, 9, ... replay the graphs of buckets 1, 2, 4, 8, 16, ...
+    per_batch = {
+        str(n): [list(o.token_ids) for o in engine.generate(cfg["prompts"][:n], params)]
+        for n in cfg.get("batches", [])
+    }
     while engine.capture_pending_graph():
         pass
     archives = runner.archives
@@ -84,6 +90,7 @@ def child(cfg: dict) -> dict:
         "buckets": sorted(runner.graphs.graphs) if runner.graphs is not None else [],
         "tokens": tokens,
         "single": single,
+        "per_batch": per_batch,
     }
 
 

@@ -1,7 +1,8 @@
 """Decode graphs restored from an archive inside real engines (issue 11 item 2 wired into the runtime):
 the first process of a key captures and writes the archive; later processes (a standby, a lazily started
 bound worker, another adapter of the same shape) restore every bucket instead of capturing and produce the
-same tokens as engines that capture and as engines without archives; a damaged archive is refused and the
+same tokens as engines that capture and as engines without archives, through every bucket's graph and for
+two adapter shapes (all-linear r8; q/v r4); a damaged archive is refused and the
 engine captures instead. Also over the backbone server's read-only W at its fixed address (a worker's
 real set-up). Each engine runs in its own process (bench/graph_cache.py's `child`), as workers do."""
 
@@ -36,14 +37,24 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return [
         write_random_adapter(mc, base / f"a{seed}", rank=8, seed=seed, b_std=0.5, dtype=torch.float32)
         for seed in (1, 2)
+    ] + [
+        write_random_adapter(
+            mc,
+            base / "qv",
+            rank=4,
+            target_modules=["q_proj", "v_proj"],
+            seed=3,
+            b_std=0.5,
+            dtype=torch.float32,
+        )
     ]
 
 
 def test_archived_graphs_restore_in_standbys_and_lazy_workers(
     tiny_model_dir: Path, adapters: list[Path], tmp_path: Path
 ) -> None:
-    a1, a2 = (str(a) for a in adapters)
-    prompts = mixed_prompts(seed=3, lengths=(5, 19, 33, 2, 11), vocab=1000)
+    a1, a2 = str(adapters[0]), str(adapters[1])
+    prompts = mixed_prompts(seed=3, lengths=(5, 19, 33, 2, 11, 7, 3, 25, 14), vocab=1000)
     # 1 MiB of KV holds 1024 tokens of the tiny bf16 model, fewer than its 2048 positions: the scheduler caps
     # the longest sequence to the cache, and the state's block tables must be sized as the engine asks
     common = {
@@ -51,6 +62,7 @@ def test_archived_graphs_restore_in_standbys_and_lazy_workers(
         "cache_dir": str(tmp_path / "cache"),
         "prompts": prompts,
         "kv_mib": 1,
+        "batches": [1, 2, 3, 5, 9],  # decode batches replaying buckets 1, 2, 4, 8, 16 (max_num_seqs 16)
     }
     reference = _child({**common, "adapter": a1, "archives": False})
     shape = reference["shape"]
@@ -65,15 +77,27 @@ def test_archived_graphs_restore_in_standbys_and_lazy_workers(
     # 3. a lazily started bound worker restores at its first decode step
     lazy = _child({**common, "adapter": a1, "lazy": True})
     assert lazy["at_start"] == "lazy" and lazy["outcome"] == "restored", lazy["log"]
+    assert first["buckets"] == [1, 2, 4, 8, 16]
     for run in (first, second, lazy):
         assert run["tokens"] == reference["tokens"] and run["single"] == reference["single"], run["log"]
+        assert run["per_batch"] == reference["per_batch"], run["log"]
     # 4. another adapter of the same shape: its own tokens, through the restored graphs
     other_ref = _child({**common, "adapter": a2, "archives": False})
     other = _child({**common, "adapter": a2, "lazy": True})
     assert other["outcome"] == "restored", other["log"]
     assert other["tokens"] == other_ref["tokens"] and other["single"] == other_ref["single"]
     assert other["tokens"] != reference["tokens"]  # the adapters differ: the check can tell
-    # 5. a damaged archive is refused, named in the log, and the engine captures instead
+    # 5. a second adapter shape (q/v, rank 4): its own archive, restored, the same tokens
+    qv = str(adapters[2])
+    qv_ref = _child({**common, "adapter": qv, "archives": False})
+    assert qv_ref["shape"] != shape
+    qv_first = _child({**common, "lora_shape": qv_ref["shape"], "bind": qv})
+    qv_lazy = _child({**common, "adapter": qv, "lazy": True})
+    assert qv_first["at_start"] == "captured" and qv_first["path"] != first["path"], qv_first["log"]
+    assert qv_lazy["outcome"] == "restored", qv_lazy["log"]
+    for run in (qv_first, qv_lazy):
+        assert run["tokens"] == qv_ref["tokens"] and run["per_batch"] == qv_ref["per_batch"], run["log"]
+    # 6. a damaged archive is refused, named in the log, and the engine captures instead
     path = Path(first["path"])
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
