@@ -46,6 +46,12 @@ COMPONENT_STANDBY = "standby-worker"
 COMPONENT_WORKER = "worker"
 
 SOCKET_MOUNT = "/run/lorafn"
+# Decode CUDA-graph archives (issue 11; config.graph_archives): one directory per node, mounted read-write
+# here in every worker pod (LORAFN_GRAPH_ARCHIVE_DIR). The worker writes atomically (temp file + rename) and
+# refuses an archive whose key (GPU model, driver, software versions, backbone, adapter shape, ...) differs.
+GRAPH_ARCHIVE_MOUNT = "/var/lib/lorafn/graph-archives"
+GRAPH_ARCHIVE_VOLUME = "graph-archives"
+WORKLOAD_UID = 1000  # every GPU pod's user and group (the pod securityContext below)
 FINALIZER = "lorafn.io/cleanup"
 
 # The commands the image runs: `lorafn backbone-server serve` (configured by its options only) and
@@ -290,6 +296,7 @@ def _gpu_pod(
     restart_policy: str,
     extra_volumes: list[tuple[dict[str, Any], dict[str, Any]]] = (),  # type: ignore[assignment]
     readiness: dict[str, Any] | None = None,
+    init_containers: list[dict[str, Any]] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     model_volume, model_mount, _ = _artifact_volume(backbone_spec.model.uri, "model")
     volumes = [
@@ -327,9 +334,9 @@ def _gpu_pod(
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
+            "runAsUser": WORKLOAD_UID,
+            "runAsGroup": WORKLOAD_UID,
+            "fsGroup": WORKLOAD_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "volumes": volumes,
@@ -352,6 +359,8 @@ def _gpu_pod(
     }
     if readiness is not None:
         pod_spec["containers"][0]["readinessProbe"] = readiness
+    if init_containers:
+        pod_spec["initContainers"] = list(init_containers)
     if config.gpu_sharing == "dra":
         pod_spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim_name(backbone, slot)}]
         container_resources["claims"] = [{"name": "gpu"}]
@@ -371,6 +380,65 @@ def _gpu_pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 
+def graph_archive_volume(config: OperatorConfig) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(volume, mount) of the node's graph-archive directory in worker pods; None when archives are off.
+
+    Per node because an archive only serves processes of the same key (GPU model, driver, CUDA/torch/triton
+    versions, ...): the pods of one node share them, another node may have another GPU or driver. A claim,
+    when configured, replaces the hostPath (a refused archive costs a capture, never a wrong graph).
+    """
+    if not config.graph_archives:
+        return None
+    if config.graph_archive_claim:
+        source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": config.graph_archive_claim}}
+    else:
+        source = {"hostPath": {"path": config.graph_archive_host_path, "type": "DirectoryOrCreate"}}
+    volume = {"name": GRAPH_ARCHIVE_VOLUME, **source}
+    return volume, {"name": GRAPH_ARCHIVE_VOLUME, "mountPath": GRAPH_ARCHIVE_MOUNT}
+
+
+def _graph_archive_env(config: OperatorConfig) -> dict[str, str]:
+    """Worker settings turning archives on (WorkerSettings.graph_archives / graph_archive_dir)."""
+    if not config.graph_archives:
+        return {}
+    return {"graph_archives": "true", "graph_archive_dir": GRAPH_ARCHIVE_MOUNT}
+
+
+def _graph_archive_init(config: OperatorConfig) -> list[dict[str, Any]]:
+    """The backbone server's init container that hands the node's archive directory to the workers' user.
+
+    The kubelet creates a DirectoryOrCreate hostPath as root with mode 0755, and fsGroup does not apply to
+    hostPath: without this, workers (uid 1000) could read archives but never write one. It runs as root
+    with CAP_CHOWN only, once per server start (the server of a GPU starts before its workers can build a
+    decode state, which needs its socket), so worker starts pay nothing. A claim needs none (fsGroup).
+    """
+    if not config.graph_archives or config.graph_archive_claim:
+        return []
+    return [
+        {
+            "name": "graph-archive-dir",
+            "image": config.image,
+            "imagePullPolicy": config.image_pull_policy,
+            "command": [
+                "python3",
+                "-c",
+                "import os, sys; os.chown(sys.argv[1], int(sys.argv[2]), int(sys.argv[2]))",
+                GRAPH_ARCHIVE_MOUNT,
+                str(WORKLOAD_UID),
+            ],
+            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+            "volumeMounts": [{"name": GRAPH_ARCHIVE_VOLUME, "mountPath": GRAPH_ARCHIVE_MOUNT}],
+            "securityContext": {
+                "runAsUser": 0,
+                "runAsNonRoot": False,
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+            },
+        }
+    ]
+
+
 def settings_env(**values: str) -> list[dict[str, Any]]:
     """Container env setting these settings fields (`redis_url=...` -> `LORAFN_REDIS_URL`)."""
     return [{"name": env_name(field), "value": value} for field, value in values.items()]
@@ -386,6 +454,7 @@ def _worker_env(config: OperatorConfig, spec: BackboneSpec, **values: str) -> li
             model=pod_path(spec.model.uri),
             dtype=spec.dtype,
             backbone_socket=SOCKET_PATH,
+            **_graph_archive_env(config),
             **values,
         ),
         # The pod name is the worker id: `kubectl logs <worker id>` finds its log.
@@ -393,12 +462,19 @@ def _worker_env(config: OperatorConfig, spec: BackboneSpec, **values: str) -> li
     ]
 
 
+def _worker_volumes(config: OperatorConfig) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Volumes every worker pod (standby or bound) mounts besides the model's and the sockets."""
+    archive = graph_archive_volume(config)
+    return [archive] if archive is not None else []
+
+
 def build_server_pod(
     backbone_body: dict[str, Any], spec: BackboneSpec, slot: GPUSlot, config: OperatorConfig
 ) -> dict[str, Any]:
     """The backbone server of one GPU: loads the weights once and exports them over the socket."""
     backbone = backbone_body["metadata"]["name"]
-    return _gpu_pod(
+    init = _graph_archive_init(config)
+    pod = _gpu_pod(
         name=server_pod_name(backbone, slot),
         config=config,
         backbone=backbone,
@@ -424,12 +500,17 @@ def build_server_pod(
         env=[],
         resources=config.server_resources,
         restart_policy="Always",
+        init_containers=init,
         readiness={
             "httpGet": {"path": "/readyz", "port": SERVER_HTTP_PORT},
             "periodSeconds": 2,
             "failureThreshold": 3,
         },
     )
+    archive = graph_archive_volume(config)
+    if init and archive is not None:  # for the init container only: the server reads no archive
+        pod["spec"]["volumes"].append(archive[0])
+    return pod
 
 
 def build_standby_pod(
@@ -477,6 +558,7 @@ def build_standby_pod(
         env=_worker_env(config, spec),
         resources=config.standby_resources,
         restart_policy="OnFailure",
+        extra_volumes=_worker_volumes(config),
     )
     if shape:
         pod["metadata"]["annotations"][ANNOTATION_SHAPE] = shape
@@ -534,7 +616,7 @@ def build_worker_pod(
         ),
         resources=config.worker_resources,
         restart_policy="Never",
-        extra_volumes=[(adapter_volume, adapter_mount)],
+        extra_volumes=[(adapter_volume, adapter_mount), *_worker_volumes(config)],
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from lorafn.api.settings import SharedSettings
@@ -77,6 +77,21 @@ class OperatorConfig(SharedSettings):
         description="a worker pod the controller stopped is deleted if it still runs this long after (it "
         "normally drains and ends by itself)",
     )
+    graph_archives: bool = Field(
+        default=False,
+        description="worker pods restore decode CUDA graphs from archives on a node volume "
+        "(LORAFN_GRAPH_ARCHIVES); off by default like the worker's own setting: +142 MiB per worker, no gain "
+        "yet in the 64-function replay (docs/benchmarks.md)",
+    )
+    graph_archive_host_path: str = Field(
+        default="/var/lib/lorafn/graph-archives",
+        description="directory of each GPU node holding the archives (hostPath, DirectoryOrCreate), shared "
+        "by the node's worker pods; archives are keyed by GPU model, driver and versions: per node fits",
+    )
+    graph_archive_claim: str = Field(
+        default="",
+        description="a PersistentVolumeClaim (release namespace) holding the archives instead of hostPath",
+    )
     workload_service_account: str = "lorafn-workload"
     server_resources: dict[str, Any] = Field(default_factory=lambda: _resources("1", "4Gi", "64Gi"))
     worker_resources: dict[str, Any] = Field(default_factory=lambda: _resources("1", "2Gi", "16Gi"))
@@ -85,6 +100,13 @@ class OperatorConfig(SharedSettings):
     kube_server: str = ""
     kube_token: str = ""
     kube_insecure: bool = False
+
+    @field_validator("graph_archive_host_path")
+    @classmethod
+    def _absolute_host_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"graph_archive_host_path must be an absolute node path, not {value!r}")
+        return value
 
     def uri_policy(self) -> ClusterURIPolicy:
         """Which model/adapter URIs resources may name on this cluster (issue 15)."""

@@ -52,6 +52,12 @@ VARIANTS = {
         "--set",
         "redis.persistence.enabled=false",
     ],
+    "graph-archives": [
+        "--set",
+        "gpu.graphArchives.enabled=true",
+        "--set",
+        "gpu.graphArchives.hostPath=/srv/lorafn/graphs",
+    ],
 }
 
 
@@ -172,6 +178,8 @@ def test_values_schema_rejects_bad_values() -> None:
     assert bad.returncode != 0 and "sharing" in bad.stderr
     bad = helm("template", "x", str(CHART), "--set", "redis.enabled=false", check=False)
     assert bad.returncode != 0 and "redis.externalURL is required" in bad.stderr
+    bad = helm("template", "x", str(CHART), "--set", "gpu.graphArchives.hostPath=rel", check=False)
+    assert bad.returncode != 0 and "hostPath" in bad.stderr, bad.stderr
 
 
 def test_every_value_is_documented() -> None:
@@ -226,3 +234,73 @@ def test_uri_allow_lists_reach_the_operator(monkeypatch: pytest.MonkeyPatch) -> 
     assert policy.refusal("pvc://models/x", "team-a") is None
     bad = helm("template", "lorafn", str(CHART), "--set", "operator.fileRoot=relative", check=False)
     assert bad.returncode != 0 and "fileRoot" in bad.stderr, bad.stderr
+
+
+def _operator_env(extra: list[str]) -> dict[str, str]:
+    op = next(
+        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-operator"
+    )
+    return {
+        e["name"]: e["value"]
+        for e in op["spec"]["template"]["spec"]["containers"][0]["env"]
+        if e["name"].startswith("LORAFN_OPERATOR_")
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "volume"),
+    [
+        ([], None),
+        (
+            VARIANTS["graph-archives"],
+            {"hostPath": {"path": "/srv/lorafn/graphs", "type": "DirectoryOrCreate"}},
+        ),
+        (
+            ["--set", "gpu.graphArchives.enabled=true", "--set", "gpu.graphArchives.claim=graphs"],
+            {"persistentVolumeClaim": {"claimName": "graphs"}},
+        ),
+    ],
+    ids=["off", "hostPath", "claim"],
+)
+def test_graph_archive_values_reach_the_worker_settings(
+    extra: list[str], volume: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpu.graphArchives.* -> the operator Deployment's env -> OperatorConfig -> the worker pods the
+    operator builds (validated) -> the real WorkerSettings of the worker process in them."""
+    from lorafn.api.specs import BackboneSpec, FunctionRef, LoRAFunctionSpec
+    from lorafn.operator import builders
+    from lorafn.operator.config import OperatorConfig
+    from lorafn.runtime.worker import WorkerSettings
+
+    for name, value in _operator_env(extra).items():
+        monkeypatch.setenv(name, value)
+    config = OperatorConfig()
+    assert config.graph_archives is (volume is not None)
+    body = {"metadata": {"name": "bb", "uid": "u"}, "spec": {"model": {"uri": "pvc://models/bb"}}}
+    spec = BackboneSpec.model_validate(body["spec"])
+    slot = builders.GPUSlot("node-1", 0, uuid="GPU-1")
+    fn_spec = LoRAFunctionSpec.model_validate({"backbone": "bb", "adapter": {"uri": "pvc://adapters/fr"}})
+    pods = [
+        builders.build_standby_pod(body, spec, slot, 0, config),
+        builders.build_worker_pod(
+            FunctionRef(namespace="a", name="fr"), 0, fn_spec, body, spec, slot, config
+        ),
+        builders.build_server_pod(body, spec, slot, config),
+    ]
+    for pod in pods:
+        for version in ("1.30.0", "1.37.0"):
+            kubernetes_validate.validate(pod, version, strict=True)
+    for pod in pods[:2]:
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        if volume is None:
+            assert builders.GRAPH_ARCHIVE_VOLUME not in volumes
+        else:
+            assert volumes[builders.GRAPH_ARCHIVE_VOLUME] == {"name": builders.GRAPH_ARCHIVE_VOLUME, **volume}
+        for name in ("LORAFN_GRAPH_ARCHIVES", "LORAFN_GRAPH_ARCHIVE_DIR"):
+            monkeypatch.delenv(name, raising=False)
+        for e in pod["spec"]["containers"][0]["env"]:
+            if e["name"].startswith("LORAFN_") and "value" in e:
+                monkeypatch.setenv(e["name"], e["value"])
+        settings = WorkerSettings()
+        assert settings.graph_archives is (volume is not None)
+        assert settings.graph_archive_dir == (builders.GRAPH_ARCHIVE_MOUNT if volume else None)

@@ -188,3 +188,110 @@ def test_function_service_aliases_the_gateway() -> None:
     assert builders.endpoint_url(OperatorConfig(), FunctionRef(namespace="team-a", name="french")) == (
         "http://lorafn-gateway.lorafn-system.svc.cluster.local/v1/functions/team-a/french:invoke"
     )
+
+
+# --- decode CUDA-graph archives on a node volume (issue 11) ------------------------------------------
+
+
+def _all_pods(config: OperatorConfig) -> dict[str, dict]:
+    spec = BackboneSpec.model_validate(BACKBONE["spec"])
+    slot = GPUSlot("node-1", 0, uuid="GPU-1234")
+    fn_spec = LoRAFunctionSpec.model_validate(FUNCTION["spec"])
+    ref = FunctionRef(namespace="team-a", name="french")
+    return {
+        "server": builders.build_server_pod(BACKBONE, spec, slot, config),
+        "standby": builders.build_standby_pod(BACKBONE, spec, slot, 0, config, "q_proj:16"),
+        "worker": builders.build_worker_pod(ref, 0, fn_spec, BACKBONE, spec, slot, config),
+    }
+
+
+def _env(pod: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_graph_archives_off_leave_the_pods_unchanged() -> None:
+    """Off (the default, like the worker's own setting): no volume, no env, no init container; the pods
+    are exactly the ones built with the archive settings left at their defaults."""
+    off = _all_pods(OperatorConfig())
+    assert off == _all_pods(OperatorConfig(graph_archives=False, graph_archive_claim="archives"))
+    for pod in off.values():
+        names = {v["name"] for v in pod["spec"]["volumes"]}
+        assert builders.GRAPH_ARCHIVE_VOLUME not in names
+        assert not any("GRAPH_ARCHIVE" in name for name in _env(pod))
+        assert "initContainers" not in pod["spec"]
+
+
+@pytest.mark.parametrize("mode", ["visibleDevices", "dra"])
+def test_graph_archives_on_a_node_hostpath(mode: str) -> None:
+    """On: every worker pod (standby and bound) mounts the node's directory read-write and gets the worker
+    settings that turn archives on; the server only prepares the directory for uid 1000."""
+    pods = _all_pods(OperatorConfig(gpu_sharing=mode, graph_archives=True))
+    for kind in ("standby", "worker"):
+        pod = pods[kind]
+        validate(pod)
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == builders.GRAPH_ARCHIVE_VOLUME)
+        assert volume["hostPath"] == {"path": "/var/lib/lorafn/graph-archives", "type": "DirectoryOrCreate"}
+        mount = next(
+            m
+            for m in pod["spec"]["containers"][0]["volumeMounts"]
+            if m["name"] == builders.GRAPH_ARCHIVE_VOLUME
+        )
+        assert mount == {"name": "graph-archives", "mountPath": builders.GRAPH_ARCHIVE_MOUNT}
+        env = _env(pod)
+        assert env["LORAFN_GRAPH_ARCHIVES"] == "true"
+        assert env["LORAFN_GRAPH_ARCHIVE_DIR"] == builders.GRAPH_ARCHIVE_MOUNT
+        assert "initContainers" not in pod["spec"]  # a worker's start pays nothing for the directory
+    server = pods["server"]
+    validate(server)
+    assert not any("GRAPH_ARCHIVE" in name for name in _env(server))
+    main_mounts = {m["name"] for m in server["spec"]["containers"][0]["volumeMounts"]}
+    assert builders.GRAPH_ARCHIVE_VOLUME not in main_mounts  # the server reads no archive
+    (init,) = server["spec"]["initContainers"]
+    assert init["volumeMounts"] == [{"name": "graph-archives", "mountPath": builders.GRAPH_ARCHIVE_MOUNT}]
+    assert init["command"][-2:] == [builders.GRAPH_ARCHIVE_MOUNT, "1000"]
+    assert server["spec"]["securityContext"]["runAsUser"] == builders.WORKLOAD_UID
+    sc = init["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert init["resources"]["requests"] and init["resources"]["limits"]
+
+
+def test_graph_archives_on_a_claim_instead() -> None:
+    pods = _all_pods(OperatorConfig(graph_archives=True, graph_archive_claim="graph-archives"))
+    for kind in ("standby", "worker"):
+        validate(pods[kind])
+        volume = next(v for v in pods[kind]["spec"]["volumes"] if v["name"] == builders.GRAPH_ARCHIVE_VOLUME)
+        assert volume == {"name": "graph-archives", "persistentVolumeClaim": {"claimName": "graph-archives"}}
+        assert _env(pods[kind])["LORAFN_GRAPH_ARCHIVE_DIR"] == builders.GRAPH_ARCHIVE_MOUNT
+    # fsGroup makes a claim writable by the workers: no root init container, no volume in the server
+    assert "initContainers" not in pods["server"]["spec"]
+    assert builders.GRAPH_ARCHIVE_VOLUME not in {v["name"] for v in pods["server"]["spec"]["volumes"]}
+
+
+def _worker_settings(pod: dict, monkeypatch: pytest.MonkeyPatch):  # -> WorkerSettings
+    """The real WorkerSettings as the pod's process builds it from exactly the pod's env."""
+    from lorafn.runtime.worker import WorkerSettings
+
+    for name in ("LORAFN_GRAPH_ARCHIVES", "LORAFN_GRAPH_ARCHIVE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in _env(pod).items():
+        if name.startswith("LORAFN_") and value is not None:
+            monkeypatch.setenv(name, value)
+    return WorkerSettings()
+
+
+@pytest.mark.parametrize("claim", ["", "graph-archives"])
+def test_the_worker_settings_read_the_archive_env(claim: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The env a worker pod gets, parsed by the real WorkerSettings: archives on, in the mounted dir."""
+    pods = _all_pods(OperatorConfig(graph_archives=True, graph_archive_claim=claim))
+    for kind in ("standby", "worker"):
+        settings = _worker_settings(pods[kind], monkeypatch)
+        assert settings.graph_archives is True
+        assert settings.graph_archive_dir == builders.GRAPH_ARCHIVE_MOUNT
+    off = _worker_settings(_all_pods(OperatorConfig())["worker"], monkeypatch)
+    assert off.graph_archives is False and off.graph_archive_dir is None
+
+
+def test_graph_archive_host_path_must_be_absolute() -> None:
+    with pytest.raises(ValueError, match="graph_archive_host_path"):
+        OperatorConfig(graph_archive_host_path="relative/dir")
