@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import struct
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -711,12 +712,21 @@ def decode(data: bytes, source: str = "archive") -> Archive:
 
 
 def write_archive(path: str | os.PathLike[str], archive: Archive) -> Path:
-    """Write atomically (temporary file + rename): a concurrent reader sees the old file or the new one."""
+    """Write atomically (temporary file + rename): a concurrent reader sees the old file or the new one.
+    The temporary file has a unique name (mkstemp), not one made of the pid: workers of several pods share
+    a node's archive directory and their pids can be equal."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(encode(archive))
-    tmp.replace(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(encode(archive))
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600: other workers of the node must read it
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -126,44 +126,49 @@ class ModelRunner:
         in_state: Callable[[], AbstractContextManager[object]] = (
             self.archives.state if self.archives is not None else contextlib.nullcontext
         )
-        # A standby holds zeroed buffers of its prepared shape (graphs are captured over them; a bind
-        # copies the adapter in); a bound worker its adapter; a base-model engine none.
-        self.lora: LoRAWeights | None = None
-        if config.adapter:
-            loaded = load_lora(config.adapter, model_config, device, dtype)
-            if self.archives is None:
-                self.lora = loaded
-            else:  # buffers of its shape in the state, as a standby's (the same layout), then the values
+        try:
+            # A standby holds zeroed buffers of its prepared shape (graphs are captured over them; a bind
+            # copies the adapter in); a bound worker its adapter; a base-model engine none.
+            self.lora: LoRAWeights | None = None
+            if config.adapter:
+                loaded = load_lora(config.adapter, model_config, device, dtype)
+                if self.archives is None:
+                    self.lora = loaded
+                else:  # buffers of its shape in the state, as a standby's (the same layout), then the values
+                    with in_state():
+                        self.lora = zero_lora(loaded.shape_key, model_config, device, dtype)
+                    copy_lora(self.lora, loaded)
+                    del loaded
+            elif config.lora_shape:
                 with in_state():
-                    self.lora = zero_lora(loaded.shape_key, model_config, device, dtype)
-                copy_lora(self.lora, loaded)
-                del loaded
-        elif config.lora_shape:
+                    self.lora = zero_lora(config.lora_shape, model_config, device, dtype)
+            self.prepared = config.adapter is None and config.lora_shape is not None
+            clock.lap("adapter")
+            use_triton = device.type == "cuda" and _triton_available()
             with in_state():
-                self.lora = zero_lora(config.lora_shape, model_config, device, dtype)
-        self.prepared = config.adapter is None and config.lora_shape is not None
-        clock.lap("adapter")
-        use_triton = device.type == "cuda" and _triton_available()
-        with in_state():
-            self.model = LlamaModel(
-                model_config,
-                self.weight_source,
-                device,
-                dtype,
-                self.lora,
-                max_position=max_model_len,
-                use_triton_attention=use_triton,
-                fused_decode=use_triton and config.fused_decode,
-                lora_expand=config.lora_expand,
-            )
-        clock.lap("backbone")  # the weight views (the shared backbone mapped, or loaded)
-        self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
-        self.num_blocks = self._num_kv_blocks()
-        with in_state():
-            self.kv_cache = KVCache(model_config, self.num_blocks, config.block_size, device, dtype)
-        self.graphs: DecodeGraphRunner | None = None
-        if self.archives is not None:
-            self._archived_state(use_triton)
+                self.model = LlamaModel(
+                    model_config,
+                    self.weight_source,
+                    device,
+                    dtype,
+                    self.lora,
+                    max_position=max_model_len,
+                    use_triton_attention=use_triton,
+                    fused_decode=use_triton and config.fused_decode,
+                    lora_expand=config.lora_expand,
+                )
+            clock.lap("backbone")  # the weight views (the shared backbone mapped, or loaded)
+            self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
+            self.num_blocks = self._num_kv_blocks()
+            with in_state():
+                self.kv_cache = KVCache(model_config, self.num_blocks, config.block_size, device, dtype)
+            self.graphs: DecodeGraphRunner | None = None
+            if self.archives is not None:
+                self._archived_state(use_triton)
+        except BaseException:
+            if self.archives is not None:  # gc back on (the state build turned it off), nothing archived
+                self.archives.abandon("the decode state was not built")
+            raise
         clock.lap("kv_cache")
         self.graph_capture_s = 0.0
         self.max_blocks_per_seq = 0

@@ -119,6 +119,32 @@ def test_an_archive_round_trips_through_a_file(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match="bucket 8 is not in the archive"):
         back.graph(8)
     assert not list(path.parent.glob(".*tmp"))  # written through a temporary file, renamed
+    assert path.stat().st_mode & 0o777 == 0o644  # other workers of the node read it
+
+
+def test_concurrent_writers_of_one_archive_never_leave_a_torn_file(tmp_path: Path) -> None:
+    # workers of several pods share a node's directory and may have equal pids: temporary names are unique
+    import threading
+
+    path = tmp_path / "graphs" / "k.lfgraph"
+    original = _archive()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for _ in range(20):
+                ga.write_archive(path, original)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert ga.read_archive(path) == original
+    assert not list(path.parent.glob(".*tmp"))
 
 
 def test_a_corrupted_truncated_or_foreign_file_is_refused(tmp_path: Path) -> None:
