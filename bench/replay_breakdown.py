@@ -292,6 +292,28 @@ def main() -> None:
         "   (p50/p90; pre_runner = engine build begins -> ModelRunner: CUDA context, backbone attach,"
         " tokenizer)"
     )
+    # what a start overlapped: requests being served on the GPU (read -> done, all workers), on average
+    serving = [
+        (float(r["done"]) - (float(r["total_ms"]) - float(r["queued_ms"])) / 1000, float(r["done"]))
+        for w in everyone
+        for r in w.requests
+    ]
+    load: dict[str, list[Worker]] = defaultdict(list)
+    for w in fresh:
+        if w.stages and w.built and w.ready and w.ready > w.built:
+            n = sum(max(0.0, min(e, w.ready) - max(b, w.built)) for b, e in serving) / (w.ready - w.built)
+            load[
+                "0-2" if n < 2 else "2-5" if n < 5 else "5-10" if n < 10 else "10-20" if n < 20 else "20+"
+            ].append(w)
+    for g in ("0-2", "2-5", "5-10", "10-20", "20+"):
+        ws = load.get(g, [])
+        if ws:
+            print(
+                f"   requests running during the start {g:5s}: n={len(ws):3d}"
+                f"  adapter p50 {q([w.stages['adapter_ms'] for w in ws], 0.5):.0f}"
+                f"  pre_runner p50 {q([1000 * (w.runner - w.built) for w in ws if w.runner], 0.5):.0f}"
+                f"  engine p50 {q([w.stages['engine_ms'] for w in ws], 0.5):.0f} ms"
+            )
     print(f"   fresh start estimates the controller learned: {[round(e, 1) for _, e in estimates]}")
     starting_at_fork = [in_flight(list(workers.values()), w.decided) for w in fresh]
     print(
@@ -318,6 +340,17 @@ def main() -> None:
     print(
         f"   window victims' function back after: {fmt(finite)} s; never back {len(win) - len(finite)}; "
         + ", ".join(f"<{h}s {sum(b < h for b in win)}" for h in (5, 10, 30, 60))
+    )
+    restarts = []
+    for w in fresh:
+        if w.decided >= t0:
+            gone = [v.stopped for v in victims if v.function == w.function and v.stopped < w.decided]
+            restarts.append(w.decided - max(gone) if gone else None)
+    print(
+        f"   window fresh starts {len(restarts)}: of a function offloaded earlier"
+        f" {sum(r is not None for r in restarts)},"
+        f" within 30 s {sum(r is not None and r < 30 for r in restarts)},"
+        f" within 60 s (its keep-alive) {sum(r is not None and r < 60 for r in restarts)}"
     )
     # the victims an online rule would have picked among the idle bound workers at each offload round,
     # and when their functions came back (a counterfactual on the same arrivals: no second-order effects)
