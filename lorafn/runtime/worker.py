@@ -877,12 +877,18 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
     if not model:
         raise ValueError(f"no model directory for {settings.function}: register the function or pass --model")
     weight_source = None
+    pre_runner_s: dict[str, float] = {}  # stages before the runner's own clock starts, for log_startup
     if settings.backbone_socket:
         # The backbone server's copy, mapped read-only: this worker holds no weight bytes of its own.
         from lorafn.backbone_server.client import SharedWeightSource
 
+        if settings.device.startswith("cuda"):
+            # made here on its own clock (the attach would make it, inside its attach_seconds)
+            pre_runner_s["cuda_context"] = make_cuda_context(settings.device)
         weight_source = SharedWeightSource(settings.backbone_socket, device=settings.device)
-    return Engine(
+        pre_runner_s["backbone_attach"] = weight_source.attach_seconds  # connect, server reply, map
+        pre_runner_s["backbone_map"] = weight_source.map_seconds  # of which the mapping
+    engine = Engine(
         EngineConfig(
             model=model,
             adapter=adapter,
@@ -901,6 +907,20 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
             graph_archive_dir=settings.graph_archive_dir,
         )
     )
+    engine.pre_runner_s = pre_runner_s  # type: ignore[attr-defined]
+    return engine
+
+
+def make_cuda_context(device: str) -> float:
+    """Create this process's CUDA context on `device` (torch's lazy init + the primary context); seconds."""
+    import torch
+
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    if dev.index is not None:
+        torch.cuda.set_device(dev.index)
+    torch.zeros(1, device=dev)
+    return time.perf_counter() - t0
 
 
 def cublas_workspace_env(kib: int | None) -> dict[str, str]:
@@ -967,14 +987,18 @@ def serve_worker(settings: WorkerSettings) -> int:
 
 
 def log_startup(engine: Any, settings: WorkerSettings, built_at_ms: float) -> None:
-    """One line with where a fresh worker's start went: spawn -> engine set-up (imports, or the fork), then
-    the engine's stages (`ModelRunner.startup_s`: CUDA context, adapter, backbone views, KV cache, decode
-    graphs); docs/benchmarks.md "Fresh worker to first token" is read from it."""
+    """One line with where a fresh worker's start went: spawn -> engine set-up (imports, or the fork), the
+    stages before the runner that `default_engine` timed (`pre_runner_s`: CUDA context, backbone attach and
+    its mapping, with a backbone server), then the engine's stages (`ModelRunner.startup_s`: CUDA context,
+    adapter, backbone views, KV cache, decode graphs); docs/benchmarks.md "Fresh worker to first token" is
+    read from it."""
+    pre = dict(getattr(engine, "pre_runner_s", None) or {})
     stages = dict(getattr(getattr(engine, "runner", None), "startup_s", None) or {})
     now_ms = time.time() * 1000
     parts = []
     if settings.spawned_at_ms:
         parts.append(f"before_engine_ms={max(0.0, built_at_ms - settings.spawned_at_ms):.0f}")
+    parts += [f"{k}_ms={v * 1000:.0f}" for k, v in pre.items()]
     parts += [f"{k}_ms={v * 1000:.0f}" for k, v in stages.items()]
     parts.append(f"engine_ms={now_ms - built_at_ms:.0f}")
     log.info("worker start-up %s", " ".join(parts))
