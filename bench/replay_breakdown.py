@@ -277,6 +277,11 @@ def main() -> None:
             "decision->built": [1000 * (w.built - w.decided) for w in ws],
             "before_engine": [w.stages.get("before_engine_ms", 0) for w in ws],
             "pre_runner": [1000 * (w.runner - w.built) for w in ws if w.runner],
+            # the split of pre_runner, logged by workers from 003c706 on (absent in older logs: empty)
+            **{
+                name: [w.stages[f"{name}_ms"] for w in ws if f"{name}_ms" in w.stages]
+                for name in ("cuda_context", "backbone_attach", "backbone_map")
+            },
             "context": [w.stages["context_ms"] for w in ws],
             "adapter": [w.stages["adapter_ms"] for w in ws],
             "backbone": [w.stages["backbone_ms"] for w in ws],
@@ -286,7 +291,7 @@ def main() -> None:
         }
         print(
             f"   in flight {g}: n={len(ws)}  "
-            + "  ".join(f"{k} {q(v, 0.5):.0f}/{q(v, 0.9):.0f}" for k, v in cols.items())
+            + "  ".join(f"{k} {q(v, 0.5):.0f}/{q(v, 0.9):.0f}" for k, v in cols.items() if v)
         )
     print(
         "   (p50/p90; pre_runner = engine build begins -> ModelRunner: CUDA context, backbone attach,"
