@@ -18,12 +18,12 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,26 +112,13 @@ def run_child(cfg: dict, timeout: float = 900) -> dict:
 
 
 @contextlib.contextmanager
-def backbone_server(model: Path, sock: Path):
-    """`lorafn.backbone_server.cli serve` on `model`; yields once its socket accepts, stops it after."""
-    sock.unlink(missing_ok=True)
-    log = sock.with_suffix(".log").open("wb")
-    cmd = [sys.executable, "-m", "lorafn.backbone_server.cli", "serve", "--model", str(model)]
-    proc = subprocess.Popen(
-        [*cmd, "--socket", str(sock), "--device", "cuda:0"], stdout=log, stderr=log, cwd=ROOT
-    )
+def backbone_server(model: Path, workdir: Path) -> Iterator[Path]:
+    """A backbone server on `model` (bench/graph_restore.py's start); yields its socket, stops it after."""
+    from graph_restore import _start_backbone  # this directory is on sys.path (a script's, or the test's)
+
+    proc = _start_backbone(model, workdir, "cuda:0")
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"backbone server exited {proc.returncode}: {sock.with_suffix('.log')}")
-            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(sock))
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("backbone server not ready after 600 s")
-            time.sleep(0.2)
-        yield
+        yield workdir / "backbone.sock"
     finally:
         proc.terminate()
         try:
@@ -180,9 +167,7 @@ def main() -> int:
     }  # fmt: skip
     with contextlib.ExitStack() as stack:
         if args.backbone:
-            sock = work / "bb.sock"
-            stack.enter_context(backbone_server(model, sock))
-            common["backbone_socket"] = str(sock)
+            common["backbone_socket"] = str(stack.enter_context(backbone_server(model, work)))
         ref = run_child({**common, "adapter": str(adapter), "archives": False, "lazy": False})
         shape = ref["shape"]
         standby = {**common, "lora_shape": shape, "bind": str(adapter)}

@@ -88,27 +88,23 @@ class ArchivedGraphs:
     def restore(self, runner: Any) -> bool:
         """Every bucket's graph from the archive into `runner` (a DecodeGraphRunner with nothing captured);
         False (logged with the reason) when there is no usable archive or it was refused."""
-        from lorafn.runtime.graph_archive import ArchiveError, read_archive
-        from lorafn.runtime.graph_restore import GraphRestoreError, restore_graphs
+        from lorafn.runtime.graph_restore import restore_archived
 
         if not self.available or runner.graphs:
             return False
         t0 = time.perf_counter()
-        try:
-            report = restore_graphs(
-                read_archive(self.path),  # type: ignore[arg-type]
-                runner,
-                self.arena,
-                self.key,  # type: ignore[arg-type]
-                self.state_top,
-                self.state_log,
-                selfcheck="all",
-            )
-        except (ArchiveError, GraphRestoreError) as exc:
-            runner.graphs, runner.outputs = {}, {}
-            self.outcome = f"refused: {exc}"
-            log.warning("decode graphs: archive %s not used (%s); capturing", self.path, exc)
+        report, why = restore_archived(
+            self.path,  # type: ignore[arg-type]
+            runner,
+            self.arena,
+            self.key,  # type: ignore[arg-type]
+            self.state_top,
+            self.state_log,
+            selfcheck="all",
+        )
+        if report is None:
             # a refusal after the reserve leaves the range reserved: later captures go above it, fine
+            self.outcome = f"refused: {why}"
             return False
         self.restore_s = time.perf_counter() - t0
         self.outcome = "restored"

@@ -631,17 +631,6 @@ def output_digest(out: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums)
 
 
-def _lora_tensors(lora: Any) -> list[torch.Tensor]:
-    if lora is None:
-        return []
-    out: list[torch.Tensor] = []
-    for groups in lora.layers:
-        for g in groups.values():
-            out.append(g.a_cat)
-            out.extend(b for _p, _o, _r, b in g.targets)
-    return out
-
-
 @contextlib.contextmanager
 def lora_pattern(lora: Any) -> Iterator[None]:
     """The LoRA buffers hold one deterministic pattern inside (their values are put back after): the
@@ -649,7 +638,7 @@ def lora_pattern(lora: Any) -> Iterator[None]:
     worker bound to one adapter checks in a standby holding zeros or another adapter of the shape. Small
     non-zero values (|v| <= 0.01): every LoRA kernel's output reaches the digest. Built on the device by
     elementwise ops only: the same bits in every process."""
-    tensors = _lora_tensors(lora)
+    tensors = lora.tensors() if lora is not None else []
     saved = [t.clone() for t in tensors]
     try:
         for i, t in enumerate(tensors):
@@ -1053,6 +1042,28 @@ def restore_graphs(
     return report
 
 
+def restore_archived(
+    path: Path,
+    runner: Any,
+    arena: Arena,
+    key: Mapping[str, Any],
+    state_top: int,
+    state_log: Sequence[tuple[int, int]],
+    **options: Any,
+) -> tuple[RestoreReport | None, str]:
+    """`restore_graphs` from the archive file at `path`: (its report, "") or, when the archive is refused
+    (unreadable, key, layout, checksum, self-check), (None, why): logged as a warning, `runner` left with no
+    graph, so that the caller captures. `options` go to `restore_graphs`."""
+    from lorafn.runtime.graph_archive import read_archive
+
+    try:
+        return restore_graphs(read_archive(path), runner, arena, key, state_top, state_log, **options), ""
+    except (ArchiveError, GraphRestoreError) as exc:
+        log.warning("decode graphs: archive %s not used (%s); capturing", path, exc)
+        runner.graphs, runner.outputs = {}, {}
+        return None, str(exc)
+
+
 def restore_or_capture(
     state: DecodeState,
     arena: Arena,
@@ -1068,30 +1079,26 @@ def restore_or_capture(
     there for the next process. Returns ("restored" | "captured", seconds, the restore report or None).
     A restore that failed after it reserved the arena's range leaves that range reserved: the capture
     goes above it."""
-    from lorafn.runtime.graph_archive import read_archive, write_archive
+    from lorafn.runtime.graph_archive import write_archive
 
     t0 = time.perf_counter()
     path = Path(archive_path)
     key = state_key(state, arena)
     runner = state.runner
     if path.exists():
-        try:
-            archive = read_archive(path)
-            report = restore_graphs(
-                archive,
-                runner,
-                arena,
-                key,
-                state.state_top,
-                state.state_log,
-                selfcheck=selfcheck,
-                trigger_layers=trigger_layers,
-                instantiate_threads=instantiate_threads,
-            )
+        report, _why = restore_archived(
+            path,
+            runner,
+            arena,
+            key,
+            state.state_top,
+            state.state_log,
+            selfcheck=selfcheck,
+            trigger_layers=trigger_layers,
+            instantiate_threads=instantiate_threads,
+        )
+        if report is not None:
             return "restored", time.perf_counter() - t0, report
-        except (ArchiveError, GraphRestoreError) as exc:
-            log.warning("decode graphs: archive %s not used (%s); capturing", path, exc)
-            runner.graphs, runner.outputs = {}, {}
     runner.capture(pool=arena.graph_pool.id, warmup_pool=arena.scratch_pool, keep_graph=write)
     if write:
         write_archive(path, archive_graphs(runner, arena, key, state.state_top, state.state_log))

@@ -55,6 +55,15 @@ class LoRAWeights:
         """The adapter shape (DESIGN §2): what CUDA graph archives of this adapter depend on."""
         return ",".join(f"{m}:{self.ranks[m]}" for m in self.target_modules)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the adapter, in layer and group order: each group's a_cat, then its Bᵀs."""
+        return [
+            t
+            for groups in self.layers
+            for g in groups.values()
+            for t in (g.a_cat, *(b for *_, b in g.targets))
+        ]
+
 
 def _refuse(field_name: str, detail: str) -> ValueError:
     return ValueError(f"adapter: {field_name}: {detail}")
@@ -303,12 +312,7 @@ def copy_lora(buffers: LoRAWeights, adapter: LoRAWeights) -> None:
 def clear_lora(buffers: LoRAWeights) -> None:
     """Zero every buffer in place: a standby that pre-loaded one function's adapter and is bound to another
     whose adapter does not fit them drops them with nothing of the first left in its memory."""
-    tensors = [
-        t
-        for groups in buffers.layers
-        for g in groups.values()
-        for t in (g.a_cat, *(b for *_, b in g.targets))
-    ]
+    tensors = buffers.tensors()
     if tensors:
         torch._foreach_zero_(tensors)
 

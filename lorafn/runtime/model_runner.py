@@ -306,13 +306,8 @@ class ModelRunner:
 
     def memory_parts(self) -> tuple[int, int]:
         """(KV cache bytes, LoRA tensor bytes): the parts of this worker that its function's spec sizes."""
-        lora = 0
-        if self.lora is not None:
-            for groups in self.lora.layers:
-                for g in groups.values():
-                    lora += g.a_cat.numel() * g.a_cat.element_size()
-                    lora += sum(b.numel() * b.element_size() for _p, _o, _r, b in g.targets)
-        return self.kv_cache.nbytes, lora
+        tensors = self.lora.tensors() if self.lora is not None else []
+        return self.kv_cache.nbytes, sum(t.numel() * t.element_size() for t in tensors)
 
     def reserved_bytes(self) -> int:
         """What this runner holds on its device besides the shared backbone: KV cache + LoRA tensors
