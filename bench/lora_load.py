@@ -1,5 +1,6 @@
-"""Adapter load and standby copy: the packed `load_lora` (host-built, one pinned buffer, one copy to the
-device) and the grouped `copy_lora` against the old per-tensor ones (tests/unit/runtime/lora_reference.py),
+"""Adapter load and standby copy: the packed `load_lora` (host-built, one buffer, one copy to the device;
+its pinned-staging variant beside it) and the grouped `copy_lora` against the old per-tensor ones
+(tests/unit/runtime/lora_reference.py),
 side by side in one run, on llama-2-7b shapes (32 layers, 4096 / 11008), rank 16 all-linear by default.
 
     python3 bench/lora_load.py --device cpu
@@ -95,7 +96,7 @@ def main() -> None:
         f"{args.device} {args.dtype} {args.layers} layers r{args.rank} all-linear: results equal bit for bit"
     )
     print(
-        f"{'busy':>4}  {'load old':>9}  {'load new':>9}  {'ratio':>6}"
+        f"{'busy':>4}  {'load old':>9}  {'load new':>9}  {'ratio':>6}  {'new pinned':>10}"
         f"  {'copy old':>9}  {'copy new':>9}  {'ratio':>6}"
     )
 
@@ -109,11 +110,14 @@ def main() -> None:
             p.start()
         for _ in procs:
             ready.acquire()
-        times: dict[str, list[float]] = {"lo": [], "ln": [], "co": [], "cn": []}
+        times: dict[str, list[float]] = {"lo": [], "ln": [], "lp": [], "co": [], "cn": []}
         try:
             for _ in range(args.repeats):  # alternating, so drift hits both alike
                 times["lo"].append(_timed(lambda: reference_load(adapter, cfg, args.device, dtype), sync))
                 times["ln"].append(_timed(lambda: load_lora(adapter, cfg, args.device, dtype), sync))
+                times["lp"].append(
+                    _timed(lambda: load_lora(adapter, cfg, args.device, dtype, pinned=cuda), sync)
+                )
                 times["co"].append(_timed(lambda: reference_copy(buffers, new), sync))
                 times["cn"].append(_timed(lambda: copy_lora(buffers, new), sync))
         finally:
@@ -123,7 +127,8 @@ def main() -> None:
         med = {k: statistics.median(v) * 1000 for k, v in times.items()}
         print(
             f"{n_busy:>4}  {med['lo']:>7.0f}ms  {med['ln']:>7.0f}ms  {med['lo'] / med['ln']:>5.1f}x"
-            f"  {med['co']:>7.1f}ms  {med['cn']:>7.1f}ms  {med['co'] / med['cn']:>5.1f}x",
+            f"  {med['lp']:>8.0f}ms  {med['co']:>7.1f}ms  {med['cn']:>7.1f}ms"
+            f"  {med['co'] / med['cn']:>5.1f}x",
             flush=True,
         )
 

@@ -90,9 +90,18 @@ def read_adapter_config(adapter_dir: str | Path, num_layers: int | None = None) 
 
 
 def load_lora(
-    adapter_dir: str | Path, model_cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
+    adapter_dir: str | Path,
+    model_cfg: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    pinned: bool = False,
 ) -> LoRAWeights:
-    """Load, validate and lay out an adapter for the forward (private tensors on `device`)."""
+    """Load, validate and lay out an adapter for the forward (private tensors on `device`).
+
+    `pinned`: stage the packed buffer in page-locked host memory (one DMA). Off by default: on the H100 a
+    pinned staging buffer made a load under GPU contention 7.5 s against 0.7-2 s for the old per-tensor
+    copies (bench/lora_load.py, 4-12 busy processes); pageable memory goes through the driver's own
+    staging in one call."""
     from safetensors.torch import load_file
 
     adapter_dir = Path(adapter_dir)
@@ -160,9 +169,9 @@ def load_lora(
     # Every tensor is built on the host, in one buffer, and crosses to the device in ONE copy: on a GPU
     # time-sliced between many worker processes each small copy or kernel waits for this process's turn
     # (H100 replay: ~450 copies + ~700 small ops took 3.2-4.4 s with 10-20 requests running elsewhere,
-    # 0.45 s when quiet). Pinned, so the copy is one DMA the host does not stage. The host math runs on the
+    # 0.45 s when quiet). The host math runs on the
     # worker's one CPU thread (GPU workers set torch.set_num_threads: many workers oversubscribed the host).
-    host = torch.empty(total, dtype=dtype, pin_memory=dev.type == "cuda")
+    host = torch.empty(total, dtype=dtype, pin_memory=pinned and dev.type == "cuda")
     for piece in pieces:
         view = host[piece.start : piece.end].view(piece.shape)
         if piece.target is None:  # the group's A matrices, concatenated: [sum of ranks, in]
