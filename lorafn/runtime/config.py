@@ -92,6 +92,9 @@ class EngineConfig:
     cudnn_attention: bool = False
     # KV offload to host memory for preempted sequences (kv_offload.py: swap or recompute, host budget)
     kv_offload: OffloadConfig = field(default_factory=OffloadConfig)
+    # serve pending prefills by TTFT deadline (`Engine.set_deadline`; SchedulerConfig.deadline_order,
+    # docs/scheduler.md#deadline-order) instead of first come first served
+    deadline_order: bool = False
     weight_source: WeightSource | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

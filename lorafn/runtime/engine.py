@@ -91,6 +91,7 @@ class Engine:
                 num_blocks=self.runner.num_blocks,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_model_len=self.max_model_len,
+                deadline_order=config.deadline_order,
             ),
             self.offload,
         )
@@ -149,6 +150,11 @@ class Engine:
             generator=make_generator(params.seed, self.device),
         )
         return request_id
+
+    def set_deadline(self, request_id: str, deadline_s: float | None) -> None:
+        """The request's TTFT deadline in unix seconds (`time.time()`'s clock; None: none). With
+        `EngineConfig.deadline_order` the scheduler serves pending prefills by it (docs/scheduler.md)."""
+        self.scheduler.set_deadline(request_id, deadline_s)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request; True when it was running."""
@@ -233,7 +239,11 @@ class Engine:
         `allow_prefill=False` runs the decodes only (the GPU's prefill slot is another worker's);
         `max_prefill_tokens` caps the step's prefill chunks at the tokens the GPU's admission granted.
         `last_step` tells what ran: (prefill sequences, decode sequences), for the latency profile."""
-        out = self.scheduler.schedule(allow_prefill=allow_prefill, max_prefill_tokens=max_prefill_tokens)
+        # deadlines are unix seconds; the scheduler predicts with the prefill cost self.offload measures
+        now = time.time() if self.scheduler.config.deadline_order else None
+        out = self.scheduler.schedule(
+            allow_prefill=allow_prefill, max_prefill_tokens=max_prefill_tokens, now=now
+        )
         self.last_prefill_tokens = out.num_batched_tokens - out.num_decodes
         self.last_step = (len(out.chunks) - out.num_decodes, out.num_decodes)
         self.num_preemptions += len(out.preempted)

@@ -27,6 +27,16 @@ to copy the KV back into (also before the step); the sequence then goes on where
 or the rest of its prefill) instead of prefilling everything again. The engine runs all swap-outs, then
 all swap-ins, then the forward.
 
+**Deadline order** (``SchedulerConfig.deadline_order``, off by default; docs/scheduler.md#deadline-order):
+requests may carry a TTFT deadline (`set_deadline`, absolute seconds on the clock whose ``now`` the
+caller passes to `schedule`). Steps 2 and 3 then serve the pending prefills (partial and waiting ones
+together) in the order of `deadline_plan`: earliest deadline first among those that can still make it
+(Moore-Hodgson: the fewest predicted misses, with the prefill cost per token the engine measures), the
+ones predicted late behind them, still served (never dropped), and any request overdue by
+``overdue_after_s`` back in front (no starvation). A step stops adding prefill chunks where one more
+would push a prompt that finishes in it on time past its deadline, so prompts are prefilled one after
+another when time is short. A waiting request's admission then never preempts: it waits for free blocks.
+
 The engine drives it::
 
     out = scheduler.schedule()
@@ -40,7 +50,9 @@ The engine drives it::
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection
+import heapq
+import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from lorafn.runtime.block_manager import BlockManager, blocks_for_tokens
@@ -57,6 +69,83 @@ def rank(seq: Sequence) -> tuple[int, int]:
     return (getattr(seq.params, "priority", 0), seq.arrival)
 
 
+@dataclass(frozen=True)
+class DeadlinePlan:
+    """The order in which a step serves the pending prefills (`deadline_plan`). ``late``: predicted to
+    miss their deadline even if served next in line (they go behind the rest of their class); ``overdue``:
+    past their deadline by more than ``overdue_after_s`` (back in front)."""
+
+    order: list[Sequence]
+    late: frozenset[str]
+    overdue: frozenset[str]
+
+
+def deadline_plan(
+    pending: list[tuple[Sequence, int]],
+    deadlines: Mapping[str, float],
+    now: float,
+    s_per_token: float,
+    overdue_after_s: float = math.inf,
+) -> DeadlinePlan:
+    """Order the pending prefills ``pending`` = [(sequence, tokens it has left to prefill)] by TTFT deadline.
+
+    Class first, as `rank` (online before batch). Within a class: (1) sequences that already have output
+    tokens (preempted after their first token: no TTFT left to meet), by rank; (2) overdue ones (deadline
+    + ``overdue_after_s`` < ``now``), by deadline; (3) those that can still meet their deadline, earliest
+    deadline first; (4) the rest (predicted late, or without a deadline), by rank (first come first served).
+
+    (3)/(4) is Moore-Hodgson's rule, with each prefill served one after another, the first token of the
+    i-th at ``now + s_per_token x`` (tokens of everything before it and its own): walk in deadline order;
+    when one would finish late, move the longest prefill so far (the latest deadline among equals, so with
+    equal prompts the late one itself) to (4). On one server with every job present this misses the fewest
+    deadlines. Pure; O(n log n)."""
+    by_class: dict[int, list[tuple[Sequence, int]]] = {}
+    for seq, tokens in pending:
+        by_class.setdefault(rank(seq)[0], []).append((seq, tokens))
+    order: list[Sequence] = []
+    late: set[str] = set()
+    overdue: set[str] = set()
+    elapsed = 0  # tokens served before the walk's current point
+    for cls in sorted(by_class):
+        jobs = sorted(by_class[cls], key=lambda j: rank(j[0]))
+        resumed = [j for j in jobs if j[0].num_output_tokens > 0]
+        fresh = [j for j in jobs if j[0].num_output_tokens == 0]
+        due = [j for j in fresh if j[0].seq_id in deadlines]
+        over = sorted(
+            (j for j in due if deadlines[j[0].seq_id] + overdue_after_s < now),
+            key=lambda j: (deadlines[j[0].seq_id], rank(j[0])),
+        )
+        overdue.update(j[0].seq_id for j in over)
+        edf = sorted(
+            (j for j in due if j[0].seq_id not in overdue),
+            key=lambda j: (deadlines[j[0].seq_id], rank(j[0])),
+        )
+        first = resumed + over
+        elapsed += sum(t for _, t in first)
+        kept: list[tuple[int, float, tuple[int, int], str]] = []  # max-heap: (-tokens, -deadline, -rank)
+        dropped: set[str] = set()
+        on_time = elapsed
+        for seq, tokens in edf:
+            deadline = deadlines[seq.seq_id]
+            r = rank(seq)
+            heapq.heappush(kept, (-tokens, -deadline, (-r[0], -r[1]), seq.seq_id))
+            on_time += tokens
+            if now + s_per_token * on_time > deadline:
+                neg_tokens, _, _, seq_id = heapq.heappop(kept)
+                on_time += neg_tokens
+                dropped.add(seq_id)
+        late.update(dropped)
+        rest = sorted(
+            [j for j in edf if j[0].seq_id in dropped] + [j for j in fresh if j[0].seq_id not in deadlines],
+            key=lambda j: rank(j[0]),
+        )
+        order += [j[0] for j in first]
+        order += [j[0] for j in edf if j[0].seq_id not in dropped]
+        order += [j[0] for j in rest]
+        elapsed = on_time + sum(t for _, t in rest)
+    return DeadlinePlan(order, frozenset(late), frozenset(overdue))
+
+
 @dataclass
 class SchedulerConfig:
     """Limits of one worker's batch.
@@ -71,6 +160,12 @@ class SchedulerConfig:
     - ``max_model_len``: longest sequence (prompt + output); ``None`` = what the cache holds.
       Capped to ``num_blocks * block_size`` (`Scheduler.max_model_len` is the effective value)
       so that any admitted sequence fits in the cache on its own.
+    - ``deadline_order``: serve pending prefills by TTFT deadline (`deadline_plan`) instead of first come
+      first served, when `schedule` is given ``now`` and requests have deadlines (`Scheduler.set_deadline`).
+    - ``overdue_after_s``: a request this far past its deadline goes back in front of the ones that can
+      still make theirs (the bound on how long a demoted request waits behind newer ones).
+    - ``prefill_s_per_token``: the prefill cost prior for the deadline prediction when the scheduler has no
+      `OffloadPolicy` (whose measured cost it uses otherwise).
     """
 
     max_num_seqs: int
@@ -79,6 +174,9 @@ class SchedulerConfig:
     num_blocks: int
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
+    deadline_order: bool = False
+    overdue_after_s: float = 5.0
+    prefill_s_per_token: float = 50e-6
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -94,6 +192,12 @@ class SchedulerConfig:
             raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be an integer >= 1 or None, got {self.max_model_len!r}")
+        if not isinstance(self.deadline_order, bool):
+            raise ValueError(f"deadline_order must be a bool, got {self.deadline_order!r}")
+        for name in ("overdue_after_s", "prefill_s_per_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
 @dataclass
@@ -168,7 +272,9 @@ class Scheduler:
         self._waiting: list[Sequence] = []  # sorted by rank; head = next to admit
         self._running: list[Sequence] = []  # sorted by rank
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
+        self._deadlines: dict[str, float] = {}  # seq_id -> its TTFT deadline (deadline_order)
         self._next_arrival = 0
+        self.last_plan: DeadlinePlan | None = None  # the order the last step served prefills in (None: FCFS)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -193,6 +299,29 @@ class Scheduler:
         self._waiting.insert(bisect.bisect([rank(s) for s in self._waiting], rank(seq)), seq)
         self._seqs[seq.seq_id] = seq
 
+    def set_deadline(self, seq_id: str, deadline: float | None) -> None:
+        """The request's TTFT deadline (absolute seconds, the clock of `schedule`'s ``now``; None: none).
+        Read only with ``deadline_order``; an unknown (finished) id is ignored."""
+        if seq_id not in self._seqs:
+            return
+        if deadline is None:
+            self._deadlines.pop(seq_id, None)
+        elif isinstance(deadline, bool) or not isinstance(deadline, int | float) or math.isnan(deadline):
+            raise ValueError(f"deadline of {seq_id!r} must be a number, got {deadline!r}")
+        else:
+            self._deadlines[seq_id] = float(deadline)
+
+    def deadline_of(self, seq_id: str) -> float | None:
+        return self._deadlines.get(seq_id)
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        """The prefill cost the deadline prediction uses: the engine's measured one (the `OffloadPolicy`
+        learns it from the engine's prefill steps), else the configured prior."""
+        if self.offload is not None:
+            return self.offload.prefill_s_per_token
+        return self.config.prefill_s_per_token
+
     def finish(self, seq_id: str, reason: str) -> Sequence | None:
         """Finish a sequence (``reason``: "stop", "length", "abort", ...) and free its blocks.
 
@@ -202,6 +331,7 @@ class Scheduler:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return None
+        self._deadlines.pop(seq_id, None)
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
         else:
@@ -273,7 +403,9 @@ class Scheduler:
             for s in pending
         )
 
-    def schedule(self, allow_prefill: bool = True, max_prefill_tokens: int | None = None) -> SchedulerOutput:
+    def schedule(
+        self, allow_prefill: bool = True, max_prefill_tokens: int | None = None, now: float | None = None
+    ) -> SchedulerOutput:
         """Plan the next step (see the module docstring for the order and the rules).
 
         ``allow_prefill=False``: decodes only (steps 2 and 3 are skipped) — the worker runs its decodes
@@ -282,7 +414,8 @@ class Scheduler:
         tokens together — the share of the GPU's prefill budget the worker was granted; the rest of a
         prompt is chunked into later steps (decodes are not counted). Without chunked prefill a prompt
         cannot be split: the first prefill of the step goes whole even beyond the cap, later ones only
-        while they fit."""
+        while they fit. ``now``: the time on the deadlines' clock; with ``deadline_order`` the prefills are
+        served in `deadline_plan` order (`last_plan`), without it first come first served."""
         if max_prefill_tokens is not None and (not _is_int(max_prefill_tokens) or max_prefill_tokens < 0):
             raise ValueError(
                 f"max_prefill_tokens must be an integer >= 0 or None, got {max_prefill_tokens!r}"
@@ -347,12 +480,18 @@ class Scheduler:
             preempted_now.add(victim.seq_id)
             out.preempted.append(victim.seq_id)
 
-        def reserve(seq: Sequence, num_tokens: int) -> bool:
+        def reserve(seq: Sequence, num_tokens: int, larger_class_only: bool = False) -> bool:
             """Blocks for positions 0 .. num_tokens - 1, preempting running sequences of larger rank
-            (younger, or batch ones) if needed."""
+            (younger, or batch ones; only batch ones with ``larger_class_only``) if needed."""
             while not self.block_manager.can_allocate(seq, num_tokens):
                 victim = next(
-                    (s for s in reversed(self._running) if rank(s) > rank(seq) and s is not seq), None
+                    (
+                        s
+                        for s in reversed(self._running)
+                        if s is not seq
+                        and (rank(s)[0] > rank(seq)[0] if larger_class_only else rank(s) > rank(seq))
+                    ),
+                    None,
                 )
                 if victim is None:
                     return False
@@ -387,54 +526,9 @@ class Scheduler:
             if len(seq.block_table) * block_size >= num_tokens or reserve(seq, num_tokens):
                 add_chunk(decodes, seq, 1)
 
-        # 2. Ongoing partial prefills, oldest first (their blocks were reserved at admission).
-        for seq in list(self._running) if allow_prefill else []:
-            if budget < 1 or prefill_left < 1:
-                break
-            if (
-                seq.status is not SequenceStatus.RUNNING
-                or seq.seq_id in scheduled
-                or seq.num_uncomputed_tokens <= 1
-            ):
-                continue
-            num_tokens = seq.num_uncomputed_tokens
-            if cfg.enable_chunked_prefill:
-                num_tokens = min(num_tokens, budget, prefill_left)
-            elif num_tokens > budget or (num_tokens > prefill_left and (prefills or admitted)):
-                continue
-            if reserve(seq, seq.num_computed_tokens + num_tokens):
-                add_chunk(prefills, seq, num_tokens)
-
-        # 3. New (or preempted) requests, first come first served: the head blocks the queue, so a
-        #    large request is never overtaken forever by smaller ones. Admission reserves blocks for
-        #    the whole prompt (+ output, after a preemption), so a partial prefill never stalls on
-        #    memory and a decode needs at most one new block.
-        while (
-            allow_prefill
-            and self._waiting
-            and budget > 0
-            and prefill_left > 0
-            and len(self._running) < cfg.max_num_seqs
-        ):
-            seq = self._waiting[0]
-            if seq.seq_id in preempted_now:  # no ping-pong within one step
-                break
-            num_tokens = seq.num_tokens - seq.swapped_tokens  # what is left to compute once swapped in
-            if cfg.enable_chunked_prefill:
-                num_tokens = min(num_tokens, budget, prefill_left)
-            elif num_tokens > budget and (self._running or num_tokens <= cfg.max_num_batched_tokens):
-                # Waits for budget; one longer than a whole step's budget runs alone, once nothing
-                # else is running.
-                break
-            elif num_tokens > prefill_left and (prefills or admitted):
-                break  # beyond the grant, and not the step's first prefill: the next grant's
-            needed = self.block_manager.num_blocks_needed(seq, seq.num_tokens)
-            has_younger_running = bool(self._running) and rank(self._running[-1]) > rank(seq)
-            if needed + lookahead_total > self.block_manager.num_free_blocks and not has_younger_running:
-                break  # would starve a running decode next step: wait (running ones finish first)
-            if not reserve(seq, seq.num_tokens):  # an older, preempted request may preempt younger ones
-                break
-            self._waiting.pop(0)
+        def admit(seq: Sequence, num_tokens: int) -> None:
+            """Start a waiting sequence (its blocks are allocated) with a first chunk of ``num_tokens``."""
+            self._waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             keys = [rank(s) for s in self._running]
             self._running.insert(bisect.bisect(keys, rank(seq)), seq)
@@ -448,6 +542,129 @@ class Scheduler:
                 # keep the step's chunk order (decodes, partial prefills, new): a decode joins the decodes
                 group = decodes if seq.num_uncomputed_tokens == 1 else prefills
             add_chunk(group, seq, num_tokens)
+
+        plan: DeadlinePlan | None = None
+        if cfg.deadline_order and now is not None and allow_prefill:
+            pending = [
+                (s, s.num_uncomputed_tokens)
+                for s in self._running
+                if s.seq_id not in scheduled and s.num_uncomputed_tokens > 1
+            ] + [(s, s.num_tokens - s.swapped_tokens) for s in self._waiting]
+            plan = deadline_plan(pending, self._deadlines, now, self.prefill_s_per_token, cfg.overdue_after_s)
+        self.last_plan = plan
+
+        if plan is not None:
+            # 2+3 by deadline (module doc): partial prefills and waiting requests in the plan's order. A
+            # waiting request that cannot start stops later admissions (head of line, as below), not the
+            # partial prefills after it (they hold their blocks). Admission preempts only a larger class.
+            cost = self.prefill_s_per_token
+            step_deadline = math.inf  # the earliest deadline of an on-time prompt that finishes in the step
+            admitting = True
+            for seq in plan.order:
+                if budget < 1 or prefill_left < 1:
+                    break
+                running = seq.status is SequenceStatus.RUNNING
+                if running:
+                    num_tokens = seq.num_uncomputed_tokens
+                    if cfg.enable_chunked_prefill:
+                        num_tokens = min(num_tokens, budget, prefill_left)
+                    elif num_tokens > budget or (num_tokens > prefill_left and (prefills or admitted)):
+                        continue
+                else:
+                    if not admitting:
+                        continue
+                    num_tokens = seq.num_tokens - seq.swapped_tokens
+                    if cfg.enable_chunked_prefill:
+                        num_tokens = min(num_tokens, budget, prefill_left)
+                    if (
+                        seq.seq_id in preempted_now  # no ping-pong within one step
+                        or len(self._running) >= cfg.max_num_seqs
+                        or (
+                            not cfg.enable_chunked_prefill
+                            and num_tokens > budget
+                            and (self._running or num_tokens <= cfg.max_num_batched_tokens)
+                        )
+                        or (
+                            not cfg.enable_chunked_prefill
+                            and num_tokens > prefill_left
+                            and (prefills or admitted)
+                        )
+                    ):
+                        admitting = False
+                        continue
+                    needed = self.block_manager.num_blocks_needed(seq, seq.num_tokens)
+                    batch_running = bool(self._running) and rank(self._running[-1])[0] > rank(seq)[0]
+                    if needed + lookahead_total > self.block_manager.num_free_blocks and not batch_running:
+                        admitting = False
+                        continue
+                step_tokens = cfg.max_num_batched_tokens - budget + num_tokens
+                if (prefills or admitted) and now + cost * step_tokens > step_deadline:
+                    break  # one more prompt in this step would make an on-time first token late
+                if running:
+                    add_chunk(prefills, seq, num_tokens)  # its blocks were reserved at admission
+                else:
+                    if not reserve(seq, seq.num_tokens, larger_class_only=True):
+                        admitting = False
+                        continue
+                    admit(seq, num_tokens)
+                deadline = self._deadlines.get(seq.seq_id)
+                if (
+                    scheduled[seq.seq_id][0].samples
+                    and deadline is not None
+                    and seq.num_output_tokens == 0
+                    and seq.seq_id not in plan.late
+                    and now + cost * step_tokens <= deadline
+                ):
+                    step_deadline = min(step_deadline, deadline)
+        else:
+            # 2. Ongoing partial prefills, oldest first (their blocks were reserved at admission).
+            for seq in list(self._running) if allow_prefill else []:
+                if budget < 1 or prefill_left < 1:
+                    break
+                if (
+                    seq.status is not SequenceStatus.RUNNING
+                    or seq.seq_id in scheduled
+                    or seq.num_uncomputed_tokens <= 1
+                ):
+                    continue
+                num_tokens = seq.num_uncomputed_tokens
+                if cfg.enable_chunked_prefill:
+                    num_tokens = min(num_tokens, budget, prefill_left)
+                elif num_tokens > budget or (num_tokens > prefill_left and (prefills or admitted)):
+                    continue
+                if reserve(seq, seq.num_computed_tokens + num_tokens):
+                    add_chunk(prefills, seq, num_tokens)
+
+            # 3. New (or preempted) requests, first come first served: the head blocks the queue, so a
+            #    large request is never overtaken forever by smaller ones. Admission reserves blocks for
+            #    the whole prompt (+ output, after a preemption), so a partial prefill never stalls on
+            #    memory and a decode needs at most one new block.
+            while (
+                allow_prefill
+                and self._waiting
+                and budget > 0
+                and prefill_left > 0
+                and len(self._running) < cfg.max_num_seqs
+            ):
+                seq = self._waiting[0]
+                if seq.seq_id in preempted_now:  # no ping-pong within one step
+                    break
+                num_tokens = seq.num_tokens - seq.swapped_tokens  # what is left to compute once swapped in
+                if cfg.enable_chunked_prefill:
+                    num_tokens = min(num_tokens, budget, prefill_left)
+                elif num_tokens > budget and (self._running or num_tokens <= cfg.max_num_batched_tokens):
+                    # Waits for budget; one longer than a whole step's budget runs alone, once nothing
+                    # else is running.
+                    break
+                elif num_tokens > prefill_left and (prefills or admitted):
+                    break  # beyond the grant, and not the step's first prefill: the next grant's
+                needed = self.block_manager.num_blocks_needed(seq, seq.num_tokens)
+                has_younger_running = bool(self._running) and rank(self._running[-1]) > rank(seq)
+                if needed + lookahead_total > self.block_manager.num_free_blocks and not has_younger_running:
+                    break  # would starve a running decode next step: wait (running ones finish first)
+                if not reserve(seq, seq.num_tokens):  # an older, preempted request may preempt younger ones
+                    break
+                admit(seq, num_tokens)
 
         out.chunks = decodes + prefills + admitted
         out.num_decodes = len(decodes)

@@ -658,6 +658,9 @@ class Worker:
         except ValueError as e:
             self._end(run, Error(code="invalid_request", message=str(e)))
             return
+        ttft_ms, set_deadline = self.batching.config.ttft_ms, getattr(self.engine, "set_deadline", None)
+        if ttft_ms and callable(set_deadline) and not params.priority:  # batch requests have no TTFT SLO
+            set_deadline(rid, (run.arrival_ms + ttft_ms) / 1000)  # the enqueue clock (unix) + the SLO
         run.first_of_worker = self._taken == 0
         self._taken += 1
         self.running[rid] = run
@@ -833,6 +836,12 @@ class WorkerSettings(SharedSettings):
         gt=0,
         description="decode gating: the TPOT SLO that bounds a pause without spec.slo.tpotMs",
     )
+    deadline_order: bool = Field(
+        default=False,
+        description="serve this worker's pending prefills by TTFT deadline (enqueue time + spec.slo.ttftMs): "
+        "earliest first among those that can still make it, the ones predicted late behind them "
+        "(docs/scheduler.md#deadline-order); opt-in until measured on a GPU",
+    )
     batch_hold: bool = Field(
         default=True, description="fill or expire: an idle worker holds its first prefill for companions"
     )
@@ -905,6 +914,7 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
             lazy_graphs=settings.lazy_graphs and not settings.standby,
             graph_archives=settings.graph_archives,
             graph_archive_dir=settings.graph_archive_dir,
+            deadline_order=settings.deadline_order,
         )
     )
     engine.pre_runner_s = pre_runner_s  # type: ignore[attr-defined]

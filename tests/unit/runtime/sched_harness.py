@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from lorafn.runtime.block_manager import slot_mapping
 from lorafn.runtime.kv_offload import OffloadPolicy
 from lorafn.runtime.sampling_params import SamplingParams
-from lorafn.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from lorafn.runtime.scheduler import DeadlinePlan, Scheduler, SchedulerConfig, SchedulerOutput
 from lorafn.runtime.sequence import Sequence, SequenceStatus
 
 VOCAB = 17
@@ -48,6 +48,7 @@ class Request:
     params: SamplingParams
     arrival_step: int = 0
     abort_step: int | None = None  # the client goes away at this step (if still unfinished)
+    deadline: float | None = None  # TTFT deadline on the step clock (`FakeEngine.step_s` per step)
 
 
 @dataclass
@@ -58,14 +59,22 @@ class RunResult:
     num_preemptions: int = 0
     outputs_log: list[SchedulerOutput] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    plans: list[DeadlinePlan | None] = field(default_factory=list)  # the step's `last_plan`
+    first_token_step: dict[str, int] = field(default_factory=dict)
+    first_chunk_step: dict[str, int] = field(default_factory=dict)
 
 
 class FakeEngine:
     def __init__(
-        self, config: SchedulerConfig, offload: OffloadPolicy | None = None, prefill_cap: int | None = None
+        self,
+        config: SchedulerConfig,
+        offload: OffloadPolicy | None = None,
+        prefill_cap: int | None = None,
+        step_s: float = 1.0,
     ) -> None:
         self.config = config
         self.prefill_cap = prefill_cap  # every step's max_prefill_tokens (a GPU admission grant)
+        self.step_s = step_s  # with deadline_order: `now` = steps run so far x step_s
         self.scheduler = Scheduler(config, offload)
         self.cache: list[tuple[str, int, int] | None] = [None] * (config.num_blocks * config.block_size)
         # swapped-out KV: seq_id -> the slots' entries of its swapped blocks, in position order
@@ -174,14 +183,21 @@ class FakeEngine:
                     result.refused.append(r.seq_id)
                     continue
                 seqs[r.seq_id] = seq
+                sched.set_deadline(r.seq_id, r.deadline)
             for r in requests:
                 if r.abort_step == step and r.seq_id in seqs and not seqs[r.seq_id].is_finished:
                     sched.abort(r.seq_id)
             step += 1
             assert step <= max_steps, f"no completion within {max_steps} steps"
             decode_ready = [s for s in sched.running if s.num_uncomputed_tokens == 1]
-            out = sched.schedule(max_prefill_tokens=self.prefill_cap)
+            now = (step - 1) * self.step_s if self.config.deadline_order else None
+            out = sched.schedule(max_prefill_tokens=self.prefill_cap, now=now)
             result.outputs_log.append(out)
+            result.plans.append(sched.last_plan)
+            for c in out.chunks:
+                result.first_chunk_step.setdefault(c.seq_id, step)
+                if c.samples:
+                    result.first_token_step.setdefault(c.seq_id, step)
             if sched.has_unfinished():  # progress: a step with work always schedules something
                 assert out.chunks, "empty step while requests wait"
             self.check_step(out, decode_ready)
