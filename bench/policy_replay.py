@@ -9,14 +9,25 @@ with the same --functions/--rate/--duration/--trace-start. The platform is a mod
 module): its figures compare policies with each other, not with the GPU; the defaults are the H100
 replay's (llama-2-7b bf16 backbone 12.6 GiB, ~2 s fresh starts, ~10 at full speed at once).
 
-"before" is this build with the three switches off; two fixes made with them are not switches (a claimed
-starting standby keeps its place under maxStandby; pre-loading only into a standby the function fits). The
+"before" is this build with the three switches off (and idle bound workers ranked by the 60 s rate); two
+fixes made with them are not switches (a claimed starting standby keeps its place under maxStandby;
+pre-loading only into a standby the function fits). The
 policy of commit b722e86 (before all of it) on the same simulator, host running 4 starts at full speed:
 KV 512 MiB: SLO violations 5.8%, 12 fresh starts, 12 queued; KV 1024 MiB, 120 s: 18.3%, 73 fresh starts,
 73 offloads (59 of idle bound workers), TTFT p99 13.6 s (the H100 run at f304ad6: 55%, 81, 74).
 
+Issue 16's second round (the 64-function H100 replay: an account that stopped at 36 workers with 10-16 GiB
+of the GPU unused, 155 idle bound workers offloaded, 105 of 116 fresh starts functions offloaded earlier):
+`--sized` gives every worker its own size, drawn from `--overhead-quantiles` (defaults from that run: 1409
+MiB per process at the median, the account's 1.70 GiB charge = the largest + 64 MiB), so that the variants
+"account: own" (settled bound workers charged by their own report, `controller.policy.charge`), "+ driver
+guard" (the account capped by the device's free memory) and "+ victims: long rate" / "max rate" (idle bound
+workers ranked for offloading by their rate over `--long-window-s`) can be told apart; the "peak held" and
+"over GPU" columns say whether what the processes really hold ever passed the GPU's memory.
+
     python bench/policy_replay.py [--functions 32] [--rate 4] [--duration 90] [--kv-mib 512]
                                   [--max-standby 4] [--start-parallelism 10] [--variants ...]
+                                  [--warmup-s 90] [--sized] [--overhead-quantiles ...]
 """
 
 from __future__ import annotations
@@ -32,19 +43,52 @@ sys.path.insert(0, str(REPO))
 
 from lorafn.controller.policy import PolicyConfig  # noqa: E402
 from lorafn.controller.policy.simulate import GiB, SimSetup, Simulation  # noqa: E402
-from lorafn.replay.trace import assign_functions, parse_trace, select_and_scale  # noqa: E402
+from lorafn.replay.trace import (  # noqa: E402
+    WARMUP_STREAM,
+    assign_functions,
+    parse_trace,
+    select_and_scale,
+    select_warmup,
+)
 
 MiB = 2**20
 # each of issue 16's switches off, then on one at a time, then all on (the defaults)
 AFTER = PolicyConfig()
-BEFORE = PolicyConfig(cold_prior_rps=0.0, max_fresh_starts_per_gpu=None, thrash_horizon_starts=0.0)
-VARIANTS: dict[str, PolicyConfig] = {
-    "before": BEFORE,
-    "+anticipation": dataclasses.replace(BEFORE, cold_prior_rps=AFTER.cold_prior_rps),
-    "+start-cap": dataclasses.replace(BEFORE, max_fresh_starts_per_gpu=AFTER.max_fresh_starts_per_gpu),
-    "+anti-thrash": dataclasses.replace(BEFORE, thrash_horizon_starts=AFTER.thrash_horizon_starts),
-    "after (defaults)": AFTER,
+BEFORE = PolicyConfig(
+    cold_prior_rps=0.0, max_fresh_starts_per_gpu=None, thrash_horizon_starts=0.0, victim_rate="window"
+)
+ROUND1 = dataclasses.replace(AFTER, victim_rate="window")  # the burst policy, victims by the 60 s rate
+# each variant: the policy's config and the simulated platform's changes (the account's charging rule and
+# driver guard live in the snapshot reader, so they are setup fields of the simulation)
+VARIANTS: dict[str, tuple[PolicyConfig, dict[str, object]]] = {
+    "before": (BEFORE, {}),
+    "+anticipation": (dataclasses.replace(BEFORE, cold_prior_rps=AFTER.cold_prior_rps), {}),
+    "+start-cap": (
+        dataclasses.replace(BEFORE, max_fresh_starts_per_gpu=AFTER.max_fresh_starts_per_gpu),
+        {},
+    ),
+    "+anti-thrash": (dataclasses.replace(BEFORE, thrash_horizon_starts=AFTER.thrash_horizon_starts), {}),
+    "after (defaults)": (AFTER, {"charge": "own", "driver_guard": True}),  # the platform's defaults
+    # issue 16's second round, on the burst policy: the account, its guard, the victims' rate
+    "burst policy (60 s rate)": (ROUND1, {}),
+    "account: own": (ROUND1, {"charge": "own"}),
+    "+ driver guard": (ROUND1, {"charge": "own", "driver_guard": True}),
+    "+ victims: long rate": (AFTER, {"charge": "own", "driver_guard": True}),
+    "+ victims: max rate": (
+        dataclasses.replace(AFTER, victim_rate="max"),
+        {"charge": "own", "driver_guard": True},
+    ),
+    "victims: long rate only": (AFTER, {}),
 }
+DEFAULT_VARIANTS = "before,+anticipation,+start-cap,+anti-thrash,burst policy (60 s rate),after (defaults)"
+ISSUE16_VARIANTS = (
+    "burst policy (60 s rate),account: own,+ driver guard,+ victims: long rate,+ victims: max rate,"
+    "victims: long rate only"
+)
+# a worker's overhead beyond KV + LoRA, MiB, as a quantile function (the 64-function H100 replay at KV 512:
+# 1409 MiB per process at the median = 817 + 512 KV + 80 LoRA; a warmed standby 1500 MiB = 908; the account
+# charged 1.70 GiB = the largest + 64 MiB, so the largest ~1086)
+H100_OVERHEAD_QUANTILES = "0:720,0.5:817,0.9:908,1:1086"
 COLUMNS = (
     ("ttft_p50_ms", "TTFT p50"),
     ("ttft_p90_ms", "p90"),
@@ -58,7 +102,11 @@ COLUMNS = (
     ("pool_starts", "pool starts"),
     ("offloads", "offloads"),
     ("offloads_idle_bound", "of idle bound"),
+    ("offloads_regretted", "offl. back"),
+    ("fresh_after_offload", "fresh of offl"),
     ("peak_workers", "peak workers"),
+    ("peak_held_gib", "peak held GiB"),
+    ("over_gpu_ticks", "over GPU"),
 )
 
 
@@ -72,6 +120,12 @@ def main() -> None:
     ap.add_argument("--trace-start", type=float, default=600.0)
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="seeds --seed .. --seed+N-1 (function assignment, worker sizes); print each column's mean",
+    )
     ap.add_argument("--kv-mib", type=int, default=512, help="KV budget of every function")
     ap.add_argument("--overhead-mib", type=int, default=1230, help="a worker's memory besides its KV")
     ap.add_argument("--tokens-per-request", type=int, default=256, help="KV tokens one request holds")
@@ -83,15 +137,42 @@ def main() -> None:
     ap.add_argument("--stop-s", type=float, default=0.5, help="a stopped worker's memory is freed this late")
     ap.add_argument("--fresh-start-s", type=float, default=2.0)
     ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--warmup-s", type=float, default=0.0, help="trace before the window, not measured")
     ap.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS)
+        "--sized",
+        action="store_true",
+        help="every worker its own size (--overhead-quantiles); else all are --kv-mib + --overhead-mib",
+    )
+    ap.add_argument(
+        "--overhead-quantiles",
+        default=H100_OVERHEAD_QUANTILES,
+        help="q:MiB,... a worker's settled overhead beyond KV + LoRA (with --sized)",
+    )
+    ap.add_argument("--lora-mib", type=int, default=80, help="a function's LoRA tensors (with --sized)")
+    ap.add_argument("--graph-mib", type=int, default=150, help="lazy decode graphs' pool (with --sized)")
+    ap.add_argument("--graph-settle-s", type=float, default=2.0, help="lazy graphs in by then")
+    ap.add_argument("--unattributed-mib", type=int, default=0, help="per process, held but in no report")
+    ap.add_argument("--long-window-s", type=float, default=600.0, help="the long arrival-rate horizon")
+    ap.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help=f"comma-separated, of: {', '.join(VARIANTS)}; 'issue16' = {ISSUE16_VARIANTS}",
     )
     args = ap.parse_args()
 
     rows = parse_trace(args.data_dir / f"azure_llm_2023_{args.trace}.csv")
     picked = select_and_scale(rows, args.trace_start, args.rate, args.duration)
-    which = assign_functions(len(picked), args.functions, args.zipf, args.seed)
-    arrivals = [(at, i) for (at, _), i in zip(picked, which, strict=True)]
+    early = select_warmup(rows, args.trace_start, args.rate, args.duration, args.warmup_s)
+
+    def arrivals_of(seed: int) -> list[tuple[float, int]]:
+        which = assign_functions(len(picked), args.functions, args.zipf, seed)
+        early_which = assign_functions(len(early), args.functions, args.zipf, seed, WARMUP_STREAM)
+        return [(at, i) for (at, _), i in zip(early, early_which, strict=True)] + [
+            (at, i) for (at, _), i in zip(picked, which, strict=True)
+        ]
+
+    seeds = list(range(args.seed, args.seed + max(1, args.seeds)))
+    arrivals = {seed: arrivals_of(seed) for seed in seeds}
     # llama-2-7b: 32 layers x 2 (K, V) x 4096 x 2 bytes = 512 KiB of KV per token
     batch = max(1, args.kv_mib * MiB // (512 * 1024) // args.tokens_per_request)
     setup = SimSetup(
@@ -104,27 +185,55 @@ def main() -> None:
         stop_s=args.stop_s,
         min_standby=args.min_standby,
         max_standby=args.max_standby,
+        long_window_s=args.long_window_s,
+        seed=args.seed,
     )
+    if args.sized:
+        knots = tuple(
+            (float(q), int(float(mib) * MiB))
+            for q, mib in (part.split(":") for part in args.overhead_quantiles.split(","))
+        )
+        setup = dataclasses.replace(
+            setup,
+            overhead_quantiles=knots,
+            kv_lora_bytes=(args.kv_mib + args.lora_mib) * MiB,
+            # before anything reports, the configured size (the flat model's worker)
+            worker_bytes=(args.kv_mib + args.overhead_mib) * MiB,
+            graph_bytes=args.graph_mib * MiB,
+            graph_settle_s=args.graph_settle_s,
+            unattributed_bytes=args.unattributed_mib * MiB,
+        )
     print(
-        f"{len(arrivals)} requests over {args.functions} functions ({args.trace} trace from "
+        f"{len(picked)} requests (+{len(early)} in a {args.warmup_s:g} s warm-up) over "
+        f"{args.functions} functions ({args.trace} trace from "
         f"{args.trace_start:g} s, {args.rate:g} rps, {args.duration:g} s); {args.gpus} x 80 GiB, worker "
         f"{setup.worker_bytes / GiB:.2f} GiB, batch {batch}, "
         f"warmPool {args.min_standby}..{args.max_standby}; "
         f"fresh start {args.fresh_start_s:g} s alone, {args.start_parallelism:g} at full speed at once, "
         f"stop {args.stop_s:g} s"
+        + (f"; sized: overhead quantiles {args.overhead_quantiles} MiB + KV + LoRA" if args.sized else "")
+        + (f"; mean of seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else "")
     )
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    chosen = ISSUE16_VARIANTS if args.variants == "issue16" else args.variants
+    names = [v.strip() for v in chosen.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-    header = f"{'policy':<18s}" + "".join(f"{title:>14s}" for _, title in COLUMNS) + f"{'CPU s':>8s}"
+    header = f"{'policy':<24s}" + "".join(f"{title:>14s}" for _, title in COLUMNS) + f"{'CPU s':>8s}"
     print(header)
     for name in names:
         t = time.process_time()
-        result = Simulation(setup, VARIANTS[name], arrivals).run()
-        row = result.row()
+        config, changes = VARIANTS[name]
+        rows_of = [
+            Simulation(dataclasses.replace(setup, seed=seed, **changes), config, arrivals[seed]).run().row()  # type: ignore[arg-type]
+            for seed in seeds
+        ]
+        if len(rows_of) == 1:
+            row: dict[str, object] = dict(rows_of[0])
+        else:
+            row = {k: round(sum(float(r[k]) for r in rows_of) / len(rows_of), 1) for k, _ in COLUMNS}
         cells = "".join(f"{row[k]:>14}" for k, _ in COLUMNS)
-        print(f"{name:<18s}{cells}{time.process_time() - t:>8.1f}")
+        print(f"{name:<24s}{cells}{time.process_time() - t:>8.1f}")
 
 
 if __name__ == "__main__":

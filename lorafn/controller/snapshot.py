@@ -23,6 +23,13 @@ from lorafn.api import LoRAFunctionSpec
 from lorafn.api.adapters import AdapterProblem, validate_adapter
 from lorafn.api.sizing import MiB, kv_budget_bytes, kv_bytes_per_token, lora_bytes, parse_shape_key
 from lorafn.api.specs import BackboneSpec
+from lorafn.controller.policy.charge import (
+    OVERHEAD_MARGIN_BYTES,
+    SizeReport,
+    charge_bytes,
+    learned_overhead,
+    overhead_floor,
+)
 from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker
 from lorafn.store import Keys, Store, batches, combine, control, stats, workers
 from lorafn.store.backbones import BackboneRecord, get_backbone, list_backbones
@@ -31,6 +38,11 @@ from lorafn.store.registry import FunctionRecord, get_function, list_functions
 log = logging.getLogger("lorafn.controller")
 
 ARRIVAL_WINDOW_S = 60
+# the horizon of `Function.long_arrival_rate` (offload victims' value, `offload.victim_rate`): its buckets
+# before the last ARRIVAL_WINDOW_S change only when a bucket completes, so they are read once per bucket
+LONG_ARRIVAL_WINDOW_S = 600
+
+__all__ = ["OVERHEAD_MARGIN_BYTES", "SizingConfig", "SnapshotReader", "default_sizing", "learned_overhead"]
 
 
 @dataclass(frozen=True)
@@ -64,18 +76,16 @@ class FunctionSize:
         return self.overhead_bytes + self.kv_bytes + self.lora_bytes + self.weights_bytes
 
 
-OVERHEAD_MARGIN_BYTES = 64 * MiB  # growth a worker may still have ahead (a longer prompt's activations)
+@dataclass
+class LiveView:
+    """What `SnapshotReader.live_workers` reads from the heartbeats besides the workers themselves."""
 
-
-def learned_overhead(
-    reports: list[int], default_bytes: int, margin_bytes: int = OVERHEAD_MARGIN_BYTES
-) -> int:
-    """A worker's overhead beyond its KV cache and LoRA tensors, from what live workers report (the
-    driver's count of the whole process minus those two): the largest report plus a margin, so that a
-    new worker is never granted less than the biggest one already running needs; `default_bytes` while
-    no worker reports (no NVML, e.g. on CPU, or none up yet)."""
-    real = [r for r in reports if r > 0]
-    return max(real) + margin_bytes if real else default_bytes
+    workers: list[Worker]
+    overhead_reports: list[int]  # the driver-counted overheads of standby and serving GPU workers
+    kv_reports: dict[str, int]  # worker id -> its KV cache (or granted budget) bytes
+    sizes: dict[str, SizeReport]  # worker id -> its size report (driver-counted GPU workers only)
+    settled_overheads: list[int]  # overheads of those whose decode graphs are captured
+    driver_free: dict[str, int]  # gpu -> the device's free bytes at the latest heartbeat that says
 
 
 @dataclass
@@ -87,12 +97,17 @@ class SnapshotReader:
     _sizes: dict[tuple[Any, ...], FunctionSize] = field(default_factory=dict)
     _model_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     _weights_bytes: dict[str, int] = field(default_factory=dict)
+    # function -> arrivals in the long horizon's buckets before the last minute's, as of bucket `_older_at`
+    _older: dict[str, int] = field(default_factory=dict)
+    _older_at: int = -1
     problems: dict[str, str] = field(default_factory=dict)
     records: dict[str, FunctionRecord] = field(default_factory=dict)
     backbone_records: dict[str, BackboneRecord] = field(default_factory=dict)
     sizes: dict[str, FunctionSize] = field(default_factory=dict)
     # this round's per-worker overhead: learned from the workers' reports, else the configured one
     overhead_bytes: int = 0
+    # this round's least overhead a settled worker is charged (`charge.overhead_floor`)
+    floor_overhead_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.overhead_bytes = self.sizing.worker_overhead_bytes
@@ -180,8 +195,18 @@ class SnapshotReader:
                 batches.backlogs(keys),  # the batch runner's unsubmitted requests (docs/batch.md)
             )
         )
-        live_workers, overhead_reports, kv_reports = self.live_workers({g.id for g in gpus})
-        self.overhead_bytes = learned_overhead(overhead_reports, self.sizing.worker_overhead_bytes)
+        view = self.live_workers({g.id for g in gpus})
+        self.overhead_bytes = learned_overhead(view.overhead_reports, self.sizing.worker_overhead_bytes)
+        self.floor_overhead_bytes = overhead_floor(
+            view.settled_overheads, self.overhead_bytes - OVERHEAD_MARGIN_BYTES
+        )
+        gpus = [
+            dataclasses.replace(g, driver_free_bytes=view.driver_free[g.id])
+            if g.driver_free_bytes is None and g.id in view.driver_free
+            else g
+            for g in gpus
+        ]
+        older = self.older_arrivals(fn_names, now_s)
         self.problems = {}
         self.sizes = {}
         functions: list[Function] = []
@@ -211,6 +236,7 @@ class SnapshotReader:
                     keep_alive_s=float(spec.scaling.keep_alive_seconds),
                     ttft_slo_ms=float(spec.slo.ttft_ms),
                     arrival_rate=sum(arrivals[i]) / float(ARRIVAL_WINDOW_S),
+                    long_arrival_rate=(older.get(name, 0) + sum(arrivals[i])) / float(LONG_ARRIVAL_WINDOW_S),
                     queued=depths[name].queued,
                     start_failures=int(st.get("start_failures") or 0),
                     last_failure_s=max(0.0, now_s - failed_at / 1000) if failed_at else None,
@@ -256,16 +282,21 @@ class SnapshotReader:
                 standby_bytes=standby,
             )
         # A worker reports its own reservation once it knows it; until then (and if it reports less
-        # than it was granted) the account uses what the controller granted it.
+        # than it was granted) the account uses what the controller granted it. A bound GPU worker whose
+        # decode graphs are captured is charged by its own driver-counted size (`charge.charge_bytes`).
         live = []
-        for w in live_workers:
+        for w in view.workers:
             size = self.sizes.get(w.function or "")
             if size is not None:
                 estimate = size.mem_bytes
+                if w.state == "bound":
+                    charge = charge_bytes(view.sizes.get(w.id), estimate, self.floor_overhead_bytes)
+                    live.append(dataclasses.replace(w, mem_bytes=charge))
+                    continue
             else:
                 # a standby granted a larger KV budget than the default (sized for the largest registered
                 # function of its shape) counts it, or it would never look big enough to take that function
-                estimate = self.standby_estimate(costs, w.shape, _whole_mib(kv_reports.get(w.id, 0)))
+                estimate = self.standby_estimate(costs, w.shape, _whole_mib(view.kv_reports.get(w.id, 0)))
             live.append(dataclasses.replace(w, mem_bytes=max(w.mem_bytes, estimate)))
         seen = {w.id for w in live}
         all_workers = live + self.sized_starting([w for w in starting if w.id not in seen], costs)
@@ -273,6 +304,19 @@ class SnapshotReader:
             now_s=now_s, gpus=tuple(gpus), backbones=tuple(backbones), workers=tuple(all_workers),
             functions=tuple(functions), costs=costs,
         )  # fmt: skip
+
+    def older_arrivals(self, names: list[str], now_s: float) -> dict[str, int]:
+        """Arrivals per function in the long horizon before the last `ARRIVAL_WINDOW_S` (complete buckets),
+        read again only when a new bucket has begun (one read per bucket, not per round)."""
+        bucket = int(now_s // stats.ARRIVALS_BUCKET_S)
+        missing = [n for n in names if n not in self._older]
+        if bucket != self._older_at:
+            self._older, self._older_at, missing = {}, bucket, list(names)
+        if missing:
+            then, span = now_s - ARRIVAL_WINDOW_S, LONG_ARRIVAL_WINDOW_S - ARRIVAL_WINDOW_S
+            counts = self.store.run(combine(*(stats.arrivals(self.keys, n, then, span) for n in missing)))
+            self._older.update({n: sum(c) for n, c in zip(missing, counts, strict=True)})
+        return self._older
 
     def standby_estimate(self, costs: Costs, shape: str | None, kv_bytes: int) -> int:
         """A standby of ``shape`` whose KV budget is ``kv_bytes``: the shape's standby size, plus what that
@@ -300,10 +344,12 @@ class SnapshotReader:
             out.append(w)
         return out
 
-    def live_workers(self, gpu_ids: set[str]) -> tuple[list[Worker], list[int], dict[str, int]]:
+    def live_workers(self, gpu_ids: set[str]) -> LiveView:
         """Workers whose heartbeat is fresh, as the policy sees them (those on unknown GPUs are left out),
         the overheads the GPU workers among them report (whole process by the driver's count, minus
-        their KV cache and LoRA tensors: `learned_overhead`'s input), and each one's KV cache bytes."""
+        their KV cache and LoRA tensors: `learned_overhead`'s input; those whose decode graphs are
+        captured apart: `overhead_floor`'s), each one's KV cache bytes and size report, and each GPU's free
+        memory by the driver at the latest heartbeat that carries it."""
         store, keys = self.store, self.keys
         ids = store.run(workers.worker_ids(keys))
         info = store.run(workers.worker_info(keys, ids)) if ids else {}
@@ -311,7 +357,10 @@ class SnapshotReader:
         ttl_ms = self.heartbeat_ttl_s * 1000
         out = []
         overhead_reports: list[int] = []
+        settled: list[int] = []
         kv_reports: dict[str, int] = {}
+        sizes: dict[str, SizeReport] = {}
+        driver_free: dict[str, tuple[int, int]] = {}  # gpu -> (heartbeat ms, free bytes)
         for wid, h in sorted(info.items()):
             if now_ms - int(h.get("heartbeat") or now_ms) > ttl_ms:
                 continue
@@ -323,14 +372,27 @@ class SnapshotReader:
             policy_state = {"standby": "standby", "draining": "draining", "starting": "starting"}.get(
                 state, "bound"
             )
-            if h.get("mem_source") == "driver" and state in ("standby", "serving"):
+            reported = 0
+            if h.get("mem_source") == "driver":
                 with contextlib.suppress(ValueError):
-                    overhead_reports.append(
-                        int(h.get("mem_bytes") or 0)
-                        - int(h.get("kv_bytes") or 0)
-                        - int(h.get("lora_bytes") or 0)
-                        - self.private_bytes(self.backbone_records.get(h.get("backbone", "")))
+                    report = SizeReport(
+                        int(h.get("mem_bytes") or 0),
+                        int(h.get("kv_bytes") or 0),
+                        int(h.get("lora_bytes") or 0),
+                        self.private_bytes(self.backbone_records.get(h.get("backbone", ""))),
+                        # a worker that does not say (older runtime) may still capture graphs
+                        settled=str(h.get("graphs_pending", "")) == "0",
                     )
+                    sizes[wid], reported = report, report.whole_bytes
+                    if state in ("standby", "serving"):
+                        overhead_reports.append(report.overhead_bytes)
+                        if report.settled:
+                            settled.append(report.overhead_bytes)
+            with contextlib.suppress(ValueError):
+                if h.get("device_free_bytes") not in (None, ""):
+                    beat = int(h.get("heartbeat") or 0)
+                    if beat >= driver_free.get(gpu, (-1, 0))[0]:
+                        driver_free[gpu] = (beat, int(h["device_free_bytes"]))
             with contextlib.suppress(ValueError):
                 # the budget it was granted where it says (its cache is whole KV blocks: a little less)
                 kv_reports[wid] = max(int(h.get("kv_bytes") or 0), int(h.get("kv_budget_bytes") or 0))
@@ -354,9 +416,17 @@ class SnapshotReader:
                     else 0.0,
                     # a standby's pre-loaded adapter (runtime.standby); a bound one's is its own
                     preloaded=(h.get("preloaded") or None) if policy_state == "standby" else None,
+                    reported_bytes=reported,
                 )
             )
-        return out, overhead_reports, kv_reports
+        return LiveView(
+            out,
+            overhead_reports,
+            kv_reports,
+            sizes,
+            settled,
+            {g: free for g, (_, free) in driver_free.items()},
+        )
 
 
 def _whole_mib(n: int) -> int:

@@ -98,6 +98,31 @@ def process_bytes_on(uuid: str, pid: int | None = None) -> int | None:
     return None
 
 
+class _MemoryInfo(ctypes.Structure):
+    # nvmlMemory_t (nvmlDeviceGetMemoryInfo): total, free, used bytes
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def device_free_bytes_on(uuid: str) -> int | None:
+    """The free bytes of the GPU ``uuid`` as the driver counts them (every process's), or None."""
+    lib, handle = _nvml(), _handle(uuid)
+    if lib is None or handle is None:
+        return None
+    info = _MemoryInfo()
+    if lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(info)) != _NVML_SUCCESS:
+        return None
+    return int(info.free)
+
+
+def device_free_bytes(device: Any) -> int | None:
+    """The free bytes of a torch CUDA ``device`` as the driver counts them (the controller's second guard
+    under its account), or None (CPU, no NVML)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    uuid = device_uuid(device)
+    return device_free_bytes_on(uuid) if uuid else None
+
+
 def process_bytes(device: Any) -> int | None:
     """This process's bytes on a torch CUDA ``device`` as the driver counts them, or None."""
     if getattr(device, "type", "cpu") != "cuda":
@@ -106,4 +131,4 @@ def process_bytes(device: Any) -> int | None:
     return process_bytes_on(uuid) if uuid else None
 
 
-__all__ = ["device_uuid", "process_bytes", "process_bytes_on"]
+__all__ = ["device_free_bytes", "device_free_bytes_on", "device_uuid", "process_bytes", "process_bytes_on"]

@@ -11,6 +11,16 @@ class PolicyConfig:
     """
     - ``gpu_utilization``: fraction of each GPU's memory the account may grant (the rest absorbs
       allocator fragmentation and CUDA's own growth).
+    - ``driver_headroom``: where a worker reports the device's free memory as the driver counts it
+      (`GPU.driver_free_bytes`), the account never grants more than that less what workers were promised
+      and do not hold yet, less this fraction of the device (`account.accounts`): the second guard under an
+      account that charges settled workers by their own reports (`charge`). 0.03: 2.4 GiB of an H100.
+    - ``victim_rate``: the arrival rate idle bound workers are ranked by for offloading
+      (`offload.victim_rate`): "window" (the snapshot's 60 s, the rule before), "long"
+      (``Function.long_arrival_rate``: 10 minutes; the window's where not known) or "max" (the larger). On
+      the simulated 64-function replay (`bench/policy_replay.py --sized`, 600 s, 5 seeds) "long" offloaded
+      6% fewer idle workers whose functions came back within their keep-alive and made 4% fewer fresh starts
+      than "window"; "max" was between them.
     - ``scale_up_queue_per_worker``: queued requests per live worker above which a function gets
       one more worker per round (up to ``max_replicas``).
     - ``backoff_base_s``, ``backoff_cap_s``: failed starts wait base, 2 base, 4 base, ... up to cap.
@@ -66,6 +76,8 @@ class PolicyConfig:
     """
 
     gpu_utilization: float = 0.92
+    driver_headroom: float = 0.03
+    victim_rate: str = "long"
     scale_up_queue_per_worker: float = 4.0
     backoff_base_s: float = 2.0
     backoff_cap_s: float = 300.0
@@ -84,6 +96,10 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_utilization <= 1.0:
             raise ValueError(f"gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}")
+        if self.victim_rate not in ("window", "long", "max"):
+            raise ValueError(f"victim_rate must be 'window', 'long' or 'max', got {self.victim_rate!r}")
+        if not 0.0 <= self.driver_headroom < 1.0:
+            raise ValueError(f"driver_headroom must be in [0, 1), got {self.driver_headroom!r}")
         if not self.scale_up_queue_per_worker > 0:
             raise ValueError(f"scale_up_queue_per_worker must be > 0, got {self.scale_up_queue_per_worker!r}")
         if not 0 <= self.backoff_base_s <= self.backoff_cap_s:

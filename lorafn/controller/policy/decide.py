@@ -71,7 +71,7 @@ class _Round:
 
     def __init__(self, snapshot: Snapshot, config: PolicyConfig) -> None:
         self.snapshot, self.config, self.costs = snapshot, config, snapshot.costs
-        self.account = accounts(snapshot, config.gpu_utilization)
+        self.account = accounts(snapshot, config.gpu_utilization, config.driver_headroom)
         self.ledger = Ledger({g: a.free_bytes for g, a in self.account.items()})
         self.functions = {f.name: f for f in snapshot.functions}
         self.backbones = {b.name: b for b in snapshot.backbones}
@@ -475,6 +475,7 @@ class _Round:
                 self.protected,
                 guard_s,
                 allow_guarded,
+                self.config.victim_rate,
             )
             exiting = self.coming(fn, g)  # all of it is short of fn's need, else `room_coming` took it
             short = fn.mem_bytes - max(0, self.ledger.free[g]) - sum(w.mem_bytes for w in exiting)
@@ -582,6 +583,7 @@ def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
             a.other_bytes,
             a.worker_bytes,
             r.ledger.free[g],
+            a.driver_guard_bytes,
         )
         for g, a in r.account.items()
     }

@@ -37,6 +37,9 @@ class GPU:
     ``backbones``: backbone name -> bytes resident on this GPU (loaded by its backbone server).
     ``other_bytes``: measured use not explained by our account (NVML used minus backbones and
     worker reservations; other tenants, fragmentation). ``reserve_bytes``: kept free on purpose.
+    ``driver_free_bytes``: the device's free memory as the driver counts it (NVML), read by a worker on it
+    at its latest heartbeat (None: no reading, e.g. CPU): the account's second guard
+    (`account.accounts`).
     """
 
     id: str
@@ -45,11 +48,14 @@ class GPU:
     backbones: Mapping[str, int] = field(default_factory=dict)
     other_bytes: int = 0
     reserve_bytes: int = 0
+    driver_free_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("GPU.id must be a non-empty string")
         _check_bytes(f"GPU {self.id}", "total_bytes", self.total_bytes)
+        if self.driver_free_bytes is not None:
+            _check_bytes(f"GPU {self.id}", "driver_free_bytes", self.driver_free_bytes)
         _check_bytes(f"GPU {self.id}", "other_bytes", self.other_bytes)
         _check_bytes(f"GPU {self.id}", "reserve_bytes", self.reserve_bytes)
         for name, size in self.backbones.items():
@@ -71,6 +77,8 @@ class Worker:
     ``room_for``: for a draining worker stopped by an offload, the function whose start waits for its
     memory (that start is planned once the process has exited and the memory is really free; until then
     the next rounds count this memory as coming for that function instead of offloading more).
+    ``reported_bytes``: what the driver counts its process holding now (0: no such figure, or not yet):
+    ``mem_bytes`` less this is memory the account promised it that the device does not show used yet.
     """
 
     id: str
@@ -85,6 +93,7 @@ class Worker:
     age_s: float = 0.0
     preloaded: str | None = None
     room_for: str | None = None
+    reported_bytes: int = 0
 
     def __post_init__(self) -> None:
         owner = f"Worker {self.id}"
@@ -104,6 +113,7 @@ class Worker:
                 f"{self.room_for!r} on a {self.state} worker"
             )
         _check_bytes(owner, "mem_bytes", self.mem_bytes)
+        _check_bytes(owner, "reported_bytes", self.reported_bytes)
         _check_non_negative(owner, "idle_s", self.idle_s)
         _check_non_negative(owner, "age_s", self.age_s)
         if not _is_int(self.running) or self.running < 0:
@@ -121,6 +131,8 @@ class Function:
     ``lora_bytes``: its adapter's tensors (part of ``mem_bytes``; what pre-loading it into a standby
     occupies there; 0 = unknown). ``batch_backlog``: offline batch requests the batch runner holds but has
     not submitted yet (docs/batch.md): demand for more workers from the warm pool, never urgent.
+    ``long_arrival_rate``: requests/s over a longer horizon than ``arrival_rate``'s (minutes; None: not
+    known): what ranks idle bound workers for offloading (`offload.victim_rate`).
     """
 
     name: str
@@ -139,6 +151,7 @@ class Function:
     last_failure: str = ""
     lora_bytes: int = 0
     batch_backlog: int = 0
+    long_arrival_rate: float | None = None
 
     def __post_init__(self) -> None:
         owner = f"Function {self.name}"
@@ -157,6 +170,8 @@ class Function:
             )
         for name in ("keep_alive_s", "arrival_rate", "oldest_wait_s"):
             _check_non_negative(owner, name, getattr(self, name))
+        if self.long_arrival_rate is not None:
+            _check_non_negative(owner, "long_arrival_rate", self.long_arrival_rate)
         if self.last_failure_s is not None:
             _check_non_negative(owner, "last_failure_s", self.last_failure_s)
 

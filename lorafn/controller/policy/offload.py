@@ -67,9 +67,30 @@ def standby_density(
     return value / max(1, worker.mem_bytes)
 
 
-def bound_density(worker: Worker, function: Function | None, costs: Costs) -> float:
-    rate = function.arrival_rate if function is not None else 0.0
-    return rate * costs.fresh_start_s / max(1, worker.mem_bytes)
+VictimRate = str  # "window" | "long" | "max" (PolicyConfig.victim_rate)
+VICTIM_RATES = ("window", "long", "max")
+
+
+def victim_rate(function: Function | None, which: VictimRate = "window") -> float:
+    """The arrival rate an idle bound worker's value is ranked by: the snapshot's window (``arrival_rate``,
+    60 s), the longer horizon (``long_arrival_rate``, minutes; the window's where not known), or the larger
+    of the two."""
+    if function is None:
+        return 0.0
+    long = function.arrival_rate if function.long_arrival_rate is None else function.long_arrival_rate
+    if which == "window":
+        return function.arrival_rate
+    if which == "long":
+        return long
+    if which == "max":
+        return max(function.arrival_rate, long)
+    raise ValueError(f"victim rate must be one of {VICTIM_RATES}, got {which!r}")
+
+
+def bound_density(
+    worker: Worker, function: Function | None, costs: Costs, rate: VictimRate = "window"
+) -> float:
+    return victim_rate(function, rate) * costs.fresh_start_s / max(1, worker.mem_bytes)
 
 
 def expected_return_s(worker: Worker, function: Function | None) -> float:
@@ -90,12 +111,14 @@ def candidates(
     protected: set[str],
     guard_s: float = 0.0,
     allow_guarded: bool = True,
+    rate: VictimRate = "window",
 ) -> list[Victim]:
     """The workers of one GPU that may be offloaded, least valuable first.
 
     ``live_count[f]``: f's bound and starting workers as the plan stands (for its min_replicas).
     ``guard_s``: an idle bound worker whose function is expected back sooner (`expected_return_s`) is in
-    the last tier, and only with ``allow_guarded`` (0: no guard).
+    the last tier, and only with ``allow_guarded`` (0: no guard). ``rate``: which arrival rate ranks idle
+    bound workers (`victim_rate`).
     """
     out = []
     spare = dict(live_count)
@@ -111,7 +134,7 @@ def candidates(
             guarded = guard_s > 0 and expected_return_s(w, fn) < guard_s
             if guarded and not allow_guarded:
                 continue
-            out.append(Victim(w, GUARDED if guarded else IDLE_BOUND, bound_density(w, fn, costs)))
+            out.append(Victim(w, GUARDED if guarded else IDLE_BOUND, bound_density(w, fn, costs, rate)))
     out.sort(key=lambda v: v.rank)
     # min_replicas: of a function's idle workers only those above its floor may go; take the least
     # valuable first (the sort above) and count them off.

@@ -16,7 +16,16 @@ The model (each part as simple as the question allows; none of it is measured he
   (at most that long in a row), as the driver does; ``fresh_start_s`` as the policy sees it is the median
   of the last 9 measured fresh starts of bound workers (the driver's estimate), ``initial_fresh_start_s``
   until one is measured;
-- arrival rates are what the snapshot computes: arrivals in the last ``rate_window_s`` / that window.
+- arrival rates are what the snapshot computes: arrivals in the last ``rate_window_s`` / that window (and
+  over ``long_window_s`` for ``Function.long_arrival_rate``);
+- worker sizes (``overhead_quantiles`` set; else every worker is ``worker_bytes``, real and charged): each
+  worker's process settles at ``kv_lora_bytes`` + an overhead drawn from that quantile function (seeded per
+  worker); a fresh bound worker holds ``graph_bytes`` less until ``graph_settle_s`` after it is up (lazy
+  decode graphs; it reports them pending), a standby is settled when up, a starting one holds its unsettled
+  size. The snapshot charges them as `controller.snapshot` does (``charge``: "learned", every worker the
+  largest reported overhead + margin, the rule before issue 16's change; "own", `charge.charge_bytes`), and
+  with ``driver_guard`` each GPU carries the driver's free bytes (total - backbone - what processes hold -
+  ``unattributed_bytes`` per process). The result reports the peak of what the processes really hold.
 
 Each request's path is as the trace replay reports it: warm (a bound worker was there), standby or fresh
 (its arrival was answered by a bind or a fresh start and it was that worker's first request), queued (it
@@ -26,12 +35,21 @@ waited for a worker another request asked for, or for memory).
 from __future__ import annotations
 
 import bisect
+import itertools
+import random
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lorafn.controller.policy.actions import Bind, Start, Stop
+from lorafn.controller.policy.charge import (
+    OVERHEAD_MARGIN_BYTES,
+    SizeReport,
+    charge_bytes,
+    learned_overhead,
+    overhead_floor,
+)
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide, fast_binds
 from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker, WorkerState
@@ -68,6 +86,16 @@ class SimSetup:
     max_standby: int = 4
     slo_ms: float = 2500.0
     settle_s: float = 30.0
+    long_window_s: float = 600.0
+    # worker sizes (module docstring): None = every worker is worker_bytes
+    overhead_quantiles: tuple[tuple[float, int], ...] | None = None
+    kv_lora_bytes: int = 0
+    graph_bytes: int = 150 * 2**20
+    graph_settle_s: float = 2.0
+    charge: str = "learned"  # "learned" | "own"
+    driver_guard: bool = False
+    unattributed_bytes: int = 0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.num_functions < 1:
@@ -77,6 +105,25 @@ class SimSetup:
                 raise ValueError(f"SimSetup.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_batch < 1:
             raise ValueError(f"SimSetup.max_batch must be >= 1, got {self.max_batch!r}")
+        if self.charge not in ("learned", "own"):
+            raise ValueError(f"SimSetup.charge must be 'learned' or 'own', got {self.charge!r}")
+        if self.overhead_quantiles is not None:
+            qs = [q for q, _ in self.overhead_quantiles]
+            if len(qs) < 2 or qs[0] != 0.0 or qs[-1] != 1.0 or qs != sorted(qs):
+                raise ValueError(
+                    "SimSetup.overhead_quantiles must run from q=0 to q=1 in order, got "
+                    f"{self.overhead_quantiles!r}"
+                )
+
+    def draw_overhead(self, rng: random.Random) -> int:
+        """One worker's settled overhead: the quantile function at a uniform draw (linear between knots)."""
+        assert self.overhead_quantiles is not None
+        u = rng.random()
+        knots = self.overhead_quantiles
+        for (q0, b0), (q1, b1) in itertools.pairwise(knots):
+            if u <= q1:
+                return int(b0 + (b1 - b0) * ((u - q0) / (q1 - q0) if q1 > q0 else 1.0))
+        return int(knots[-1][1])
 
 
 @dataclass
@@ -94,6 +141,8 @@ class _Worker:
     running: list[float] = field(default_factory=list)  # end times of requests in flight
     idle_since: float = 0.0
     room_for: str | None = None  # draining: the function its offload made room for
+    overhead: int = 0  # its settled overhead (sized setups)
+    settled_at: float = 0.0  # when its decode graphs are captured (a fresh bound worker: after it is up)
 
 
 @dataclass
@@ -111,6 +160,12 @@ class SimResult:
     peak_workers: int
     slo_s: float
     unanswered: int
+    peak_held_bytes: int = 0  # backbones + what the processes hold (sized setups; else charged sizes)
+    over_gpu_ticks: int = 0  # ticks when that exceeded a GPU's memory
+    # offloaded idle bound workers whose function was called again within its keep-alive of the offload
+    # (an eviction the function paid for with a cold start), and fresh starts of functions offloaded before
+    offloads_regretted: int = 0
+    fresh_after_offload: int = 0
 
     def row(self) -> dict[str, float | int]:
         ttft = sorted(self.ttft_s)
@@ -139,6 +194,10 @@ class SimResult:
             "offloads": self.offloads,
             "offloads_idle_bound": self.offloads_idle_bound,
             "peak_workers": self.peak_workers,
+            "offloads_regretted": self.offloads_regretted,
+            "fresh_after_offload": self.fresh_after_offload,
+            "peak_held_gib": round(self.peak_held_bytes / GiB, 1),
+            "over_gpu_ticks": self.over_gpu_ticks,
         }
 
 
@@ -151,7 +210,16 @@ class Simulation:
         for _, i in arrivals:
             if not 0 <= i < setup.num_functions:
                 raise ValueError(f"arrival for function {i}: not in 0..{setup.num_functions - 1}")
-        self.arrivals = sorted((t + setup.settle_s, i) for t, i in arrivals)
+        # a warm-up's arrivals come at negative times: the run starts settle_s before the first of them, and
+        # only arrivals from time 0 on (and starts and offloads from then on) are measured
+        self.measure_from = setup.settle_s - min(0.0, min((t for t, _ in arrivals), default=0.0))
+        self.arrivals = sorted((t + self.measure_from, i) for t, i in arrivals)
+        # counts (starts, offloads) from the window's start after a warm-up; from the run's start without one
+        self.count_from = self.measure_from if min((t for t, _ in arrivals), default=0.0) < 0 else 0.0
+        self.rng = random.Random(setup.seed)
+        self.offloaded_at: dict[str, list[tuple[float, bool]]] = {}  # function -> (offload time, counted)
+        self.peak_held = 0
+        self.over_gpu = 0
         self.workers: dict[str, _Worker] = {}
         self.queues: dict[str, deque[tuple[float, str]]] = defaultdict(deque)  # (arrival, path hint)
         self.history: dict[str, list[float]] = defaultdict(list)
@@ -174,11 +242,46 @@ class Simulation:
     def fresh_start_estimate(self) -> float:
         return statistics.median(self.measured) if self.measured else self.setup.initial_fresh_start_s
 
+    @property
+    def sized(self) -> bool:
+        return self.setup.overhead_quantiles is not None
+
+    def held_bytes(self, w: _Worker) -> int:
+        """What the worker's process holds now (the driver's count)."""
+        s = self.setup
+        if not self.sized:
+            return s.worker_bytes
+        whole = s.kv_lora_bytes + w.overhead
+        return whole if self.settled(w) else max(0, whole - s.graph_bytes)
+
+    def settled(self, w: _Worker) -> bool:
+        return w.state != "starting" and self.now >= w.settled_at
+
     def snapshot(self) -> Snapshot:
         s, now = self.setup, self.now
+        fn_bytes, floor = s.worker_bytes, 0
+        if self.sized:
+            reporting = [w for w in self.workers.values() if w.state in ("standby", "bound")]
+            overheads = [self.held_bytes(w) - s.kv_lora_bytes for w in reporting]
+            learned = learned_overhead(overheads, s.worker_bytes - s.kv_lora_bytes)
+            settled = [self.held_bytes(w) - s.kv_lora_bytes for w in reporting if self.settled(w)]
+            floor = overhead_floor(settled, learned - OVERHEAD_MARGIN_BYTES)
+            fn_bytes = s.kv_lora_bytes + learned
         workers = []
+        held_on: dict[str, int] = defaultdict(int)
         for w in self.workers.values():
             running = sum(1 for end in w.running if end > now)
+            held = self.held_bytes(w)
+            held_on[w.gpu] += held + s.unattributed_bytes
+            if not self.sized:
+                charge, reported = s.worker_bytes, 0
+            elif w.state == "starting":
+                charge, reported = fn_bytes, 0
+            elif w.state == "bound" and s.charge == "own":
+                report = SizeReport(held, s.kv_lora_bytes, 0, settled=self.settled(w))
+                charge, reported = charge_bytes(report, fn_bytes, floor), held
+            else:
+                charge, reported = max(held, fn_bytes), held
             workers.append(
                 Worker(
                     w.id,
@@ -187,38 +290,53 @@ class Simulation:
                     w.state,
                     SHAPE,
                     w.function,
-                    s.worker_bytes,
+                    charge,
                     idle_s=0.0 if running else max(0.0, now - w.idle_since),
                     running=running,
                     age_s=max(1e-3, now - w.started_at),
                     room_for=w.room_for if w.state == "draining" else None,
+                    reported_bytes=reported,
                 )
+            )
+        gpus = self.gpus
+        if self.sized and s.driver_guard:
+            gpus = tuple(
+                GPU(
+                    g.id,
+                    g.node,
+                    g.total_bytes,
+                    g.backbones,
+                    driver_free_bytes=max(0, g.total_bytes - s.backbone_bytes - held_on[g.id]),
+                )
+                for g in self.gpus
             )
         functions = []
         for name in self.names:
             times = self.history[name]
             recent = len(times) - bisect.bisect_left(times, now - s.rate_window_s)
+            longer = len(times) - bisect.bisect_left(times, now - s.long_window_s)
             queue = self.queues[name]
             functions.append(
                 Function(
                     name,
                     BACKBONE,
                     SHAPE,
-                    s.worker_bytes,
+                    fn_bytes,
                     max_replicas=s.max_replicas,
                     keep_alive_s=s.keep_alive_s,
                     ttft_slo_ms=s.slo_ms,
                     arrival_rate=recent / s.rate_window_s,
                     queued=len(queue),
                     oldest_wait_s=now - queue[0][0] if queue else 0.0,
+                    long_arrival_rate=longer / s.long_window_s,  # as the snapshot: the whole horizon
                 )
             )
         costs = Costs(
             fresh_start_s=self.fresh_start_estimate(),
             bind_s=s.bind_s,
-            default_standby_bytes=s.worker_bytes,
+            default_standby_bytes=fn_bytes,
         )
-        return Snapshot(now, self.gpus, (self.backbone,), tuple(workers), tuple(functions), costs)
+        return Snapshot(now, gpus, (self.backbone,), tuple(workers), tuple(functions), costs)
 
     # -- applying actions ------------------------------------------------------------------------
     def _bind(self, a: Bind) -> None:
@@ -228,7 +346,7 @@ class Simulation:
         w.state, w.function, w.via_bind = "bound", a.function, True
         w.ready_at, w.idle_since = self.now + self.setup.bind_s, self.now
         self.last_bind[w.gpu] = self.now
-        self.counts["binds"] += 1
+        self.count("binds")
 
     def _start(self, a: Start) -> None:
         s, now = self.setup, self.now
@@ -244,16 +362,22 @@ class Simulation:
         self.workers[wid] = _Worker(
             wid, a.gpu, "starting", a.function, now, now, work_left=s.fresh_start_s, fresh_for=a.function
         )
-        self.counts["fresh_starts" if a.function else "pool_starts"] += 1
+        if self.sized:
+            self.workers[wid].overhead = s.draw_overhead(self.rng)
+        self.count("fresh_starts" if a.function else "pool_starts")
+        if a.function in self.offloaded_at:
+            self.count("fresh_after_offload")
 
     def _stop(self, a: Stop) -> None:
         w = self.workers.get(a.worker_id)
         if w is None or w.state == "draining":
             return
         if a.reason == "offload":
-            self.counts["offloads"] += 1
+            self.count("offloads")
             if w.state == "bound":
-                self.counts["offloads_idle_bound"] += 1
+                self.count("offloads_idle_bound")
+                counted = self.now >= self.count_from
+                self.offloaded_at.setdefault(w.function or "", []).append((self.now, counted))
         w.state, w.ready_at = "draining", self.now + self.setup.stop_s
         w.room_for = a.room_for or None
 
@@ -265,8 +389,12 @@ class Simulation:
                 self._start(a)
             elif isinstance(a, Bind):
                 self._bind(a)
-            else:
-                self.counts["waits"] += 1 if type(a).__name__ == "Wait" else 0
+            elif type(a).__name__ == "Wait":
+                self.count("waits")
+
+    def count(self, what: str) -> None:
+        if self.now >= self.count_from:  # the measured window's (after a warm-up)
+            self.counts[what] += 1
 
     # -- the clock -------------------------------------------------------------------------------
     def _progress(self) -> None:
@@ -287,9 +415,10 @@ class Simulation:
             if w.state == "starting" and w.work_left <= 1e-9:
                 if w.function is not None:
                     w.state, w.idle_since = "bound", self.now
+                    w.settled_at = self.now + self.setup.graph_settle_s  # lazy decode graphs
                     self.measured.append(self.now - w.started_at)
                 else:
-                    w.state = "standby"
+                    w.state, w.settled_at = "standby", self.now
 
     def _dispatch(self) -> None:
         now = self.now
@@ -305,19 +434,32 @@ class Simulation:
                 w.running = [end for end in w.running if end > now]
                 while queue and len(w.running) < self.setup.max_batch:
                     at, hint = queue.popleft()
-                    self.ttft.append(now - at + self.setup.warm_ttft_s)
+                    measured = at >= self.measure_from
+                    if measured:
+                        self.ttft.append(now - at + self.setup.warm_ttft_s)
                     if hint == "warm":
                         path = "warm"
                     elif not w.served_any and (w.via_bind or w.fresh_for == name):
                         path = "standby" if w.via_bind else "fresh"
                     else:
                         path = "queued"
-                    self.paths[path] += 1
+                    if measured:
+                        self.paths[path] += 1
                     w.served_any = True
                     w.running.append(now + self.setup.service_s)
                     w.idle_since = now + self.setup.service_s
                 if not queue:
                     break
+
+    def _held(self) -> None:
+        """The peak of what the GPUs' processes really hold, and ticks over a GPU's memory."""
+        held: dict[str, int] = defaultdict(int)
+        for w in self.workers.values():
+            held[w.gpu] += self.held_bytes(w) + self.setup.unattributed_bytes
+        for g in self.gpus:
+            total = self.setup.backbone_bytes + held[g.id]
+            self.peak_held = max(self.peak_held, total)
+            self.over_gpu += total > g.total_bytes
 
     def run(self, drain_s: float = 60.0) -> SimResult:
         s = self.setup
@@ -342,8 +484,15 @@ class Simulation:
             self._dispatch()
             self._progress()
             self.peak = max(self.peak, sum(1 for w in self.workers.values() if w.state != "draining"))
+            self._held()
             self.now = round(self.now + s.tick_s, 9)
         c = self.counts
+        regretted = 0
+        for name, offloads in self.offloaded_at.items():
+            times = self.history[name]
+            for t, counted in offloads:
+                k = bisect.bisect_right(times, t)
+                regretted += counted and k < len(times) and times[k] <= t + s.keep_alive_s
         return SimResult(
             self.ttft,
             dict(self.paths),
@@ -355,5 +504,9 @@ class Simulation:
             c["waits"],
             self.peak,
             s.slo_ms / 1000,
-            sum(len(q) for q in self.queues.values()),
+            sum(1 for q in self.queues.values() for at, _ in q if at >= self.measure_from),
+            self.peak_held,
+            self.over_gpu,
+            regretted,
+            c["fresh_after_offload"],
         )

@@ -7,13 +7,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorafn.controller.policy import PolicyConfig, Start, Stop, Wait, Worker, decide
-from lorafn.controller.policy.offload import IDLE_BOUND, STANDBY, Victim, candidates, choose_victims
+from lorafn.controller.policy.offload import (
+    IDLE_BOUND,
+    STANDBY,
+    Victim,
+    candidates,
+    choose_victims,
+    victim_rate,
+)
 from lorafn.controller.policy.planner import cold_demand
 
 from .helpers import COSTS, GiB, bound, fn, gpu, next_rounds, snap, standby
 
 
-def _candidates(workers, functions, protected=frozenset()):
+def _candidates(workers, functions, protected=frozenset(), rate="window"):
     fs = {f.name: f for f in functions}
     live = {}
     for w in workers:
@@ -21,7 +28,46 @@ def _candidates(workers, functions, protected=frozenset()):
             live[w.function] = live.get(w.function, 0) + 1
     warm = {w.function for w in workers if w.state == "bound" and w.running == 0}
     cold = cold_demand(functions, warm, COSTS.fresh_start_s)
-    return candidates(workers, fs, live, cold, COSTS, set(protected))
+    return candidates(workers, fs, live, cold, COSTS, set(protected), rate=rate)
+
+
+def test_idle_bound_victims_by_the_long_horizon_rate():
+    # ns/steady: 1 request in the last minute but 30 in the last ten; ns/burst: 3 in the last minute, 3 in
+    # ten (one burst). By the window ns/steady goes first; by the long horizon, ns/burst does.
+    functions = [
+        fn("ns/steady", arrival_rate=1 / 60, long_arrival_rate=30 / 600),
+        fn("ns/burst", arrival_rate=3 / 60, long_arrival_rate=3 / 600),
+        fn("ns/new", arrival_rate=2 / 60),  # no long figure yet: its window rate stands in
+    ]
+    workers = [
+        bound("w-steady", "g0", "ns/steady"),
+        bound("w-burst", "g0", "ns/burst"),
+        bound("w-new", "g0", "ns/new"),
+    ]
+    by = {
+        r: [v.worker.id for v in _candidates(workers, functions, rate=r)] for r in ("window", "long", "max")
+    }
+    assert by["window"] == ["w-steady", "w-new", "w-burst"]
+    assert by["long"] == ["w-burst", "w-new", "w-steady"]
+    assert by["max"] == ["w-new", "w-burst", "w-steady"]  # 2/60 < max(3/60, 3/600) < max(1/60, 30/600)
+    assert victim_rate(None, "long") == 0.0
+    with pytest.raises(ValueError, match="victim rate"):
+        victim_rate(functions[0], "ewma")
+
+
+def test_decide_offloads_by_the_configured_victim_rate():
+    functions = [
+        fn("ns/steady", arrival_rate=1 / 60, long_arrival_rate=30 / 600),
+        fn("ns/burst", arrival_rate=3 / 60, long_arrival_rate=3 / 600),
+        fn("ns/cold", queued=1, oldest_wait_s=0.1),
+    ]
+    # room for exactly two 2-GiB workers beside the backbone: one must go for ns/cold
+    g = gpu("g0", total_gib=(13 + 4.5) / PolicyConfig().gpu_utilization)
+    workers = [bound("w-steady", "g0", "ns/steady", idle_s=30), bound("w-burst", "g0", "ns/burst", idle_s=30)]
+    for rate, victim in (("window", "w-steady"), ("long", "w-burst")):
+        config = PolicyConfig(victim_rate=rate, thrash_horizon_starts=0.0, warm_pool=False)
+        plan = decide(snap([g], functions, workers), config)
+        assert [a.worker_id for a in plan.of_type(Stop)] == [victim], rate
 
 
 def test_order_cold_standby_then_hot_standby_then_idle_bound_by_density():

@@ -73,3 +73,57 @@ def test_driver_reports_replace_the_configured_overhead(reader: SnapshotReader, 
     assert reader.overhead_bytes == (520 - 64 - 40) * MiB + OVERHEAD_MARGIN_BYTES
     # the standby costs the learned overhead + the default KV budget (no shape: no LoRA buffers)
     assert snapshot.costs.default_standby_bytes == reader.overhead_bytes + 64 * MiB
+
+
+def test_settled_bound_workers_are_charged_their_own_size(reader: SnapshotReader, tmp_path: Path) -> None:
+    """A bound GPU worker whose decode graphs are captured pays its own driver-counted size + the margin
+    (never below its peers' settled floor); one with graphs pending, or an older runtime that does not say,
+    pays the learned overhead as before; the device's free memory of the latest heartbeat reaches the GPU."""
+    from tests.unit.controller.redis_world import register_tiny
+
+    register_tiny(reader.store, reader.keys, tmp_path, {"ns/a": {}, "ns/b": {}, "ns/c": {}}, warm_pool=(0, 0))
+    kv, lora = 64 * MiB, 0  # the sizes the reports claim (the tiny adapter's own LoRA is not needed here)
+    big = kv + lora + 900 * MiB  # the largest: learned overhead = 900 MiB + margin
+
+    def beat(wid: str, fn: str, whole: int, pending: str | None, free: int, at: int) -> None:
+        extra = {"graphs_pending": pending} if pending is not None else {}
+        _beat(
+            reader, wid, "serving", fn, mem_bytes=whole, kv_bytes=kv, lora_bytes=lora, mem_source="driver",
+            device_free_bytes=free, heartbeat=at, **extra,
+        )  # fmt: skip
+
+    now_ms = reader.store.run(workers.server_time_ms())
+    beat("w-settled", "ns/a", kv + 600 * MiB, "0", 30 << 30, now_ms - 500)
+    beat("w-pending", "ns/b", kv + 500 * MiB, "1", 31 << 30, now_ms - 200)  # the latest reading
+    beat("w-old", "ns/c", big, None, 29 << 30, now_ms - 900)
+    snapshot = reader.read([GPU("g0", "n", 80 << 30, {"tiny": 0})], [])
+    learned = 900 * MiB + OVERHEAD_MARGIN_BYTES
+    assert reader.overhead_bytes == learned
+    # one settled report (fewer than a quantile needs): the floor is its own overhead
+    assert reader.floor_overhead_bytes == 600 * MiB
+    by_id = {w.id: w for w in snapshot.workers}
+    size_a = reader.sizes["ns/a"]
+    assert size_a.overhead_bytes == learned
+    assert by_id["w-settled"].mem_bytes == kv + 600 * MiB + OVERHEAD_MARGIN_BYTES < size_a.mem_bytes
+    assert by_id["w-pending"].mem_bytes == reader.sizes["ns/b"].mem_bytes  # the learned charge
+    assert by_id["w-old"].mem_bytes == max(big, reader.sizes["ns/c"].mem_bytes)
+    assert by_id["w-settled"].reported_bytes == kv + 600 * MiB
+    assert snapshot.gpus[0].driver_free_bytes == 31 << 30
+
+
+def test_long_arrival_rate_counts_ten_minutes_of_buckets(reader: SnapshotReader, tmp_path: Path) -> None:
+    import time
+
+    from lorafn.controller.snapshot import LONG_ARRIVAL_WINDOW_S
+    from lorafn.store.stats import ARRIVALS_BUCKET_S
+    from tests.unit.controller.redis_world import register_tiny
+
+    register_tiny(reader.store, reader.keys, tmp_path, {"ns/a": {}}, warm_pool=(0, 0))
+    last = int(time.time() // ARRIVALS_BUCKET_S)
+    # 3 arrivals now, 12 five minutes ago, 100 eleven minutes ago (beyond the horizon)
+    for bucket, count in ((last, 3), (last - 30, 12), (last - 66, 100)):
+        reader.store.client.set(reader.keys.arrivals("ns/a", bucket), count)
+    # (a bucket that begins before the read shifts every window by one: the same counts fall inside)
+    (f,) = reader.read([GPU("g0", "n", 80 << 30, {"tiny": 0})], []).functions
+    assert f.arrival_rate == pytest.approx(3 / 60)
+    assert f.long_arrival_rate == pytest.approx(15 / LONG_ARRIVAL_WINDOW_S)

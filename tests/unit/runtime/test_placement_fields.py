@@ -21,3 +21,25 @@ def test_a_worker_started_with_a_kv_budget_reports_the_grant_beside_its_cache() 
 def test_without_a_budget_no_grant_is_reported() -> None:
     engine = SimpleNamespace(lora_shape_key=None)
     assert "kv_budget_bytes" not in placement_fields(WorkerSettings(gpu="g0", backbone="tiny"), engine)
+
+
+def test_a_driver_counted_worker_says_whether_graphs_are_pending_and_the_devices_free(monkeypatch) -> None:
+    # what NVML would say (no GPU here): the process's bytes and the device's free bytes
+    from lorafn.runtime import gpu_memory
+
+    monkeypatch.setattr(gpu_memory, "process_bytes", lambda device: 1409 * MiB)
+    monkeypatch.setattr(gpu_memory, "device_free_bytes", lambda device: 17 << 30)
+    settings = WorkerSettings(gpu="g0", backbone="tiny", kv_budget_mib=512)
+    for pending in (True, False):
+        runner = SimpleNamespace(
+            memory_parts=lambda: (504 * MiB, 80 * MiB), device=None, graphs_pending=pending
+        )
+        fields = placement_fields(settings, SimpleNamespace(lora_shape_key="r16", runner=runner))
+        assert fields["mem_bytes"] == 1409 * MiB and fields["mem_source"] == "driver"
+        assert fields["graphs_pending"] == int(pending)
+        assert fields["device_free_bytes"] == 17 << 30
+    # no driver figure (CPU): neither field, the controller keeps its learned charge and no guard
+    monkeypatch.setattr(gpu_memory, "process_bytes", lambda device: None)
+    monkeypatch.setattr(gpu_memory, "device_free_bytes", lambda device: None)
+    fields = placement_fields(settings, SimpleNamespace(lora_shape_key="r16", runner=runner))
+    assert "graphs_pending" not in fields and "device_free_bytes" not in fields

@@ -1,0 +1,102 @@
+"""What the memory account charges a live worker (pure; `controller.snapshot` and the simulator call it).
+
+A GPU worker's heartbeat carries the driver's count of its whole process (NVML by pid,
+`runtime.gpu_memory`) with its KV-cache and LoRA parts; the rest is its *overhead*: CUDA context, loaded
+kernel modules, cuBLAS workspaces, the decode-graph pool and the allocator's cached activations.
+
+What still grows after a worker's first report (the runtime, read for issue 16):
+- decode graphs: a fresh worker starts with `lazy_graphs` and captures each bucket's graph on first need
+  or while idle (~1.2-1.6 s of idle time for a 7B on the H100); the graph pool and the side stream's
+  cuBLAS workspace come then (~140-160 MiB, docs/benchmarks.md "Per-worker memory"). The worker says so
+  (`graphs_pending` in its heartbeat); a standby captures them before it reports.
+- activations: torch's caching allocator keeps the largest step's working set; a step holds at most
+  `max_num_batched_tokens` (2048) tokens, so a worker whose steps were short can still grow by the
+  difference (a warmed standby, which prefilled 2065 tokens, is ~90 MiB above the replay's median fresh
+  worker at KV 512 MiB: 1500 vs 1409 MiB per process).
+- kernel modules of step kinds it has not run yet (lazy module loading): a few MiB each.
+
+The rule (`charge_bytes`): a worker that has not reported by the driver, or whose graphs are pending, is
+charged as before (``learned_overhead``: the largest overhead any live worker reports + a margin: what a
+fully grown worker needs). One whose graphs are captured is charged its own report + ``margin_bytes`` (the
+next step's activations and modules), but never below KV + LoRA + ``floor_overhead``: the ``quantile``
+of its peers' settled overheads (`overhead_floor`), so that a worker that has only seen short prompts is
+charged what most of them grew to. What even that does not cover (a worker below the floor's peers that
+then prefills a full step) is the account's headroom (``PolicyConfig.gpu_utilization``) and the driver's
+own free memory (`account.accounts`' guard) to absorb.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MiB = 2**20
+OVERHEAD_MARGIN_BYTES = 64 * MiB  # growth a settled worker may still have ahead (a longer step's activations)
+FLOOR_QUANTILE = 0.9  # of settled overheads: the least a settled worker is charged for its overhead
+MIN_FLOOR_REPORTS = 5  # fewer settled reports than this: the floor is their largest
+
+
+@dataclass(frozen=True)
+class SizeReport:
+    """One live worker's heartbeat as the account reads it. ``whole_bytes``: the driver's count of its
+    process (0: no driver figure, e.g. CPU); ``kv_bytes``, ``lora_bytes``: its KV cache and LoRA tensors;
+    ``private_bytes``: its own copy of the backbone (no sharing), else 0; ``settled``: its decode graphs
+    are captured (nothing lazy pending)."""
+
+    whole_bytes: int
+    kv_bytes: int
+    lora_bytes: int
+    private_bytes: int = 0
+    settled: bool = False
+
+    @property
+    def overhead_bytes(self) -> int:
+        return self.whole_bytes - self.kv_bytes - self.lora_bytes - self.private_bytes
+
+
+def learned_overhead(
+    reports: list[int], default_bytes: int, margin_bytes: int = OVERHEAD_MARGIN_BYTES
+) -> int:
+    """A worker's overhead beyond its KV cache and LoRA tensors, from what live workers report (the
+    driver's count of the whole process minus those two): the largest report plus a margin, so that a
+    new worker is never granted less than the biggest one already running needs; `default_bytes` while
+    no worker reports (no NVML, e.g. on CPU, or none up yet). A worker to start, and one not yet settled,
+    is charged this."""
+    real = [r for r in reports if r > 0]
+    return max(real) + margin_bytes if real else default_bytes
+
+
+def overhead_floor(settled: list[int], learned_bytes: int, quantile: float = FLOOR_QUANTILE) -> int:
+    """The least overhead a settled worker is charged: the ``quantile`` (nearest rank) of the settled
+    workers' overheads; their largest while fewer than `MIN_FLOOR_REPORTS` report; ``learned_bytes`` when
+    none does. Never above ``learned_bytes``."""
+    if not 0.0 < quantile <= 1.0:
+        raise ValueError(f"quantile must be in (0, 1], got {quantile!r}")
+    real = sorted(r for r in settled if r > 0)
+    if not real:
+        return learned_bytes
+    if len(real) < MIN_FLOOR_REPORTS:
+        return min(learned_bytes, real[-1])
+    rank = min(len(real) - 1, max(0, math.ceil(round(quantile * len(real), 9)) - 1))  # nearest rank
+    return min(learned_bytes, real[rank])
+
+
+def charge_bytes(
+    report: SizeReport | None,
+    estimate_bytes: int,
+    floor_overhead: int,
+    margin_bytes: int = OVERHEAD_MARGIN_BYTES,
+) -> int:
+    """What the account charges a live bound worker. ``estimate_bytes``: its size by the learned overhead
+    (KV budget + LoRA + `learned_overhead`, what it was started with); ``floor_overhead``: `overhead_floor`.
+
+    No driver report, or graphs still pending: the larger of its report and the estimate (as before).
+    Settled: its own report + ``margin_bytes``, at least KV + LoRA (+ private weights) + ``floor_overhead``,
+    and never more than the estimate would have been unless it reports more than that."""
+    if report is None or report.whole_bytes <= 0:
+        return estimate_bytes
+    if not report.settled:
+        return max(report.whole_bytes, estimate_bytes)
+    floor = report.kv_bytes + report.lora_bytes + report.private_bytes + floor_overhead
+    own = max(report.whole_bytes + margin_bytes, floor)
+    return own if report.whole_bytes > estimate_bytes else min(own, estimate_bytes)
