@@ -361,6 +361,9 @@ class SnapshotReader:
         kv_reports: dict[str, int] = {}
         sizes: dict[str, SizeReport] = {}
         driver_free: dict[str, tuple[int, int]] = {}  # gpu -> (heartbeat ms, free bytes)
+        # GPUs with a live worker the driver does not count (a container hiding host pids): how much of its
+        # charge the device's free bytes already show is not known there, so those GPUs get no guard
+        unreported: set[str] = set()
         for wid, h in sorted(info.items()):
             if now_ms - int(h.get("heartbeat") or now_ms) > ttl_ms:
                 continue
@@ -388,6 +391,8 @@ class SnapshotReader:
                         overhead_reports.append(report.overhead_bytes)
                         if report.settled:
                             settled.append(report.overhead_bytes)
+            if not reported:
+                unreported.add(gpu)
             with contextlib.suppress(ValueError):
                 if h.get("device_free_bytes") not in (None, ""):
                     beat = int(h.get("heartbeat") or 0)
@@ -425,7 +430,7 @@ class SnapshotReader:
             kv_reports,
             sizes,
             settled,
-            {g: free for g, (_, free) in driver_free.items()},
+            {g: free for g, (_, free) in driver_free.items() if g not in unreported},
         )
 
 

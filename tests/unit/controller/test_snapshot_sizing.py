@@ -96,7 +96,13 @@ def test_settled_bound_workers_are_charged_their_own_size(reader: SnapshotReader
     beat("w-settled", "ns/a", kv + 600 * MiB, "0", 30 << 30, now_ms - 500)
     beat("w-pending", "ns/b", kv + 500 * MiB, "1", 31 << 30, now_ms - 200)  # the latest reading
     beat("w-old", "ns/c", big, None, 29 << 30, now_ms - 900)
-    snapshot = reader.read([GPU("g0", "n", 80 << 30, {"tiny": 0})], [])
+    # on g1 a worker the driver does not count (a container hiding host pids): no guard there
+    _beat(
+        reader, "w-hidden", "serving", "ns/a", gpu="g1", mem_bytes=kv, kv_bytes=kv, lora_bytes=lora,
+        device_free_bytes=9 << 30,
+    )  # fmt: skip
+    snapshot = reader.read([GPU("g0", "n", 80 << 30, {"tiny": 0}), GPU("g1", "n", 80 << 30, {"tiny": 0})], [])
+    assert snapshot.gpus[1].driver_free_bytes is None
     learned = 900 * MiB + OVERHEAD_MARGIN_BYTES
     assert reader.overhead_bytes == learned
     # one settled report (fewer than a quantile needs): the floor is its own overhead
