@@ -69,8 +69,10 @@ def main() -> None:
     from lorafn.runtime.lora import copy_lora, load_lora, write_random_adapter, zero_lora
     from tests.unit.runtime.lora_reference import assert_same, reference_copy, reference_load
 
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # as a GPU worker runs (worker.default_engine); the host is shared
+    # One intra-op thread, as every worker runs (worker.py; OMP_NUM_THREADS else 1): with torch's default
+    # (one per core) the host-side packing spun against the busy processes' threads (7.2 s on the H100
+    # with 4 busy processes; a worker never runs so).
+    torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     cfg = ModelConfig.from_dict(
         dict(
