@@ -8,9 +8,10 @@ On a CPU it runs a tiny version (random `tiny` preset, short prompts) that print
     python bench/engine.py --tiny
 
 The LoRA engine runs with each `EngineConfig.lora_expand` (how a step above 16 rows adds the expands:
-`grouped`, the default, one launch per projection group; `per_projection`, one addmm_ each; `in_kernels`,
-inside the elementwise kernels): they differ only in TTFT and in decode batches above 16, so the other
-two modes measure those only (`--expand-modes` picks them).
+`per_projection`, the default, one addmm_ each; `grouped`, one launch per projection group; `in_kernels`,
+inside the elementwise kernels; `hybrid`, per_projection for steps with a prefill chunk and in_kernels for
+decode-only steps; or any "PREFILL/DECODE" pair): they differ only in TTFT and in decode batches above 16,
+so the modes other than the default measure those only (`--expand-modes` picks them).
 
 The backbone is loaded onto the device once and shared by every engine of the run (a resident
 WeightSource, as the backbone server shares it with workers); transformers loads its own copy.
@@ -32,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
-from lorafn.runtime.config import LORA_EXPANDS, ModelConfig
+from lorafn.runtime.config import DEFAULT_LORA_EXPAND, LORA_EXPANDS, ModelConfig, expand_modes
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import write_random_adapter
 
@@ -219,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true", help="do not run transformers + peft")
     ap.add_argument(
         "--expand-modes",
-        default=",".join(LORA_EXPANDS[1:]),
-        help=f"lora_expand modes measured beside the default {LORA_EXPANDS[0]!r} (comma-separated, or '')",
+        default=",".join([m for m in LORA_EXPANDS if m != DEFAULT_LORA_EXPAND] + ["hybrid"]),
+        help=f"lora_expand modes measured beside the default {DEFAULT_LORA_EXPAND!r} (comma-separated, or "
+        "''): names of EngineConfig.lora_expand, e.g. grouped, in_kernels, hybrid, per_projection/grouped",
     )
     ap.add_argument(
         "--profile-prefill",
@@ -274,15 +276,17 @@ def main(argv: list[str] | None = None) -> int:
         "rank": args.rank,
         "backbone_load_s": load_s,
     }
-    modes = [m for m in args.expand_modes.split(",") if m]
-    bad = [m for m in modes if m not in LORA_EXPANDS]
-    if bad:
-        ap.error(f"--expand-modes: {bad} not in {LORA_EXPANDS}")
-    figures["lora_expand"] = LORA_EXPANDS[0]
+    modes = [m for m in args.expand_modes.split(",") if m and m != DEFAULT_LORA_EXPAND]
+    for mode in modes:
+        try:
+            expand_modes(mode)
+        except ValueError as err:
+            ap.error(f"--expand-modes: {err}")
+    figures["lora_expand"] = DEFAULT_LORA_EXPAND
     figures["expand_modes"] = modes
     bandwidth = copy_bandwidth(device)
     # (figures key, adapter, lora_expand, batches): the default mode in full, the others where they differ
-    runs = [("base", None, LORA_EXPANDS[0], batches), ("lora", adapter, LORA_EXPANDS[0], batches)]
+    runs = [("base", None, DEFAULT_LORA_EXPAND, batches), ("lora", adapter, DEFAULT_LORA_EXPAND, batches)]
     runs += [(f"lora_{m}", adapter, m, [b for b in batches if b > LARGE_STEP_ROWS]) for m in modes]
     for name, adapter_dir, mode, run_batches in runs:
         t0 = time.perf_counter()
@@ -351,7 +355,11 @@ def print_table(f: dict, batches: list[int], tiny: bool) -> None:
             + ", ".join(f"{name} {r['ttft_s'] * ms:.1f} ms" for name, r in loras)
             + (f", hf+peft {hf['ttft_s'] * ms:.1f} ms" if hf else "")
         )
-        other_cols = "".join(f" {name[6:-1][:14]:>14}" for name, _r in others)
+        short = {"per_projection": "per_proj", "in_kernels": "in_kern"}
+        labels = [name[6:-1] for name, _r in others]
+        for long, abbrev in short.items():
+            labels = [label.replace(long, abbrev) for label in labels]
+        other_cols = "".join(f" {label[:16]:>16}" for label in labels)
         header = (
             f"{'batch':>5} | {'TPOT base ms':>12} {'TPOT lora ms':>12}{other_cols} {'hf+peft ms':>10} | "
             f"{'tok/s base':>10} {'tok/s lora':>10} {'tok/s hf':>9}"
@@ -363,7 +371,7 @@ def print_table(f: dict, batches: list[int], tiny: bool) -> None:
             hf_tpot = f"{hf['tpot_s'][b] * ms:10.2f}" if hf else f"{'-':>10}"
             hf_tps = f"{hf['tokens_per_s'][b]:9.0f}" if hf else f"{'-':>9}"
             extra = "".join(
-                f" {r['tpot_s'][b] * ms:14.2f}" if b in r["tpot_s"] else f" {'-':>14}" for _n, r in others
+                f" {r['tpot_s'][b] * ms:16.2f}" if b in r["tpot_s"] else f" {'-':>16}" for _n, r in others
             )
             print(
                 f"{b:>5} | {f['base']['tpot_s'][b] * ms:12.2f} "

@@ -15,13 +15,36 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-# How a step above 16 rows (prefill chunks, decode batches > 16) adds the LoRA expands y += t·Bᵀ (see
-# EngineConfig.lora_expand); the first is the default. Measured on the H100 (bench/engine.py at 3351cf9,
-# llama-2-7b r16 all-linear, prompt 512): TTFT base 23.1 ms, per_projection 25.4 (1.10x), grouped 29.6,
-# in_kernels 43.0; TPOT at batch 64 base 19.10, per_projection 21.06, grouped 20.09, in_kernels 19.94. And
-# grouped's GPU tests fail there (its expand rounds differently from addmm_ on 28% of bf16 outputs, SiLU·up
-# beyond one bf16 step): per_projection is the default until they pass.
+# How a step above 16 rows (prefill chunks, decode batches > 16) adds the LoRA expands y += t·Bᵀ, per step
+# (see EngineConfig.lora_expand). Measured on the H100 (bench/engine.py at 3351cf9, llama-2-7b r16
+# all-linear, prompt 512): TTFT base 23.1 ms, per_projection 25.4 (1.10x), grouped 29.6, in_kernels 43.0;
+# TPOT at batch 64 base 19.10, per_projection 21.06, grouped 20.09, in_kernels 19.94.
 LORA_EXPANDS = ("per_projection", "grouped", "in_kernels")
+# EngineConfig.lora_expand may also name one mode for the steps with a prefill chunk and one for the steps
+# of decodes only, as "PREFILL/DECODE" (e.g. "per_projection/grouped"); "hybrid" is the best pair of the
+# figures above: per_projection where a prompt is prefilled (TTFT), in_kernels for decode-only steps (above
+# 16 rows their expands run in the per-row kernels that a decode step of <= 16 rows uses: no launch).
+LORA_EXPAND_ALIASES = {"hybrid": ("per_projection", "in_kernels")}
+# The default of EngineConfig.lora_expand. "hybrid" should become it once its GPU tests and figures are in
+# (H100 commands: /work/notes/gpu_h2.md; issue 12); until then the mode every GPU test has passed with.
+DEFAULT_LORA_EXPAND = "per_projection"
+
+
+def expand_modes(lora_expand: str) -> tuple[str, str]:
+    """(the mode of a step with a prefill chunk, the mode of a step of decodes only) that an
+    `EngineConfig.lora_expand` value names: one of LORA_EXPANDS (both), an alias, or "PREFILL/DECODE".
+    ValueError naming the field otherwise."""
+    if lora_expand in LORA_EXPANDS:
+        return lora_expand, lora_expand
+    if lora_expand in LORA_EXPAND_ALIASES:
+        return LORA_EXPAND_ALIASES[lora_expand]
+    prefill, sep, decode = str(lora_expand).partition("/")
+    if sep and prefill in LORA_EXPANDS and decode in LORA_EXPANDS:
+        return prefill, decode
+    raise ValueError(
+        f"lora_expand: {lora_expand!r} is not one of {LORA_EXPANDS + tuple(LORA_EXPAND_ALIASES)} nor "
+        f"'PREFILL/DECODE' of two of {LORA_EXPANDS}"
+    )
 
 
 @dataclass
@@ -83,7 +106,11 @@ class EngineConfig:
     # "per_projection": one addmm_ per projection (the path before it);
     # "in_kernels": inside the elementwise kernels that follow (RoPE, SiLU·up, add + RMSNorm; fused path
     # only, else per projection). The shrink is one GEMM per group in all three. CPU: per projection.
-    lora_expand: str = "per_projection"
+    # Chosen per step by its kind (`expand_modes`): "hybrid" is per_projection for a step with a prefill
+    # chunk (a mixed step of chunked prefill + decodes too) and in_kernels for a step of decodes only (so
+    # every decode CUDA graph: its mode is fixed when it is captured); "PREFILL/DECODE" names the two
+    # modes; one mode alone is used for every step.
+    lora_expand: str = DEFAULT_LORA_EXPAND
     # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an
     # execution plan per exact shape, and on the H100 the first prefill of each new chunk length paid
     # ~65 ms of host time for it (a standby's first request prefilled in 110 ms, the next one in 28 ms;
@@ -104,8 +131,7 @@ class EngineConfig:
             raise ValueError(f"cuda_stack_bytes: must be in [16, 1 MiB], got {self.cuda_stack_bytes}")
         if self.lora_shape is not None and self.adapter is not None:
             raise ValueError("lora_shape: only for an engine without an adapter (a standby); got both")
-        if self.lora_expand not in LORA_EXPANDS:
-            raise ValueError(f"lora_expand: {self.lora_expand!r} is not one of {LORA_EXPANDS}")
+        expand_modes(self.lora_expand)  # ValueError naming the field
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):

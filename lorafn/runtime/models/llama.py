@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafn.runtime.attention import paged_decode_attention, prefill_attention, write_kv
-from lorafn.runtime.config import LORA_EXPANDS, ModelConfig
+from lorafn.runtime.config import DEFAULT_LORA_EXPAND, ModelConfig, expand_modes
 from lorafn.runtime.lora import LoRAGroup, LoRAWeights
 from lorafn.runtime.weights import WeightSource
 
@@ -127,12 +127,12 @@ class LlamaModel:
         max_position: int | None = None,
         use_triton_attention: bool = False,
         fused_decode: bool = False,
-        lora_expand: str = LORA_EXPANDS[0],
+        lora_expand: str = DEFAULT_LORA_EXPAND,
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
-        if lora_expand not in LORA_EXPANDS:
-            raise ValueError(f"lora_expand: {lora_expand!r} is not one of {LORA_EXPANDS}")
         self.lora_expand = lora_expand  # EngineConfig.lora_expand
+        # the mode of a step with a prefill chunk, of a step of decodes only (config.expand_modes)
+        self.prefill_expand, self.decode_expand = expand_modes(lora_expand)
         self.use_triton_attention = use_triton_attention
         # On CUDA with Triton: fused RMSNorm(+residual), RoPE and SiLU·up (models/triton_ops.py).
         self.ops = None
@@ -140,8 +140,6 @@ class LlamaModel:
             from lorafn.runtime.models import triton_ops
 
             self.ops = triton_ops
-        # the ops that add a group's expands in one launch (add_expands), or None: one addmm_ each
-        self.expand_ops = self.ops if lora_expand == "grouped" else None
         names = set(source.names())
 
         def get(name: str) -> torch.Tensor:
@@ -239,14 +237,22 @@ class LlamaModel:
         attn = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return attn.reshape(q.shape[0], -1)
 
+    def expand_mode(self, batch: ForwardBatch) -> str:
+        """The LORA_EXPANDS mode of this step: the prefill one when it has a prefill chunk (a mixed step
+        of decodes + chunked prefill too), else (decodes only: every decode CUDA graph) the decode one."""
+        return self.prefill_expand if batch.prefills else self.decode_expand
+
     def forward(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Returns logits [S, vocab] (float32) for the rows in batch.logits_indices."""
         cfg = self.cfg
         num_tokens = batch.input_ids.shape[0]
+        mode = self.expand_mode(batch)
         if self.fused is not None:
-            return self._forward_fused(batch, kv_caches)
+            return self._forward_fused(batch, kv_caches, mode)
+        # the ops that add a group's expands in one launch (add_expands), or None: one addmm_ each
+        expand_ops = self.ops if mode == "grouped" else None
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lora_layers = self.lora.layers if self.lora is not None else None
         ops, eps = self.ops, cfg.rms_norm_eps
@@ -259,7 +265,7 @@ class LlamaModel:
             groups = lora_layers[i] if lora_layers is not None else {}
             x, h = self._norm(h, delta, layer["input_layernorm"])
             qkv = {p: self._linear(x, layer, p) for p in ("q_proj", "k_proj", "v_proj")}
-            lora_project(x, qkv, groups.get("q_proj"), self.expand_ops)
+            lora_project(x, qkv, groups.get("q_proj"), expand_ops)
             if ops is not None:
                 q = ops.rope(qkv["q_proj"], nh, self.cos, self.sin, batch.positions)
                 k = ops.rope(qkv["k_proj"], nkv, self.cos, self.sin, batch.positions)
@@ -271,16 +277,16 @@ class LlamaModel:
             write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
             o = {"o_proj": self._linear(attn, layer, "o_proj")}
-            lora_project(attn, o, groups.get("o_proj"), self.expand_ops)
+            lora_project(attn, o, groups.get("o_proj"), expand_ops)
             x, h = self._norm(h, o["o_proj"], layer["post_attention_layernorm"])
             gu = {p: self._linear(x, layer, p) for p in ("gate_proj", "up_proj")}
-            lora_project(x, gu, groups.get("gate_proj"), self.expand_ops)
+            lora_project(x, gu, groups.get("gate_proj"), expand_ops)
             if ops is not None:
                 act = ops.silu_mul(gu["gate_proj"], gu["up_proj"])
             else:
                 act = F.silu(gu["gate_proj"]) * gu["up_proj"]
             d = {"down_proj": self._linear(act, layer, "down_proj")}
-            lora_project(act, d, groups.get("down_proj"), self.expand_ops)
+            lora_project(act, d, groups.get("down_proj"), expand_ops)
             delta = d["down_proj"]
         h = h + delta
         if batch.logits_indices is not None:
@@ -289,29 +295,31 @@ class LlamaModel:
         return F.linear(h, self.lm_head).float()
 
     def _forward_fused(
-        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], mode: str
     ) -> torch.Tensor:
         """`forward` in the fused kernels of models/fused_decode.py (same math, same roundings). Per layer:
         norm, q/k/v GEMMs + the group's LoRA shrink, RoPE + q/k/v expands + cache writes, attention, o GEMM +
         shrink, add + o expand + norm, gate/up GEMMs + shrink, SiLU·up + expands, down GEMM + shrink (its
         expand joins the next layer's add + norm). A step of at most fused_decode.MAX_TOKENS rows (decode)
         runs each GEMM group as one skinny-GEMM launch; a larger one (prefill, decode batches > 16) through
-        cuBLAS, and adds its expands as `lora_expand` says: grouped, on the tensor cores over tiles of rows
-        inside the kernel that reads the projection's output anyway (q/k/v: RoPE + cache writes; gate/up:
-        SiLU·up; o, down: add + RMSNorm from TILED_NORM_MIN_ROWS rows, else one lora_expand launch each;
-        triton_ops), so LoRA costs the 4 shrink GEMMs per layer and at most 2 launches more; one addmm_ per
-        projection; or in the fused kernels as a small step does (in_kernels: no launch either, but each of
-        the kernel's programs is one row and reads its rank rows of B again, rows x B bytes)."""
+        cuBLAS, and adds its expands as its `mode` (`expand_mode`, a LORA_EXPANDS name) says: grouped, on
+        the tensor cores over tiles of rows inside the kernel that reads the projection's output anyway
+        (q/k/v: RoPE + cache writes; gate/up: SiLU·up; o, down: add + RMSNorm from TILED_NORM_MIN_ROWS rows,
+        else one lora_expand launch each; triton_ops), so LoRA costs the 4 shrink GEMMs per layer and at
+        most 2 launches more; per_projection, one addmm_ per projection; or in_kernels, in the fused
+        kernels as a small step does (no launch either, but each of the kernel's programs is one row and
+        reads its rank rows of B again, rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
         h = F.embedding(batch.input_ids, self.embed)
         # a large step keeps its expands out of the per-row decode kernels (each of their programs reads its
-        # rank rows of B again: B's bytes x rows) unless lora_expand is in_kernels
-        settle = batch.input_ids.shape[0] > fd.MAX_TOKENS and self.lora_expand != "in_kernels"
+        # rank rows of B again: B's bytes x rows) unless the mode is in_kernels
+        settle = batch.input_ids.shape[0] > fd.MAX_TOKENS and mode != "in_kernels"
+        expand_ops = ops if mode == "grouped" else None
         # grouped, large step: every expand inside the kernel that reads its projection's output anyway, on
         # the tensor cores over tiles of rows (q/k/v: RoPE + cache writes; o, down: add + RMSNorm; gate/up:
         # SiLU·up)
-        tiled = settle and self.expand_ops is not None
+        tiled = settle and expand_ops is not None
 
         def add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, lora) -> tuple:
             """(h + delta + its expand, the norm of it): o and down's expands (see TILED_NORM_MIN_ROWS)."""
@@ -334,7 +342,7 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[i]
             rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
             if settle and not tiled:
-                qkv_lora = _settle_expands((q, k, v), qkv_lora, self.expand_ops)
+                qkv_lora = _settle_expands((q, k, v), qkv_lora, expand_ops)
             q, k, v = rope(
                 q,
                 k,
@@ -352,18 +360,18 @@ class LlamaModel:
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
             (o,), o_lora = _group_gemm(fd, attn, layer, ("o_proj",), groups)
             if settle and not tiled:
-                o_lora = _settle_expands((o,), o_lora, self.expand_ops)
+                o_lora = _settle_expands((o,), o_lora, expand_ops)
             h, x = add_norm(h, o, layer["post_attention_layernorm"], o_lora and o_lora[0])
             (gate, up), gu_lora = _group_gemm(fd, x, layer, ("gate_proj", "up_proj"), groups)
             if tiled and gu_lora is not None:
                 act = ops.silu_mul_expand(gate, up, gu_lora)
             else:
                 if settle:
-                    gu_lora = _settle_expands((gate, up), gu_lora, self.expand_ops)
+                    gu_lora = _settle_expands((gate, up), gu_lora, expand_ops)
                 act = fd.silu_mul_lora(gate, up, gu_lora)
             (delta,), d_lora = _group_gemm(fd, act, layer, ("down_proj",), groups)
             if settle and not tiled:
-                d_lora = _settle_expands((delta,), d_lora, self.expand_ops)
+                d_lora = _settle_expands((delta,), d_lora, expand_ops)
             delta_lora = d_lora and d_lora[0]
         assert delta is not None  # a model has layers
         _h, x = add_norm(h, delta, self.norm, delta_lora)

@@ -1,6 +1,7 @@
 """Run by test_lora_grouped.py in a child with TRITON_INTERPRET=1: the CUDA model code (Triton kernels
-interpreted on CPU tensors) with each `lora_expand` mode against the plain torch CPU forward (one addmm_
-per projection), float32.
+interpreted on CPU tensors) with each `lora_expand` mode (and the per-step pairs: "hybrid",
+"per_projection/grouped") against the plain torch CPU forward (one addmm_ per projection), float32; the
+launches counted show which mode each step ran in.
 
     python -m tests.integration.runtime.lora_grouped_check MODEL_DIR NAME=ADAPTER_DIR ...
 
@@ -14,20 +15,27 @@ from pathlib import Path
 
 import torch
 
-from lorafn.runtime.config import LORA_EXPANDS, ModelConfig
+from lorafn.runtime.config import LORA_EXPANDS, ModelConfig, expand_modes
 from lorafn.runtime.kv_cache import KVCache
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import LoRAWeights, clear_lora, copy_lora, load_lora, zero_lora
-from lorafn.runtime.models import triton_ops
+from lorafn.runtime.models import fused_decode, triton_ops
 from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
 
 TOL = 2e-6  # relative (norm) difference allowed between modes: float32 accumulation order only
 DEV = torch.device("cpu")
 
 
+# the modes run for the first adapter: every single one and two per-step pairs (prefill/decode)
+MODES = (*LORA_EXPANDS, "hybrid", "per_projection/grouped")
+DECODE_ROWS = 18  # the decode-only large step's rows
+
+
 def _steps(cfg: ModelConfig) -> list[ForwardBatch]:
     """A 24-token prompt of sequence 0 (above the 16-row limit: a large step), a 21-token prompt of
-    sequence 1 beside a decode of sequence 0 (22 rows: a mixed large step), then a decode (a small step)."""
+    sequence 1 beside a decode of sequence 0 (22 rows: a mixed large step), a decode (a small step), then
+    a step of 18 decodes only (a large decode step, as a decode graph's bucket 32 runs it): row i at
+    position i of blocks 4-5 (slot 64 + i), attending to rows 0..i of the same step (written first)."""
     gen = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> torch.Tensor:
@@ -62,23 +70,38 @@ def _steps(cfg: ModelConfig) -> list[ForwardBatch]:
             None,
         )
     )
+    n = DECODE_ROWS
+    steps.append(
+        ForwardBatch(
+            ids(n),
+            torch.arange(n),
+            64 + torch.arange(n),
+            n,
+            torch.tensor([[4, 5]] * n, dtype=torch.int32),
+            torch.arange(1, n + 1, dtype=torch.int32),
+            [],
+            None,
+        )
+    )
     return steps
 
 
 def _forward(
     model_dir: Path, cfg: ModelConfig, lora: LoRAWeights | None, *, triton: bool, fused: bool, mode: str
-) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
     """(logits of every step, the KV cache after them, grouped expand launches: lora_expand, and on the
-    fused path the kernels with a group's expand inside) of one model variant."""
+    fused path the kernels with a group's expand inside; q/k/v expands of steps above 16 rows inside the
+    per-row RoPE kernel: in_kernels) of one model variant."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
         use_triton_attention=triton, fused_decode=fused, lora_expand=mode,
     )  # fmt: skip
     assert (model.fused is not None) == fused, "the fused path did not turn on"
     kv = KVCache(cfg, 8, 16, DEV, torch.float32)
-    launches = 0
+    launches = in_kernels = 0
     names = ("lora_expand", "silu_mul_expand", "rope_expand_kv", "add_rms_norm_expand")
     real = {name: getattr(triton_ops, name) for name in names}
+    real_rope = fused_decode.rope_lora_kv
 
     def counting(fn):
         def counted(*args):
@@ -88,14 +111,21 @@ def _forward(
 
         return counted
 
+    def rope_counted(q, k, v, lora, *rest):
+        nonlocal in_kernels
+        in_kernels += q.shape[0] > fused_decode.MAX_TOKENS and lora is not None
+        return real_rope(q, k, v, lora, *rest)
+
     for name, fn in real.items():
         setattr(triton_ops, name, counting(fn))
+    fused_decode.rope_lora_kv = rope_counted
     try:
         logits = [model.forward(step, kv.layers) for step in _steps(cfg)]
     finally:
         for name, fn in real.items():
             setattr(triton_ops, name, fn)
-    return logits, kv.data.clone(), launches
+        fused_decode.rope_lora_kv = real_rope
+    return logits, kv.data.clone(), launches, in_kernels
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,8 +133,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _same(name: str, got, want) -> None:
-    logits, kv, _ = got
-    ref_logits, ref_kv, _ = want
+    logits, kv, *_ = got
+    ref_logits, ref_kv, *_ = want
     for i, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
         assert _rel(a, b) < TOL, f"{name}: step {i} logits differ by {_rel(a, b):.2e}"
     assert _rel(kv, ref_kv) < TOL, f"{name}: KV cache differs by {_rel(kv, ref_kv):.2e}"
@@ -115,26 +145,36 @@ def main(argv: list[str]) -> None:
     adapters = {name: Path(path) for name, path in (a.split("=", 1) for a in argv[1:])}
     cfg = ModelConfig.from_dir(model_dir)
     base_ref = _forward(model_dir, cfg, None, triton=False, fused=False, mode="per_projection")
-    large_steps = 2  # steps of more than 16 rows in _steps
+    steps = _steps(cfg)
+    # per step: large (more than 16 rows), and whether it has a prefill chunk (else: decodes only)
+    large = [s.input_ids.shape[0] > fused_decode.MAX_TOKENS for s in steps]
+    prefill = [bool(s.prefills) for s in steps]
     for n, (name, path) in enumerate(adapters.items()):
         lora = load_lora(path, cfg, DEV, torch.float32)
         groups = sum(len(layer) for layer in lora.layers)
         ref = _forward(model_dir, cfg, lora, triton=False, fused=False, mode="per_projection")
         assert _rel(ref[0][0], base_ref[0][0]) > 1e-3, f"{name}: the adapter changes nothing"
-        # every mode for the first adapter; the grouped one (the default) for every adapter (interpreting
-        # Triton is slow: ~5-15 s a variant)
+        # every mode for the first adapter; grouped (the kernels this check is for) for every adapter
+        # (interpreting Triton is slow: ~5-15 s a variant)
+        q_groups = sum("q_proj" in layer for layer in lora.layers)
         for fused in (False, True):
-            for mode in LORA_EXPANDS if n == 0 else LORA_EXPANDS[:1]:
+            for mode in MODES if n == 0 else ("grouped",):
                 got = _forward(model_dir, cfg, lora, triton=True, fused=fused, mode=mode)
                 _same(f"{name} fused={fused} {mode}", got, ref)
-                # grouped: one launch per projection group per step (fused: per large step only, each
-                # group's expand inside the kernel that follows its GEMM)
-                want = (large_steps if fused else len(_steps(cfg))) * groups if mode == "grouped" else 0
-                assert got[2] == want, (
-                    f"{name} fused={fused} {mode}: {got[2]} lora_expand launches, want {want}"
+                # each step in its kind's mode (the prefill one where it has a prefill chunk): grouped is
+                # one launch per projection group per step (fused: per large step only, each group's
+                # expand inside the kernel that follows its GEMM); in_kernels (fused, large steps) has the
+                # q/k/v expands in the per-row RoPE kernel
+                kinds = list(zip([expand_modes(mode)[0 if p else 1] for p in prefill], large, strict=True))
+                want = groups * sum(m == "grouped" and (lg or not fused) for m, lg in kinds)
+                want_in = fused * q_groups * sum(m == "in_kernels" and lg for m, lg in kinds)
+                assert got[2:] == (want, want_in), (
+                    f"{name} fused={fused} {mode}: {got[2]} grouped launches, want {want}; "
+                    f"{got[3]} in-kernel large q/k/v expands, want {want_in}"
                 )
                 print(
-                    f"{name} fused={fused} {mode}: same as per-projection torch ({got[2]} grouped launches)"
+                    f"{name} fused={fused} {mode}: same as per-projection torch ({got[2]} grouped launches,"
+                    f" {got[3]} in-kernel large-step q/k/v expands)"
                 )
         if n == 0:  # o/down expands inside add + RMSNorm: only from TILED_NORM_MIN_ROWS rows (2048) otherwise
             floor, triton_ops.TILED_NORM_MIN_ROWS = triton_ops.TILED_NORM_MIN_ROWS, 1
@@ -143,7 +183,7 @@ def main(argv: list[str]) -> None:
             finally:
                 triton_ops.TILED_NORM_MIN_ROWS = floor
             _same(f"{name} tiled norm", got, ref)
-            assert got[2] == large_steps * groups, got[2]
+            assert got[2] == sum(large) * groups, got[2]
             print(f"{name} with the o/down expands inside add + RMSNorm: same as per-projection torch")
     # a standby's prepared buffers: copy_lora of each adapter into all-linear buffers of the widest rank
     # gives that adapter's output through the grouped launches, clear_lora the base model's

@@ -2,15 +2,17 @@
 projection: the CUDA model code run on CPU tensors with Triton's interpreter, float32, for adapters of
 several shapes (all-linear r16, q/v only r8: a group with a member missing, mixed ranks through
 rank_pattern, rslora, a rank above the kernel's 64-wide rank block), the unfused and the fused forward
-(every `lora_expand` mode for the first adapter); and a standby's prepared buffers: copy_lora of an
-adapter gives its output through the grouped launches, clear_lora the base model's.
-lora_grouped_check.py does the work in a child process (TRITON_INTERPRET must be set before triton is
-imported); ~4 minutes on a 2-core VM."""
+(every `lora_expand` mode for the first adapter, and the per-step pairs "hybrid" and
+"per_projection/grouped", over steps with a prefill chunk and a large step of decodes only); and a
+standby's prepared buffers: copy_lora of an adapter gives its output through the grouped launches,
+clear_lora the base model's. lora_grouped_check.py does the work in a child process (TRITON_INTERPRET
+must be set before triton is imported); ~5 minutes on a 2-core VM."""
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +58,20 @@ def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Pa
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         proc.stdout[-2000:] + proc.stderr[-4000:]
     )
-    for i, name in enumerate(ADAPTERS):  # the first adapter in every mode, each in grouped, fused and not
-        assert proc.stdout.count(f"{name} fused=") == (6 if i == 0 else 2), proc.stdout
+    for i, name in enumerate(ADAPTERS):  # the first adapter in every mode, each in one, fused and not
+        assert proc.stdout.count(f"{name} fused=") == (10 if i == 0 else 2), proc.stdout
+    # hybrid (fused): the two prefill-bearing large steps per projection, the 18-decode step in_kernels (its
+    # q/k/v expands inside the per-row RoPE kernel, one per layer): a third of in_kernels' large-step count
+    counts = {
+        mode: tuple(map(int, found))
+        for mode, *found in re.findall(
+            r"r16-all-linear fused=True (\S+): same as per-projection torch \((\d+) grouped launches, (\d+) "
+            r"in-kernel",
+            proc.stdout,
+        )
+    }
+    assert counts["hybrid"][0] == 0 and counts["hybrid"][1] > 0, counts
+    assert counts["in_kernels"] == (0, 3 * counts["hybrid"][1]), counts
+    assert counts["per_projection/grouped"][0] * 3 == counts["grouped"][0], counts
     assert "o/down expands inside add + RMSNorm: same" in proc.stdout
     assert "clear_lora: the base model's output" in proc.stdout
