@@ -57,6 +57,18 @@ class ControllerSettings(SharedSettings):
     thrash_horizon_starts: float | None = Field(
         default=None, ge=0, description="offloading spares workers back within this many starts (0: off)"
     )
+    # issue 16's account and offloading (docs/architecture.md, Controller)
+    charge_own_reports: bool = Field(
+        default=True,
+        description="charge a bound GPU worker whose graphs are captured its own reported size (off: the "
+        "largest reported overhead, as before)",
+    )
+    driver_headroom: float = Field(
+        default=0.03, ge=0, lt=1, description="fraction of a GPU kept free of the driver's count (the guard)"
+    )
+    victim_rate: Literal["window", "long", "max"] = Field(
+        default="long", description="arrival rate that ranks idle workers for offloading (60 s, 10 min, max)"
+    )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="the workers' device kind (sizing)")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus /metrics port (0: off)")
     metrics_host: str = Field(default="0.0.0.0", description="address of the metrics endpoint")
@@ -78,6 +90,7 @@ def build_controller(settings: ControllerSettings) -> Controller:
         sizing = dataclasses.replace(sizing, worker_overhead_bytes=settings.worker_overhead_mib * MiB)
     if settings.default_kv_mib is not None:
         sizing = dataclasses.replace(sizing, default_kv_bytes=settings.default_kv_mib * MiB)
+    sizing = dataclasses.replace(sizing, charge_own_reports=settings.charge_own_reports)
     store, keys = Store(settings.redis_url, socket_timeout_s=5.0), Keys(settings.key_prefix)
 
     def standby_kv_bytes(action: Start) -> int:
@@ -93,6 +106,8 @@ def build_controller(settings: ControllerSettings) -> Controller:
         preload_claims=settings.preload_claims,
         policy=PolicyConfig(
             gpu_utilization=settings.gpu_utilization,
+            driver_headroom=settings.driver_headroom,
+            victim_rate=settings.victim_rate,
             warm_pool=settings.warm_pool,
             offloading=settings.offloading,
             **burst_overrides(

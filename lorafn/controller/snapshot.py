@@ -58,6 +58,9 @@ class SizingConfig:
     # every worker loads its own copy of the backbone (no sharing, the replay's ablation): those weights
     # are part of each worker's size, and a GPU holds no shared copy
     private_weights: bool = False
+    # a bound GPU worker whose decode graphs are captured is charged its own reported size
+    # (`policy.charge.charge_bytes`); off: the learned overhead, as every other worker
+    charge_own_reports: bool = True
 
 
 @dataclass(frozen=True)
@@ -289,7 +292,7 @@ class SnapshotReader:
             size = self.sizes.get(w.function or "")
             if size is not None:
                 estimate = size.mem_bytes
-                if w.state == "bound":
+                if w.state == "bound" and self.sizing.charge_own_reports:
                     charge = charge_bytes(view.sizes.get(w.id), estimate, self.floor_overhead_bytes)
                     live.append(dataclasses.replace(w, mem_bytes=charge))
                     continue
