@@ -25,7 +25,9 @@ Out (actions.py): `Plan(actions, pool, account)`:
   present (count 0 = none wanted there any more).
 - `account`: gpu -> `MemoryAccount` (capacity, backbone/other/worker bytes, free now, free after).
 
-Modules: account (memory account), backoff (failed starts), offload (victims under pressure),
+Modules: account (memory account, with the driver's free memory as a second guard), charge (what a live
+worker is charged: its own reported size once settled), backoff (failed starts), offload (victims under
+pressure),
 knapsack (generic greedy with precedence), exact (exact solver for small instances), planner (the
 warm pool), decide (one round), synthetic (seeded random snapshots for tests and the benchmark), simulate
 (the policy driven round by round over a trace's arrivals against a model of workers: bench/policy_replay.py).
