@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--graph-mib", type=int, default=150, help="lazy decode graphs' pool (with --sized)")
     ap.add_argument("--graph-settle-s", type=float, default=2.0, help="lazy graphs in by then")
     ap.add_argument("--unattributed-mib", type=int, default=0, help="per process, held but in no report")
+    ap.add_argument("--late-growth-mib", type=int, default=0, help="a fresh worker's growth once it served")
     ap.add_argument("--long-window-s", type=float, default=600.0, help="the long arrival-rate horizon")
     ap.add_argument(
         "--variants",
@@ -202,6 +203,7 @@ def main() -> None:
             graph_bytes=args.graph_mib * MiB,
             graph_settle_s=args.graph_settle_s,
             unattributed_bytes=args.unattributed_mib * MiB,
+            late_growth_bytes=args.late_growth_mib * MiB,
         )
     print(
         f"{len(picked)} requests (+{len(early)} in a {args.warmup_s:g} s warm-up) over "

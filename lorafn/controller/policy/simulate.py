@@ -25,7 +25,9 @@ The model (each part as simple as the question allows; none of it is measured he
   size. The snapshot charges them as `controller.snapshot` does (``charge``: "learned", every worker the
   largest reported overhead + margin, the rule before issue 16's change; "own", `charge.charge_bytes`), and
   with ``driver_guard`` each GPU carries the driver's free bytes (total - backbone - what processes hold -
-  ``unattributed_bytes`` per process). The result reports the peak of what the processes really hold.
+  ``unattributed_bytes`` per process); ``late_growth_bytes``: what a fresh bound worker grows by once it has
+  served (its activations after a longer step than its first). The result reports the peak of what the
+  processes really hold.
 
 Each request's path is as the trace replay reports it: warm (a bound worker was there), standby or fresh
 (its arrival was answered by a bind or a fresh start and it was that worker's first request), queued (it
@@ -95,6 +97,7 @@ class SimSetup:
     charge: str = "learned"  # "learned" | "own"
     driver_guard: bool = False
     unattributed_bytes: int = 0
+    late_growth_bytes: int = 0  # a fresh bound worker grows by this once it has served (a longer step)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -252,6 +255,8 @@ class Simulation:
         if not self.sized:
             return s.worker_bytes
         whole = s.kv_lora_bytes + w.overhead
+        if w.served_any and not w.via_bind:  # a standby's warm-up ran the longest steps already
+            whole += s.late_growth_bytes
         return whole if self.settled(w) else max(0, whole - s.graph_bytes)
 
     def settled(self, w: _Worker) -> bool:
