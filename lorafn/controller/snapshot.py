@@ -42,8 +42,6 @@ ARRIVAL_WINDOW_S = 60
 # before the last ARRIVAL_WINDOW_S change only when a bucket completes, so they are read once per bucket
 LONG_ARRIVAL_WINDOW_S = 600
 
-__all__ = ["OVERHEAD_MARGIN_BYTES", "SizingConfig", "SnapshotReader", "default_sizing", "learned_overhead"]
-
 
 @dataclass(frozen=True)
 class SizingConfig:
