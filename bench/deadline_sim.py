@@ -9,10 +9,11 @@ paged KV cache of `--kv-tokens` slots, and a step-time model in place of the GPU
 
 A worker on a shared GPU runs slower than alone; `--decode-ms` and `--alpha-us` stand for the contended
 device (defaults: the H100 8-function run's TPOT p50 of ~50-70 ms, and a 7B prefill of ~45 us a token alone,
-slowed ~2x by seven other workers). Trace prompt tokens are counted at ~4 characters a token, and a Llama
-tokenizer makes about twice that many (`--llama-per-trace-token`). Printed per function and mode: TTFT
-p50/p99, SLO violations, the makespan and tokens/s (the throughput cost of the order). This is a model of
-the worker's queue, not of the GPU: the H100 run (`bench/admission.py --modes off,edf,...`) decides.
+slowed ~2x by seven other workers). Trace prompt tokens are counted at ~4 characters a token; the random
+models' byte-level tokenizer makes 2.1 times that many (`--llama-per-trace-token`: 512 -> ~1100), so
+2 GiB of llama-2-7b KV (4096 tokens) holds three such prompts. Printed per function and mode: TTFT
+p50/p99, SLO violations, tokens/s over the function's makespan, steps. This is a model of the worker's
+queue, not of the GPU: the H100 run (`bench/admission.py --modes off,edf,...`) decides.
 
     python bench/deadline_sim.py --slos 500,8000,8000 --rate 10 --duration-s 45 --trace-start-s 120 \\
         --max-prompt-tokens 512 --max-tokens 128
@@ -106,7 +107,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", default=str(DATA))
-    ap.add_argument("--llama-per-trace-token", type=float, default=2.0)
+    ap.add_argument("--llama-per-trace-token", type=float, default=2.1)
     ap.add_argument("--kv-tokens", type=int, default=4096, help="KV slots (2 GiB of llama-2-7b: 4096)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")

@@ -837,10 +837,11 @@ class WorkerSettings(SharedSettings):
         description="decode gating: the TPOT SLO that bounds a pause without spec.slo.tpotMs",
     )
     deadline_order: bool = Field(
-        default=False,
+        default=True,
         description="serve this worker's pending prefills by TTFT deadline (enqueue time + spec.slo.ttftMs): "
         "earliest first among those that can still make it, the ones predicted late behind them "
-        "(docs/scheduler.md#deadline-order); opt-in until measured on a GPU",
+        "(docs/scheduler.md#deadline-order); on by default from the CPU evidence (docs/benchmarks.md), "
+        "false: first come first served",
     )
     batch_hold: bool = Field(
         default=True, description="fill or expire: an idle worker holds its first prefill for companions"
