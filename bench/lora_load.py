@@ -56,11 +56,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--busy", default="0", help="comma-separated counts of busy processes on the GPU")
-    ap.add_argument(
-        "--chunks",
-        default="",
-        help="copy_chunk_bytes in KiB to time beside the default, comma-separated (0: one copy), e.g. 256,0",
-    )
     args = ap.parse_args()
 
     import torch
@@ -118,9 +113,6 @@ def main() -> None:
         for _ in procs:
             ready.acquire()
         times: dict[str, list[float]] = {"lo": [], "ln": [], "lp": [], "co": [], "cn": []}
-        chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
-        for c in chunks:
-            times[f"k{c}"] = []
         try:
             for _ in range(args.repeats):  # alternating, so drift hits both alike
                 times["lo"].append(_timed(lambda: reference_load(adapter, cfg, args.device, dtype), sync))
@@ -128,15 +120,6 @@ def main() -> None:
                 times["lp"].append(
                     _timed(lambda: load_lora(adapter, cfg, args.device, dtype, pinned=cuda), sync)
                 )
-                for c in chunks:
-                    times[f"k{c}"].append(
-                        _timed(
-                            lambda c=c: load_lora(
-                                adapter, cfg, args.device, dtype, copy_chunk_bytes=c * 1024 or None
-                            ),
-                            sync,
-                        )
-                    )
                 times["co"].append(_timed(lambda: reference_copy(buffers, new), sync))
                 times["cn"].append(_timed(lambda: copy_lora(buffers, new), sync))
         finally:
@@ -150,8 +133,6 @@ def main() -> None:
             f"  {med['co'] / med['cn']:>5.1f}x",
             flush=True,
         )
-        for c in chunks:
-            print(f"      load new, copies of {c or 'all'} KiB: {med[f'k{c}']:.0f} ms", flush=True)
 
 
 if __name__ == "__main__":
