@@ -9,10 +9,12 @@ What still grows after a worker's first report (the runtime, read for issue 16):
   or while idle (~1.2-1.6 s of idle time for a 7B on the H100); the graph pool and the side stream's
   cuBLAS workspace come then (~140-160 MiB, docs/benchmarks.md "Per-worker memory"). The worker says so
   (`graphs_pending` in its heartbeat); a standby captures them before it reports.
-- activations: torch's caching allocator keeps the largest step's working set; a step holds at most
-  `max_num_batched_tokens` (2048) tokens, so a worker whose steps were short can still grow by the
-  difference (a warmed standby, which prefilled 2065 tokens, is ~90 MiB above the replay's median fresh
-  worker at KV 512 MiB: 1500 vs 1409 MiB per process).
+- activations: torch's caching allocator keeps the largest step's working set (~90 KiB a token of a 7B at
+  the MLP: h, x, gate, up, act); a step holds at most `max_num_batched_tokens` (2048) tokens and at most
+  what the worker's KV budget holds (~1000 tokens at 512 MiB of a 7B), so a worker whose steps were short
+  can still grow by the difference: up to ~90 MiB at KV 512 MiB, ~180 MiB at 1 GiB and more (a warmed
+  standby, which prefilled its longest, is ~90 MiB above the replay's median fresh worker at KV 512 MiB:
+  1500 vs 1409 MiB per process). `bench/worker_growth.py` measures it on a GPU.
 - kernel modules of step kinds it has not run yet (lazy module loading): a few MiB each.
 
 The rule (`charge_bytes`): a worker that has not reported by the driver, or whose graphs are pending, is
