@@ -1,9 +1,10 @@
 """The fused decode kernels (models/fused_decode.py) against the cuBLAS + addmm path they replace.
 
 - `seg_linear` equals F.linear for every segment, 1..16 rows, bf16 and fp32, every output element written;
-- a whole forward (prefill chunks of 16 tokens together and of 40, and decodes) gives the same logits and
-  the same KV cache fused and unfused, for the base model, an all-linear adapter and one that targets some
-  projections only (absent projections: rank 0 in the fused kernels);
+- a whole forward (prefill chunks of 16 tokens together and of 40, decodes, and a step of 18 decodes only)
+  gives the same logits and the same KV cache fused and unfused, for the base model, an all-linear adapter
+  and one that targets some projections only (absent projections: rank 0 in the fused kernels), with the
+  default large-step expands and with `hybrid` (its decode-only step in the per-row kernels: in_kernels);
 - greedy tokens of an fp32 engine are identical fused and unfused (the 7B fp32/bf16 checks against
   transformers + peft in test_engine_gpu.py run the fused path too: it is the default).
 """
@@ -71,8 +72,9 @@ def tiny_setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _steps(cfg: ModelConfig, dev: torch.device) -> list[ForwardBatch]:
-    """Two prompts of 7 and 9 tokens in one step (16 rows: the skinny-GEMM limit), a prompt of 40, then 3
-    decodes of the first two."""
+    """Two prompts of 7 and 9 tokens in one step (16 rows: the skinny-GEMM limit), a prompt of 40, 3 decodes
+    of the first two, then a step of 18 decodes only (a large decode step, as the bucket-32 graph runs it:
+    row i at position i of blocks 8-9, attending to rows 0..i of the step)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     steps = [
         ForwardBatch(
@@ -111,16 +113,36 @@ def _steps(cfg: ModelConfig, dev: torch.device) -> list[ForwardBatch]:
                 None,
             )
         )
+    n = 18
+    steps.append(
+        ForwardBatch(
+            torch.randint(5, cfg.vocab_size - 5, (n,), device=dev, generator=gen),
+            torch.arange(n, device=dev),
+            128 + torch.arange(n, device=dev),
+            n,
+            torch.tensor([[8, 9]] * n, dtype=torch.int32, device=dev),
+            torch.arange(1, n + 1, dtype=torch.int32, device=dev),
+            [],
+            None,
+        )
+    )
     return steps
 
 
-def _run(model_dir: Path, cfg: ModelConfig, adapter: Path | None, dtype: torch.dtype, fused: bool):
+def _run(
+    model_dir: Path,
+    cfg: ModelConfig,
+    adapter: Path | None,
+    dtype: torch.dtype,
+    fused: bool,
+    mode: str = "per_projection",
+):
     """(logits of every step, the KV cache after them) of one model variant, all in float32."""
     dev = torch.device("cuda")
     lora = load_lora(adapter, cfg, dev, dtype) if adapter else None
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), dev, dtype, lora, max_position=512,
-        use_triton_attention=True, fused_decode=fused,
+        use_triton_attention=True, fused_decode=fused, lora_expand=mode,
     )  # fmt: skip
     assert (model.fused is not None) == fused
     kv = KVCache(cfg, 32, 16, dev, dtype)
@@ -128,16 +150,32 @@ def _run(model_dir: Path, cfg: ModelConfig, adapter: Path | None, dtype: torch.d
     return logits, kv.data.float()
 
 
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "per_projection",
+        "hybrid",
+        pytest.param(
+            "grouped",
+            marks=pytest.mark.xfail(
+                reason="H100, 3351cf9: with grouped the default, bf16 fused 0.073 vs unfused 0.035 from "
+                "float32 (not reproduced under the CPU interpreter, where all modes are equally close)",
+                strict=False,
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("adapter", [None, "all-linear", "some"])
-def test_fused_forward_matches_unfused(tiny_setup, dtype, adapter) -> None:
+def test_fused_forward_matches_unfused(tiny_setup, dtype, adapter, mode) -> None:
     """float32: fused = unfused within 1e-4 (accumulation order only; 1.2e-5 seen on an H100).
     bf16: both are compared with the float32 forward, and the
-    fused one may not be further from it than the unfused one (the roundings differ only in order)."""
+    fused one may not be further from it than the unfused one (the roundings differ only in order).
+    Each `lora_expand` mode: the unfused forward adds its expands per projection (grouped: lora_expand)."""
     model_dir, cfg, adapters = tiny_setup
     path = adapters[adapter] if adapter else None
-    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True)
-    plain_logits, plain_kv = _run(model_dir, cfg, path, dtype, False)
+    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True, mode)
+    plain_logits, plain_kv = _run(model_dir, cfg, path, dtype, False, mode)
     if dtype == torch.float32:
         for i, (a, b) in enumerate(zip(fused_logits, plain_logits, strict=True)):
             assert _rel(a, b) < 1e-4, f"step {i}"

@@ -14,9 +14,10 @@ base's 6.66 ms replay, ~3 µs each whatever their size. Here a step of at most `
 - the o_proj and down_proj expands fused into the next residual add + RMSNorm
   (`triton_ops.add_rms_norm(..., lora=...)`).
 
-Rounding follows the unfused path: each expand is added to its projection's output in float32 and
-rounded once to the activation dtype (as `addmm_`'s epilogue does), and everything after it rounds as
-triton_ops does. B is kept transposed ([r, out], contiguous) so that an expand reads rows of it.
+Rounding: each expand is summed in float32, added to its projection's output in float32 and rounded once to
+the activation dtype (as `addmm_` does on a CPU; cuBLAS's bf16 `addmm_` on the H100 appears to round the
+product first, docs/runtime.md), and everything after it rounds as triton_ops does. B is kept transposed
+([r, out], contiguous) so that an expand reads rows of it.
 """
 
 from __future__ import annotations

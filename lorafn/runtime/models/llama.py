@@ -104,9 +104,10 @@ def add_expands(
 ) -> None:
     """y += t[:, off:off+rank]·b_t for each (y, off, rank, b_t) of one projection group, in place. With
     `ops` (triton_ops, CUDA) in one launch for the group (`triton_ops.lora_expand`), else one `addmm_` per
-    projection (the add happens in the GEMM's epilogue). Both accumulate in float32 and round once: the
-    same math; the launch count is what differs (eager prefill of a 7B with r16 all-linear: 7 expands per
-    layer -> 4)."""
+    projection (the add happens in the GEMM's epilogue). The launch accumulates in float32 and rounds once,
+    as addmm_ does on a CPU; cuBLAS's bf16 addmm_ on the H100 appears to round t·b_t first (one bf16 step
+    apart on ~28% of outputs, docs/runtime.md). The launch count differs too (eager prefill of a 7B with
+    r16 all-linear: 7 expands per layer -> 4)."""
     if ops is not None:
         ops.lora_expand(t, targets)
         return

@@ -282,13 +282,14 @@ def _lora_expand_kernel(
     mask = m_ok[:, None] & n_ok[None, :]
     ptrs = y + rm[:, None] * stride_y + rn[None, :]
     c = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, (c + acc).to(y.dtype.element_ty), mask=mask)  # rounded once, as addmm_'s epilogue
+    tl.store(ptrs, (c + acc).to(y.dtype.element_ty), mask=mask)  # rounded once
 
 
 def lora_expand(t: torch.Tensor, targets: list[tuple[torch.Tensor, int, int, torch.Tensor]]) -> None:
     """y += t[:, off:off+rank] · b_t for each (y, off, rank, b_t) of one projection group, in place and in
-    ONE launch (the members share the group's shrink t [M, sum of ranks]). What `addmm_` per member
-    computes: the products accumulated in float32, added to y in float32 and rounded once to its dtype.
+    ONE launch (the members share the group's shrink t [M, sum of ranks]): the products accumulated in
+    float32, added to y in float32 and rounded once to its dtype (what addmm_ per member computes on a CPU;
+    cuBLAS's bf16 addmm_ on the H100 appears to round the product first, docs/runtime.md).
 
     y: [M, N_i] (rows may be strided, columns contiguous: the base GEMMs' outputs); b_t: [rank_i, N_i]
     contiguous, the adapter's own buffers (LoRAGroup.targets): a bind's copy_lora / clear_lora refresh
