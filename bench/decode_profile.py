@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", default="all-linear", help="all-linear or comma-separated projections")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--host-profile", action="store_true", help="cProfile the decode steps of lora+f")
+    ap.add_argument("--lora-expand", default=None, help="EngineConfig.lora_expand (default: the engine's)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed: this profiles GPU decode steps")
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 block_size=16,
                 cuda_graph_batch_sizes=batches,
                 fused_decode=fused,
+                **({"lora_expand": args.lora_expand} if args.lora_expand else {}),
             )
         )
         figures["weight_bytes"] = engine.runner.model.weight_bytes()
