@@ -25,8 +25,9 @@ LORA_EXPANDS = ("per_projection", "grouped", "in_kernels")
 # figures above: per_projection where a prompt is prefilled (TTFT), in_kernels for decode-only steps (above
 # 16 rows their expands run in the per-row kernels that a decode step of <= 16 rows uses: no launch).
 LORA_EXPAND_ALIASES = {"hybrid": ("per_projection", "in_kernels")}
-# The default of EngineConfig.lora_expand. "hybrid" should become it once its GPU tests and figures are in
-# (H100 commands: /work/notes/gpu_h2.md; issue 12); until then the mode every GPU test has passed with.
+# The default of EngineConfig.lora_expand. "hybrid" should become it once its GPU tests (tests/gpu:
+# test_engine_gpu.py -k lora_expand, test_fused_decode_gpu.py) and figures (bench/engine.py --expand-modes)
+# are in (issue 12); until then the mode every GPU test has passed with.
 DEFAULT_LORA_EXPAND = "per_projection"
 
 
