@@ -817,6 +817,20 @@ class WorkerSettings(SharedSettings):
         "worker, docs/benchmarks.md); decode steps run Triton kernels, so cuBLAS runs only prefill GEMMs, "
         "where split-K matters little. None: torch's default",
     )
+    cuda_max_connections: int | None = Field(
+        # 1 by default, from the H100: a fresh process's CUDA context beside 8 busy and 30 idle contexts
+        # took 804 ms with the driver's 8 connections vs 341 ms with one (bench/context_probe.py); in the
+        # 64-function replay the fresh workers' context went from p50 3.2 s to 0.75-1.6 s and the SLO
+        # violations from 25% to 12% (docs/benchmarks.md)
+        default=1,
+        ge=1,
+        le=32,
+        description="hardware work queues of this worker's CUDA context (CUDA_DEVICE_MAX_CONNECTIONS, set "
+        "before the first CUDA call unless already in the environment). Each context on a GPU adds its "
+        "queues to the device's run list; with dozens of worker contexts per GPU, fewer queues make a new "
+        "context several times faster. A worker runs one stream of work, so it loses no overlap that "
+        "matters (a batch job's host KV copies no longer overlap its steps). None: the driver's default (8)",
+    )
     spawned_at_ms: int | None = Field(
         default=None, description="unix ms when the process was asked for (a fresh cold start's clock)"
     )
@@ -876,8 +890,11 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
 
         # CPU threads matter little to a GPU worker, and many workers on one host oversubscribe it
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
-        # before the first cuBLAS call: torch reads these once, when it makes the first workspace
-        for name, value in cublas_workspace_env(settings.cublas_workspace_kib).items():
+        # before the first cuBLAS call: torch reads these once, when it makes the first workspace; and before
+        # the first CUDA call: the driver reads CUDA_DEVICE_MAX_CONNECTIONS when it makes the context
+        for name, value in worker_cuda_env(
+            settings.cublas_workspace_kib, settings.cuda_max_connections
+        ).items():
             os.environ.setdefault(name, value)
 
     model = settings.model or (record.model_dir if record else "")
@@ -932,6 +949,14 @@ def make_cuda_context(device: str) -> float:
         torch.cuda.set_device(dev.index)
     torch.zeros(1, device=dev)
     return time.perf_counter() - t0
+
+
+def worker_cuda_env(cublas_workspace_kib: int | None, max_connections: int | None) -> dict[str, str]:
+    """The CUDA environment a GPU worker sets for itself before its first CUDA call. Pure."""
+    env = cublas_workspace_env(cublas_workspace_kib)
+    if max_connections is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(max_connections)
+    return env
 
 
 def cublas_workspace_env(kib: int | None) -> dict[str, str]:

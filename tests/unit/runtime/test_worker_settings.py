@@ -68,3 +68,14 @@ def test_the_cublas_workspace_is_torchs_unless_configured(monkeypatch: pytest.Mo
     )
     with pytest.raises(ValueError, match="cublas_workspace_kib"):
         worker.cublas_workspace_env(-1)
+
+
+def test_a_gpu_worker_asks_for_one_cuda_connection_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert WorkerSettings().cuda_max_connections == 1
+    assert worker.worker_cuda_env(None, 1) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert worker.worker_cuda_env(1024, None) == worker.cublas_workspace_env(1024)  # the driver's default
+    monkeypatch.setenv("LORAFN_CUDA_MAX_CONNECTIONS", "4")
+    assert WorkerSettings().cuda_max_connections == 4
+    monkeypatch.setenv("LORAFN_CUDA_MAX_CONNECTIONS", "0")
+    with pytest.raises(ValueError, match="cuda_max_connections"):
+        WorkerSettings()
