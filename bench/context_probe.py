@@ -50,15 +50,10 @@ def _busy(kind: str, stop: Any, ready: Any) -> None:
         while not stop.is_set():
             g.replay()
             torch.cuda.synchronize()
-    else:
-        x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-        torch.cuda.synchronize()
-        ready.release()
-        while not stop.is_set():
-            for _ in range(50):
-                x = torch.nn.functional.linear(x, w).tanh_()
-            torch.cuda.synchronize()
+    else:  # GEMMs back to back: bench/lora_load.py's busy processes (this directory is on sys.path)
+        from lora_load import _busy as gemm_busy
+
+        gemm_busy(stop, ready)
 
 
 def _idle_context(stop: Any, ready: Any) -> None:
