@@ -25,9 +25,18 @@ guard" (the account capped by the device's free memory) and "+ victims: long rat
 workers ranked for offloading by their rate over `--long-window-s`) can be told apart; the "peak held" and
 "over GPU" columns say whether what the processes really hold ever passed the GPU's memory.
 
+Fresh starts by the GPU's state (issue 16, third round): `--startup-model h100-conn1|h100-default` makes a
+fresh start's time depend on the requests running on its GPU and the other starts under way there
+(`simulate.StartupModel`, fitted to the H100 replays with one CUDA connection per worker / the driver's
+default 8); `--calibration` prints the simulated fresh starts' pre_runner p50 by those bins beside the H100's.
+The variants 'startup' vary the fresh-start cap (4 / 6 = the default / 12 / none) and the Backbone's
+warm-pool floor (warmPool.minStandby 0 / 1 = the default here / 2 / 4; met only where memory allows:
+the policy has no knob that keeps standbys under memory pressure).
+
     python bench/policy_replay.py [--functions 32] [--rate 4] [--duration 90] [--kv-mib 512]
                                   [--max-standby 4] [--start-parallelism 10] [--variants ...]
                                   [--warmup-s 90] [--sized] [--overhead-quantiles ...]
+                                  [--startup-model fixed|h100-conn1|h100-default] [--calibration]
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lorafn.controller.policy import PolicyConfig  # noqa: E402
-from lorafn.controller.policy.simulate import GiB, SimSetup, Simulation  # noqa: E402
+from lorafn.controller.policy.simulate import STARTUP_MODELS, GiB, SimResult, SimSetup, Simulation  # noqa: E402
 from lorafn.replay.trace import (  # noqa: E402
     WARMUP_STREAM,
     assign_functions,
@@ -80,6 +89,28 @@ VARIANTS: dict[str, tuple[PolicyConfig, dict[str, object]]] = {
     ),
     "victims: long rate only": (AFTER, {}),
 }
+PLATFORM = {"charge": "own", "driver_guard": True}
+# issue 16's third round: the fresh-start cap and the warm pool's floor (a Backbone setting), on the defaults
+for _cap in (4, 6, 12, None):
+    VARIANTS[f"cap {_cap or 'none'}"] = (
+        dataclasses.replace(AFTER, max_fresh_starts_per_gpu=_cap),
+        PLATFORM,
+    )
+for _floor in (0, 1, 2, 4):
+    VARIANTS[f"floor {_floor}"] = (AFTER, {**PLATFORM, "min_standby": _floor})
+VARIANTS["cap 12 + floor 2"] = (
+    dataclasses.replace(AFTER, max_fresh_starts_per_gpu=12),
+    {**PLATFORM, "min_standby": 2},
+)
+STARTUP_VARIANTS = "cap 4,cap 6,cap 12,cap none,floor 0,floor 1,floor 2,floor 4,cap 12 + floor 2"
+# the H100's pre_runner p50 (ms) of fresh starts (bench/replay_breakdown.py, 2026-11-24): by requests running
+# on the GPU during the start, and by starts under way at the decision (itself included)
+RUNNING_BINS = ((0, 2), (2, 5), (5, 10), (10, 20), (20, 10**9))
+STARTS_BINS = ((1, 2), (3, 4), (5, 6), (7, 10**9))
+H100_PRE_RUNNER_MS = {
+    "h100-conn1": ((271, 446, 834, 813, 1775), (886, 1361, 1711, 2814)),
+    "h100-default": ((2283, 3227, 3376, 4392, 7642), (3439, 3282, 3596, 10027)),
+}
 DEFAULT_VARIANTS = "before,+anticipation,+start-cap,+anti-thrash,burst policy (60 s rate),after (defaults)"
 ISSUE16_VARIANTS = (
     "burst policy (60 s rate),account: own,+ driver guard,+ victims: long rate,+ victims: max rate,"
@@ -107,7 +138,20 @@ COLUMNS = (
     ("peak_workers", "peak workers"),
     ("peak_held_gib", "peak held GiB"),
     ("over_gpu_ticks", "over GPU"),
+    ("pool_empty_pct", "pool empty %"),
 )
+
+
+def binned_p50_ms(records: list[tuple[float, int, float]]) -> tuple[list[float | None], list[float | None]]:
+    """The pre_runner p50 (ms) of fresh starts by requests running (`RUNNING_BINS`, [lo, hi)) and by starts
+    under way at the decision (`STARTS_BINS`, [lo, hi]); None for an empty bin."""
+
+    def p50(xs: list[float]) -> float | None:
+        return round(sorted(xs)[len(xs) // 2] * 1000) if xs else None
+
+    by_running = [p50([p for r, _, p in records if lo <= r < hi]) for lo, hi in RUNNING_BINS]
+    by_starts = [p50([p for _, n, p in records if lo <= n <= hi]) for lo, hi in STARTS_BINS]
+    return by_running, by_starts
 
 
 def main() -> None:
@@ -137,6 +181,7 @@ def main() -> None:
     ap.add_argument("--stop-s", type=float, default=0.5, help="a stopped worker's memory is freed this late")
     ap.add_argument("--fresh-start-s", type=float, default=2.0)
     ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--service-s", type=float, default=3.0, help="a request's time on its worker")
     ap.add_argument("--warmup-s", type=float, default=0.0, help="trace before the window, not measured")
     ap.add_argument(
         "--sized",
@@ -155,9 +200,21 @@ def main() -> None:
     ap.add_argument("--late-growth-mib", type=int, default=0, help="a fresh worker's growth once it served")
     ap.add_argument("--long-window-s", type=float, default=600.0, help="the long arrival-rate horizon")
     ap.add_argument(
+        "--startup-model",
+        default="fixed",
+        choices=["fixed", *STARTUP_MODELS],
+        help="fixed: --fresh-start-s shared by --start-parallelism; else a start's time by the GPU's state",
+    )
+    ap.add_argument(
+        "--calibration",
+        action="store_true",
+        help="with a --startup-model: each variant's simulated pre_runner p50 by bins, beside the H100's",
+    )
+    ap.add_argument(
         "--variants",
         default=DEFAULT_VARIANTS,
-        help=f"comma-separated, of: {', '.join(VARIANTS)}; 'issue16' = {ISSUE16_VARIANTS}",
+        help=f"comma-separated, of: {', '.join(VARIANTS)}; 'issue16' = {ISSUE16_VARIANTS}; "
+        f"'startup' = {STARTUP_VARIANTS}",
     )
     args = ap.parse_args()
 
@@ -187,6 +244,8 @@ def main() -> None:
         min_standby=args.min_standby,
         max_standby=args.max_standby,
         long_window_s=args.long_window_s,
+        service_s=args.service_s,
+        startup=STARTUP_MODELS.get(args.startup_model),
         seed=args.seed,
     )
     if args.sized:
@@ -209,14 +268,18 @@ def main() -> None:
         f"{len(picked)} requests (+{len(early)} in a {args.warmup_s:g} s warm-up) over "
         f"{args.functions} functions ({args.trace} trace from "
         f"{args.trace_start:g} s, {args.rate:g} rps, {args.duration:g} s); {args.gpus} x 80 GiB, worker "
-        f"{setup.worker_bytes / GiB:.2f} GiB, batch {batch}, "
+        f"{setup.worker_bytes / GiB:.2f} GiB, batch {batch}, service {args.service_s:g} s, "
         f"warmPool {args.min_standby}..{args.max_standby}; "
-        f"fresh start {args.fresh_start_s:g} s alone, {args.start_parallelism:g} at full speed at once, "
-        f"stop {args.stop_s:g} s"
+        + (
+            f"fresh start {args.fresh_start_s:g} s alone, {args.start_parallelism:g} at full speed at once, "
+            if setup.startup is None
+            else f"fresh start by the GPU's state ({setup.startup}), "
+        )
+        + f"stop {args.stop_s:g} s"
         + (f"; sized: overhead quantiles {args.overhead_quantiles} MiB + KV + LoRA" if args.sized else "")
         + (f"; mean of seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else "")
     )
-    chosen = ISSUE16_VARIANTS if args.variants == "issue16" else args.variants
+    chosen = {"issue16": ISSUE16_VARIANTS, "startup": STARTUP_VARIANTS}.get(args.variants, args.variants)
     names = [v.strip() for v in chosen.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -226,16 +289,25 @@ def main() -> None:
     for name in names:
         t = time.process_time()
         config, changes = VARIANTS[name]
-        rows_of = [
-            Simulation(dataclasses.replace(setup, seed=seed, **changes), config, arrivals[seed]).run().row()  # type: ignore[arg-type]
+        results: list[SimResult] = [
+            Simulation(dataclasses.replace(setup, seed=seed, **changes), config, arrivals[seed]).run()  # type: ignore[arg-type]
             for seed in seeds
         ]
+        rows_of = [r.row() for r in results]
         if len(rows_of) == 1:
             row: dict[str, object] = dict(rows_of[0])
         else:
             row = {k: round(sum(float(r[k]) for r in rows_of) / len(rows_of), 1) for k, _ in COLUMNS}
         cells = "".join(f"{row[k]:>14}" for k, _ in COLUMNS)
         print(f"{name:<24s}{cells}{time.process_time() - t:>8.1f}")
+        if args.calibration and setup.startup is not None:
+            by_running, by_starts = binned_p50_ms([rec for r in results for rec in r.start_records])
+            h100_running, h100_starts = H100_PRE_RUNNER_MS[args.startup_model]
+            print(
+                "    pre_runner p50 ms by running 0-2/2-5/5-10/10-20/20+: sim "
+                f"{by_running} H100 {list(h100_running)}; by starts 1-2/3-4/5-6/7+: sim {by_starts} "
+                f"H100 {list(h100_starts)}"
+            )
 
 
 if __name__ == "__main__":

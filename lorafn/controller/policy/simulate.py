@@ -8,6 +8,11 @@ The model (each part as simple as the question allows; none of it is measured he
   share ``start_parallelism`` starts' worth of speed (processor sharing: n > P starts each progress at
   P / n), so many at once all finish late together (the H100 replay: ~2 s alone, 2-4 s with ~20 at once,
   i.e. P ~ 10);
+- or, with ``startup`` (a `StartupModel`), a fresh start's time depends on the GPU's state: its first stage
+  (CUDA context creation + attach, "pre_runner") lasts ``base_s + per_running_s x R + per_start_s x S``
+  at the current R = requests running on its GPU and S = other starts under way there (re-evaluated every
+  tick: the stage advances by tick / that time), then ``fixed_s`` (adapter, KV, runner and the first
+  prefill's excess over a warm one) at full speed; `STARTUP_MODELS` holds the fits to the H100 replays;
 - a stopped worker holds its memory for ``stop_s`` more (draining: the process exits, CUDA frees);
 - a bind takes ``bind_s``; a bound worker serves up to ``max_batch`` requests at once, each for
   ``service_s``; its first token comes ``warm_ttft_s`` after it takes the request;
@@ -62,6 +67,49 @@ SHAPE = "r16"
 
 
 @dataclass(frozen=True)
+class StartupModel:
+    """A fresh worker's start-up time by what its GPU is doing (see the module docstring).
+
+    pre_runner (CUDA context + attach) = ``base_s + per_running_s x running + per_start_s x others``, where
+    ``running`` = requests running on the GPU and ``others`` = other starts under way there; then ``fixed_s``.
+    A model fitted to binned medians of two H100 replays (`STARTUP_MODELS`), not a measurement of the GPU:
+    live (idle) contexts are not a term (~40 throughout those runs, so they are inside ``base_s``).
+    """
+
+    name: str
+    base_s: float
+    per_running_s: float
+    per_start_s: float
+    fixed_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("base_s", "per_running_s", "per_start_s", "fixed_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"StartupModel.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.base_s <= 0:
+            raise ValueError(f"StartupModel.base_s must be > 0, got {self.base_s!r}")
+
+    def pre_runner_s(self, running: float, others: float) -> float:
+        """The first stage's time if the GPU stayed at ``running`` requests and ``others`` other starts."""
+        return self.base_s + self.per_running_s * max(0.0, running) + self.per_start_s * max(0.0, others)
+
+    def start_s(self, running: float, others: float) -> float:
+        """The whole start at a steady state: pre_runner + ``fixed_s``."""
+        return self.pre_runner_s(running, others) + self.fixed_s
+
+
+# Fits to bench/replay_breakdown.py on the H100 (64 functions of llama-2-7b, 4 rps code trace, KV 512 MiB,
+# ~40 workers alive; docs/benchmarks.md "Fresh starts by the GPU's state, simulated"). fixed_s = adapter
+# 0.18 + KV 0.03 + runner 0.25 + the first prefill's 0.55 s over a warm TTFT.
+STARTUP_MODELS: dict[str, StartupModel] = {
+    "h100-conn1": StartupModel("h100-conn1", base_s=0.25, per_running_s=0.045, per_start_s=0.12, fixed_s=1.0),
+    "h100-default": StartupModel(
+        "h100-default", base_s=2.0, per_running_s=0.15, per_start_s=0.35, fixed_s=1.0
+    ),
+}
+
+
+@dataclass(frozen=True)
 class SimSetup:
     """The simulated platform (see the module docstring); sizes in bytes, times in seconds."""
 
@@ -98,6 +146,7 @@ class SimSetup:
     driver_guard: bool = False
     unattributed_bytes: int = 0
     late_growth_bytes: int = 0  # a fresh bound worker grows by this once it has served (a longer step)
+    startup: StartupModel | None = None  # None: fresh_start_s shared by start_parallelism (the fixed model)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -146,6 +195,11 @@ class _Worker:
     room_for: str | None = None  # draining: the function its offload made room for
     overhead: int = 0  # its settled overhead (sized setups)
     settled_at: float = 0.0  # when its decode graphs are captured (a fresh bound worker: after it is up)
+    pre_left: float = 0.0  # with a StartupModel: the share of its pre_runner stage still to go (1 -> 0)
+    starts_at_decision: int = 0  # starts under way on its GPU when it began, itself included
+    running_sum: float = 0.0  # requests running on its GPU, summed over its pre_runner ticks
+    pre_ticks: int = 0
+    pre_s: float = 0.0  # its pre_runner stage's time, once done
 
 
 @dataclass
@@ -169,6 +223,11 @@ class SimResult:
     # (an eviction the function paid for with a cold start), and fresh starts of functions offloaded before
     offloads_regretted: int = 0
     fresh_after_offload: int = 0
+    # fresh bound starts in the measured window: (mean requests running on the GPU during its pre_runner
+    # stage, starts under way at its decision incl. itself, pre_runner seconds) -- with a StartupModel
+    start_records: list[tuple[float, int, float]] = field(default_factory=list)
+    pool_empty_ticks: int = 0  # measured ticks with no ready standby on some GPU
+    measured_ticks: int = 0
 
     def row(self) -> dict[str, float | int]:
         ttft = sorted(self.ttft_s)
@@ -201,6 +260,7 @@ class SimResult:
             "fresh_after_offload": self.fresh_after_offload,
             "peak_held_gib": round(self.peak_held_bytes / GiB, 1),
             "over_gpu_ticks": self.over_gpu_ticks,
+            "pool_empty_pct": round(100.0 * self.pool_empty_ticks / max(1, self.measured_ticks), 1),
         }
 
 
@@ -235,6 +295,9 @@ class Simulation:
         self.paths: dict[str, int] = defaultdict(int)
         self.counts: dict[str, int] = defaultdict(int)
         self.peak = 0
+        self.start_records: list[tuple[float, int, float]] = []
+        self.pool_empty = 0
+        self.ticks = 0
         self.gpus = tuple(
             GPU(f"gpu{g}", "node0", setup.gpu_bytes, {BACKBONE: setup.backbone_bytes})
             for g in range(setup.num_gpus)
@@ -367,6 +430,12 @@ class Simulation:
         self.workers[wid] = _Worker(
             wid, a.gpu, "starting", a.function, now, now, work_left=s.fresh_start_s, fresh_for=a.function
         )
+        if s.startup is not None:
+            w = self.workers[wid]
+            w.pre_left, w.work_left = 1.0, s.startup.fixed_s
+            w.starts_at_decision = sum(
+                1 for o in self.workers.values() if o.state == "starting" and o.gpu == a.gpu
+            )
         if self.sized:
             self.workers[wid].overhead = s.draw_overhead(self.rng)
         self.count("fresh_starts" if a.function else "pool_starts")
@@ -411,17 +480,42 @@ class Simulation:
         for w in self.workers.values():
             if w.state == "starting":
                 under_way[w.gpu] += 1
+        if s.startup is None:
+            for w in self.workers.values():
+                if w.state == "starting":
+                    w.work_left -= s.tick_s * min(1.0, s.start_parallelism / under_way[w.gpu])
+            return
+        running_on = self.running_on()
         for w in self.workers.values():
-            if w.state == "starting":
-                w.work_left -= s.tick_s * min(1.0, s.start_parallelism / under_way[w.gpu])
+            if w.state != "starting":
+                continue
+            if w.pre_left > 0:
+                r = running_on[w.gpu]
+                w.running_sum += r
+                w.pre_ticks += 1
+                w.pre_s += s.tick_s
+                w.pre_left -= s.tick_s / s.startup.pre_runner_s(r, under_way[w.gpu] - 1)
+            else:
+                w.work_left -= s.tick_s
+
+    def running_on(self) -> dict[str, int]:
+        """Requests running now on each GPU."""
+        out: dict[str, int] = defaultdict(int)
+        for w in self.workers.values():
+            if w.state == "bound":
+                out[w.gpu] += sum(1 for end in w.running if end > self.now)
+        return out
 
     def _finish_starts(self) -> None:
         for w in self.workers.values():
-            if w.state == "starting" and w.work_left <= 1e-9:
+            if w.state == "starting" and w.pre_left <= 1e-9 and w.work_left <= 1e-9:
                 if w.function is not None:
                     w.state, w.idle_since = "bound", self.now
                     w.settled_at = self.now + self.setup.graph_settle_s  # lazy decode graphs
                     self.measured.append(self.now - w.started_at)
+                    if self.setup.startup is not None and w.started_at >= self.count_from:
+                        mean_running = w.running_sum / max(1, w.pre_ticks)
+                        self.start_records.append((mean_running, w.starts_at_decision, w.pre_s))
                 else:
                     w.state, w.settled_at = "standby", self.now
 
@@ -490,6 +584,10 @@ class Simulation:
             self._progress()
             self.peak = max(self.peak, sum(1 for w in self.workers.values() if w.state != "draining"))
             self._held()
+            if self.now >= self.measure_from and k < len(self.arrivals):  # the window, until its last arrival
+                self.ticks += 1
+                ready = {w.gpu for w in self.workers.values() if w.state == "standby"}
+                self.pool_empty += any(g.id not in ready for g in self.gpus)
             self.now = round(self.now + s.tick_s, 9)
         c = self.counts
         regretted = 0
@@ -514,4 +612,7 @@ class Simulation:
             self.over_gpu,
             regretted,
             c["fresh_after_offload"],
+            self.start_records,
+            self.pool_empty,
+            self.ticks,
         )
