@@ -208,7 +208,8 @@ def main() -> None:
     ap.add_argument(
         "--calibration",
         action="store_true",
-        help="with a --startup-model: each variant's simulated pre_runner p50 by bins, beside the H100's",
+        help="each variant's violations by seed; with a --startup-model, its pre_runner p50 by bins "
+        "beside the H100's",
     )
     ap.add_argument(
         "--variants",
@@ -300,6 +301,8 @@ def main() -> None:
             row = {k: round(sum(float(r[k]) for r in rows_of) / len(rows_of), 1) for k, _ in COLUMNS}
         cells = "".join(f"{row[k]:>14}" for k, _ in COLUMNS)
         print(f"{name:<24s}{cells}{time.process_time() - t:>8.1f}")
+        if args.calibration and len(rows_of) > 1:
+            print(f"    SLO violations % by seed: {[r['slo_violations_pct'] for r in rows_of]}")
         if args.calibration and setup.startup is not None:
             by_running, by_starts = binned_p50_ms([rec for r in results for rec in r.start_records])
             h100_running, h100_starts = H100_PRE_RUNNER_MS[args.startup_model]
