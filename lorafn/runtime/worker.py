@@ -850,6 +850,13 @@ class WorkerSettings(SharedSettings):
         gt=0,
         description="decode gating: the TPOT SLO that bounds a pause without spec.slo.tpotMs",
     )
+    gate_urgent_fraction: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="decode gating: a prefill grant is urgent when its deadline margin is below this share "
+        "of the function's TTFT SLO (never below its own step time); 0: never urgent",
+    )
     deadline_order: bool = Field(
         default=True,
         description="serve this worker's pending prefills by TTFT deadline (enqueue time + spec.slo.ttftMs): "
@@ -1107,6 +1114,7 @@ def serving_config(
             gpu_admission=settings.gpu_admission,
             decode_gating=settings.decode_gating,
             gate_tpot_ms=settings.gate_tpot_ms,
+            urgent_fraction=settings.gate_urgent_fraction,
             batch_hold=settings.batch_hold,
             prefill_tokens=settings.gpu_prefill_tokens,
             backbone=settings.backbone or "",

@@ -165,9 +165,14 @@ def test_decode_gating_switch_reaches_the_serving_loop(monkeypatch: pytest.Monke
     monkeypatch.setenv("LORAFN_GPU_ADMISSION", "true")
     monkeypatch.setenv("LORAFN_DECODE_GATING", "true")
     monkeypatch.setenv("LORAFN_GATE_TPOT_MS", "150")
+    monkeypatch.setenv("LORAFN_GATE_URGENT_FRACTION", "0.9")
     settings = WorkerSettings(function="ns/fn", gpu="local/0", backbone="tiny")
     cfg = serving_config(settings, "ns/fn", None, object()).batching
-    assert (cfg.decode_gating, cfg.gate_tpot_ms) == (True, 150.0)
+    assert (cfg.decode_gating, cfg.gate_tpot_ms, cfg.urgent_fraction) == (True, 150.0, 0.9)
+    monkeypatch.setenv("LORAFN_GATE_URGENT_FRACTION", "1.5")
+    with pytest.raises(ValueError, match="gate_urgent_fraction"):
+        WorkerSettings(function="ns/fn")
+    monkeypatch.delenv("LORAFN_GATE_URGENT_FRACTION")
     monkeypatch.delenv("LORAFN_DECODE_GATING")
     assert not serving_config(
         WorkerSettings(function="ns/fn"), "ns/fn", None, object()
