@@ -696,3 +696,31 @@ class Scheduler:
                 seq.output_token_ids.append(int(sampled[seq.seq_id]))
                 appended.append(seq)
         return appended
+
+    # ------------------------------------------------------------------ the next prefill's deadline
+
+    def next_prefill_deadline(self, now: float) -> float | None:
+        """The TTFT deadline of the prompt the next step's plan serves first among those it can still
+        make on time: the earliest deadline of the online pending prefills that `deadline_plan` (at ``now``,
+        over what `schedule` would plan now) predicts on time, i.e. its first tier-3 prompt. The worker asks
+        its GPU's prefill budget with it (lorafn.runtime.batching): a late or overdue request, served too
+        but not savable, must not win the GPU for its worker. None: first come first served
+        (``deadline_order`` off), or no online pending prefill with a deadline is predicted on time (the
+        caller falls back to its oldest request). Reads the state only (pure given it); O(n log n)."""
+        if not self.config.deadline_order:
+            return None
+        pending = [(s, s.num_uncomputed_tokens) for s in self._running if s.num_uncomputed_tokens > 1]
+        pending += [(s, s.num_tokens - s.swapped_tokens) for s in self._waiting]
+        cfg = self.config
+        plan = deadline_plan(pending, self._deadlines, now, self.prefill_s_per_token, cfg.overdue_after_s)
+        for seq in plan.order:
+            deadline = self._deadlines.get(seq.seq_id)
+            if (
+                rank(seq)[0] == 0
+                and deadline is not None
+                and seq.num_output_tokens == 0
+                and seq.seq_id not in plan.late
+                and seq.seq_id not in plan.overdue
+            ):
+                return deadline
+        return None
