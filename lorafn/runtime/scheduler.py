@@ -69,6 +69,37 @@ def rank(seq: Sequence) -> tuple[int, int]:
     return (getattr(seq.params, "priority", 0), seq.arrival)
 
 
+def _outranks(victim: Sequence, seq: Sequence, larger_class_only: bool = False) -> bool:
+    """Whether ``seq`` may preempt ``victim``: a larger rank (a larger class, with ``larger_class_only``)."""
+    return rank(victim)[0] > rank(seq)[0] if larger_class_only else rank(victim) > rank(seq)
+
+
+def _chunk_tokens(
+    num_tokens: int,
+    budget: int,
+    prefill_left: int,
+    chunked: bool,
+    first_prefill: bool,
+    runs_alone: bool = False,
+) -> int | None:
+    """The tokens of a prefill's chunk in this step, or None when it waits for a later step.
+
+    ``num_tokens``: what the prefill has left to compute; ``budget``: the step's token budget left;
+    ``prefill_left``: what the grant leaves for prefill chunks (``max_prefill_tokens``); ``first_prefill``:
+    the step has no prefill chunk yet. With ``chunked`` prefill: what the budget and the grant leave.
+    Without, the prefill goes whole or waits: while it exceeds the budget (unless ``runs_alone``: a request
+    longer than a whole step's budget runs alone once nothing else is running), and while it exceeds the
+    grant unless it is the step's first prefill (an unsplittable prompt goes whole beyond the cap; later
+    ones only while they fit)."""
+    if chunked:
+        return min(num_tokens, budget, prefill_left)
+    if num_tokens > budget and not runs_alone:
+        return None
+    if num_tokens > prefill_left and not first_prefill:
+        return None
+    return num_tokens
+
+
 @dataclass(frozen=True)
 class DeadlinePlan:
     """The order in which a step serves the pending prefills (`deadline_plan`). ``late``: predicted to
@@ -488,8 +519,7 @@ class Scheduler:
                     (
                         s
                         for s in reversed(self._running)
-                        if s is not seq
-                        and (rank(s)[0] > rank(seq)[0] if larger_class_only else rank(s) > rank(seq))
+                        if s is not seq and _outranks(s, seq, larger_class_only)
                     ),
                     None,
                 )
@@ -543,6 +573,42 @@ class Scheduler:
                 group = decodes if seq.num_uncomputed_tokens == 1 else prefills
             add_chunk(group, seq, num_tokens)
 
+        # Both orders (first come first served, deadline) size chunks and admit requests by these two.
+        def partial_chunk(seq: Sequence) -> int | None:
+            """This step's chunk of a running sequence's partial prefill, or None (it waits)."""
+            return _chunk_tokens(
+                seq.num_uncomputed_tokens,
+                budget,
+                prefill_left,
+                cfg.enable_chunked_prefill,
+                first_prefill=not (prefills or admitted),
+            )
+
+        def admission_chunk(seq: Sequence, larger_class_only: bool = False) -> int | None:
+            """The first chunk of waiting ``seq`` if it may start in this step, or None (it waits). It needs:
+            not preempted in this step (no ping-pong), a free slot (``max_num_seqs``), room in the budget and
+            the grant (`_chunk_tokens`), and free blocks for its whole prompt beside the lookahead's (else it
+            would starve a running decode next step; running ones finish first) unless a running sequence it
+            may preempt (`_outranks`; a larger class only with ``larger_class_only``) can make room."""
+            if seq.seq_id in preempted_now or len(self._running) >= cfg.max_num_seqs:
+                return None
+            left = seq.num_tokens - seq.swapped_tokens  # what is left to compute once swapped in
+            num_tokens = _chunk_tokens(
+                left,
+                budget,
+                prefill_left,
+                cfg.enable_chunked_prefill,
+                first_prefill=not (prefills or admitted),
+                runs_alone=not self._running and left > cfg.max_num_batched_tokens,
+            )
+            if num_tokens is None:
+                return None
+            needed = self.block_manager.num_blocks_needed(seq, seq.num_tokens)
+            can_preempt = bool(self._running) and _outranks(self._running[-1], seq, larger_class_only)
+            if needed + lookahead_total > self.block_manager.num_free_blocks and not can_preempt:
+                return None
+            return num_tokens
+
         plan: DeadlinePlan | None = None
         if cfg.deadline_order and now is not None and allow_prefill:
             pending = [
@@ -565,38 +631,14 @@ class Scheduler:
                     break
                 running = seq.status is SequenceStatus.RUNNING
                 if running:
-                    num_tokens = seq.num_uncomputed_tokens
-                    if cfg.enable_chunked_prefill:
-                        num_tokens = min(num_tokens, budget, prefill_left)
-                    elif num_tokens > budget or (num_tokens > prefill_left and (prefills or admitted)):
-                        continue
+                    num_tokens = partial_chunk(seq)
+                elif admitting:
+                    num_tokens = admission_chunk(seq, larger_class_only=True)
+                    admitting = num_tokens is not None
                 else:
-                    if not admitting:
-                        continue
-                    num_tokens = seq.num_tokens - seq.swapped_tokens
-                    if cfg.enable_chunked_prefill:
-                        num_tokens = min(num_tokens, budget, prefill_left)
-                    if (
-                        seq.seq_id in preempted_now  # no ping-pong within one step
-                        or len(self._running) >= cfg.max_num_seqs
-                        or (
-                            not cfg.enable_chunked_prefill
-                            and num_tokens > budget
-                            and (self._running or num_tokens <= cfg.max_num_batched_tokens)
-                        )
-                        or (
-                            not cfg.enable_chunked_prefill
-                            and num_tokens > prefill_left
-                            and (prefills or admitted)
-                        )
-                    ):
-                        admitting = False
-                        continue
-                    needed = self.block_manager.num_blocks_needed(seq, seq.num_tokens)
-                    batch_running = bool(self._running) and rank(self._running[-1])[0] > rank(seq)[0]
-                    if needed + lookahead_total > self.block_manager.num_free_blocks and not batch_running:
-                        admitting = False
-                        continue
+                    continue
+                if num_tokens is None:
+                    continue
                 step_tokens = cfg.max_num_batched_tokens - budget + num_tokens
                 if (prefills or admitted) and now + cost * step_tokens > step_deadline:
                     break  # one more prompt in this step would make an on-time first token late
@@ -627,42 +669,19 @@ class Scheduler:
                     or seq.num_uncomputed_tokens <= 1
                 ):
                     continue
-                num_tokens = seq.num_uncomputed_tokens
-                if cfg.enable_chunked_prefill:
-                    num_tokens = min(num_tokens, budget, prefill_left)
-                elif num_tokens > budget or (num_tokens > prefill_left and (prefills or admitted)):
-                    continue
-                if reserve(seq, seq.num_computed_tokens + num_tokens):
+                num_tokens = partial_chunk(seq)
+                if num_tokens is not None and reserve(seq, seq.num_computed_tokens + num_tokens):
                     add_chunk(prefills, seq, num_tokens)
 
             # 3. New (or preempted) requests, first come first served: the head blocks the queue, so a
             #    large request is never overtaken forever by smaller ones. Admission reserves blocks for
             #    the whole prompt (+ output, after a preemption), so a partial prefill never stalls on
-            #    memory and a decode needs at most one new block.
-            while (
-                allow_prefill
-                and self._waiting
-                and budget > 0
-                and prefill_left > 0
-                and len(self._running) < cfg.max_num_seqs
-            ):
+            #    memory and a decode needs at most one new block. An older, preempted request may preempt
+            #    younger ones.
+            while allow_prefill and self._waiting and budget > 0 and prefill_left > 0:
                 seq = self._waiting[0]
-                if seq.seq_id in preempted_now:  # no ping-pong within one step
-                    break
-                num_tokens = seq.num_tokens - seq.swapped_tokens  # what is left to compute once swapped in
-                if cfg.enable_chunked_prefill:
-                    num_tokens = min(num_tokens, budget, prefill_left)
-                elif num_tokens > budget and (self._running or num_tokens <= cfg.max_num_batched_tokens):
-                    # Waits for budget; one longer than a whole step's budget runs alone, once nothing
-                    # else is running.
-                    break
-                elif num_tokens > prefill_left and (prefills or admitted):
-                    break  # beyond the grant, and not the step's first prefill: the next grant's
-                needed = self.block_manager.num_blocks_needed(seq, seq.num_tokens)
-                has_younger_running = bool(self._running) and rank(self._running[-1]) > rank(seq)
-                if needed + lookahead_total > self.block_manager.num_free_blocks and not has_younger_running:
-                    break  # would starve a running decode next step: wait (running ones finish first)
-                if not reserve(seq, seq.num_tokens):  # an older, preempted request may preempt younger ones
+                num_tokens = admission_chunk(seq)
+                if num_tokens is None or not reserve(seq, seq.num_tokens):
                     break
                 admit(seq, num_tokens)
 

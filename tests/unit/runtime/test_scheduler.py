@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lorafn.runtime.sampling_params import SamplingParams
-from lorafn.runtime.scheduler import Scheduler, SchedulerConfig
+from lorafn.runtime.scheduler import Scheduler, SchedulerConfig, _chunk_tokens, _outranks
 from lorafn.runtime.sequence import Sequence, SequenceStatus
 
 from .sched_harness import FakeEngine, Request, reference
@@ -506,6 +506,90 @@ def test_new_request_is_not_admitted_only_to_be_preempted_next_step():
     assert result.num_preemptions == 0
     started = [i for i, out in enumerate(result.outputs_log) if any(c.seq_id == "B" for c in out.chunks)]
     assert started[0] == 3  # after A finished
+
+
+# ---------------------------------------------------------------------------- shared by both orders
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "budget", "prefill_left", "chunked", "first_prefill", "runs_alone", "expected"),
+    [
+        (10, 6, 8, True, True, False, 6),  # chunked: what the budget leaves
+        (10, 8, 3, True, False, False, 3),  # ... and the grant
+        (4, 8, 8, True, False, False, 4),  # the whole rest
+        (6, 8, 8, False, False, False, 6),  # unchunked: whole ...
+        (9, 8, 20, False, True, False, None),  # ... or it waits for the budget
+        (20, 8, 20, False, True, True, 20),  # longer than a step's budget with nothing running: alone
+        (6, 8, 4, False, True, False, 6),  # the step's first prefill goes whole beyond the grant
+        (6, 8, 4, False, False, False, None),  # a later one waits for the next grant
+    ],
+)
+def test_chunk_tokens_sizes_a_prefill_chunk_or_makes_it_wait(
+    num_tokens, budget, prefill_left, chunked, first_prefill, runs_alone, expected
+):
+    got = _chunk_tokens(num_tokens, budget, prefill_left, chunked, first_prefill, runs_alone)
+    assert got == expected
+
+
+def test_outranks_by_rank_or_by_class_only():
+    online_old, online_young = seq("o0", 2), seq("o1", 2)
+    batch = Sequence("b", [1, 2], SamplingParams(max_tokens=2, priority=1))
+    online_old.arrival, online_young.arrival, batch.arrival = 0, 2, 1
+    assert _outranks(online_young, online_old) and not _outranks(online_old, online_young)
+    assert _outranks(batch, online_young) and not _outranks(online_young, batch)
+    assert not _outranks(online_young, online_old, larger_class_only=True)
+    assert _outranks(batch, online_old, larger_class_only=True)
+
+
+@pytest.mark.parametrize("deadline_order", [False, True])
+def test_both_orders_admit_under_the_same_limits(deadline_order):
+    """Without deadlines the deadline order serves in arrival order: the same steps as first come first
+    served, through the same chunk sizing and admission checks (slots, budget, grant, blocks)."""
+
+    def make(**kw) -> Scheduler:
+        return Scheduler(cfg(deadline_order=deadline_order, **kw))
+
+    def step(sched: Scheduler, cap: int | None = None) -> list[tuple[str, int]]:
+        out = sched.schedule(max_prefill_tokens=cap, now=0.0)
+        for s in sched.update(out, {c.seq_id: 1 for c in out.chunks if c.samples}):
+            if s.num_output_tokens >= s.params.max_tokens:
+                sched.finish(s.seq_id, "length")
+        return [(c.seq_id, c.num_tokens) for c in out.chunks]
+
+    sched = make(max_num_seqs=2, max_num_batched_tokens=64)  # slots
+    for i in range(3):
+        sched.add(seq(f"s{i}", 3))
+    assert step(sched) == [("s0", 3), ("s1", 3)]
+
+    sched = make(max_num_batched_tokens=10, block_size=4, num_blocks=64)  # chunked: budget and grant
+    sched.add(seq("a", 7))
+    sched.add(seq("b", 7))
+    assert step(sched) == [("a", 7), ("b", 3)]
+    assert step(sched, cap=2) == [("a", 1), ("b", 2)]
+
+    sched = make(max_num_batched_tokens=10, enable_chunked_prefill=False)  # unchunked: whole or waits
+    sched.add(seq("a", 6, max_tokens=5))
+    sched.add(seq("b", 6, max_tokens=5))
+    assert step(sched) == [("a", 6)]
+    assert step(sched) == [("a", 1), ("b", 6)]
+
+    sched = make(max_num_batched_tokens=16, enable_chunked_prefill=False)  # unchunked under a grant
+    for name in ("a", "b", "c"):
+        sched.add(seq(name, 4, max_tokens=3))
+    assert step(sched, cap=2) == [("a", 4)]
+    assert step(sched, cap=9) == [("a", 1), ("b", 4), ("c", 4)]
+
+    sched = make(max_num_batched_tokens=8, enable_chunked_prefill=False)  # longer than a step: alone
+    sched.add(seq("a", 3, max_tokens=2))
+    sched.add(seq("big", 20, max_tokens=2))
+    assert [step(sched) for _ in range(3)] == [[("a", 3)], [("a", 1)], [("big", 20)]]
+
+    # blocks: B is not admitted while its blocks would take the one A's next decode needs (block_size 1)
+    sched = make(max_num_batched_tokens=8, block_size=1, num_blocks=6)
+    sched.add(seq("A", 2, max_tokens=3))
+    assert step(sched) == [("A", 2)]
+    sched.add(seq("B", 3, max_tokens=2))
+    assert [step(sched) for _ in range(3)] == [[("A", 1)], [("A", 1)], [("B", 3)]]
 
 
 def test_sequence_token_views():
