@@ -17,7 +17,7 @@ starting a worker the device cannot hold.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lorafn.controller.policy.model import Snapshot
 
@@ -77,12 +77,11 @@ def accounts(
     for g in snapshot.gpus:
         cap = capacity_bytes(g.total_bytes, g.reserve_bytes, utilization)
         backbone = sum(g.backbones.values())
-        used = backbone + g.other_bytes + worker_bytes[g.id]
         guard = driver_guard_bytes(g.driver_free_bytes, promised[g.id], g.total_bytes, driver_headroom)
-        free = cap - used if guard is None else min(cap - used, guard)
-        out[g.id] = MemoryAccount(
-            g.id, g.total_bytes, cap, backbone, g.other_bytes, worker_bytes[g.id], free, guard
+        account = MemoryAccount(
+            g.id, g.total_bytes, cap, backbone, g.other_bytes, worker_bytes[g.id], 0, driver_guard_bytes=guard
         )
+        out[g.id] = replace(account, planned_free_bytes=account.free_bytes)  # no plan yet: free now
     return out
 
 

@@ -33,6 +33,7 @@ def test_over_committed_gpu_has_negative_free():
     g = GPU("g0", "n0", 16 * GiB, {"llama": 13 * GiB})
     acc = accounts(snap([g], workers=[standby("s1", "g0", mem_gib=3)]), utilization=0.9)["g0"]
     assert acc.free_bytes < 0
+    assert acc.planned_free_bytes == acc.free_bytes
 
 
 def test_utilization_out_of_range_is_refused():
@@ -68,10 +69,15 @@ def test_driver_guard_caps_free_at_the_devices_free_less_promised_and_headroom()
     # a device with more free than the account grants: the account decides
     roomy = GPU("g0", "n0", 80 * GiB, {"llama": 13 * GiB}, driver_free_bytes=70 * GiB)
     acc = accounts(snap([roomy], workers=workers), utilization=0.9, driver_headroom=0.05)["g0"]
-    assert acc.free_bytes == acc.capacity_bytes - acc.used_bytes
+    assert acc.free_bytes == acc.capacity_bytes - acc.used_bytes == acc.planned_free_bytes
     # no reading (CPU, no NVML): no guard
     plain = accounts(snap([gpu_without_reading()], workers=workers), utilization=0.9, driver_headroom=0.05)
     assert plain["g0"].driver_guard_bytes is None
+    assert (
+        plain["g0"].planned_free_bytes
+        == plain["g0"].free_bytes
+        == plain["g0"].capacity_bytes - plain["g0"].used_bytes
+    )
 
 
 def gpu_without_reading() -> GPU:
