@@ -17,6 +17,7 @@ import typer
 from pydantic import Field
 
 from lorafn.api.settings import SharedSettings
+from lorafn.controller.policy.config import VictimRate
 
 if TYPE_CHECKING:
     from lorafn.controller.driver import Controller
@@ -66,7 +67,7 @@ class ControllerSettings(SharedSettings):
     driver_headroom: float = Field(
         default=0.03, ge=0, lt=1, description="fraction of a GPU kept free of the driver's count (the guard)"
     )
-    victim_rate: Literal["window", "long", "max"] = Field(
+    victim_rate: VictimRate = Field(
         default="long", description="arrival rate that ranks idle workers for offloading (60 s, 10 min, max)"
     )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="the workers' device kind (sizing)")

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
+
+# the arrival rates idle bound workers may be ranked by for offloading (`offload.victim_rate`)
+VictimRate = Literal["window", "long", "max"]
+VICTIM_RATES: tuple[VictimRate, ...] = get_args(VictimRate)
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ class PolicyConfig:
 
     gpu_utilization: float = 0.92
     driver_headroom: float = 0.03
-    victim_rate: str = "long"
+    victim_rate: VictimRate = "long"
     scale_up_queue_per_worker: float = 4.0
     backoff_base_s: float = 2.0
     backoff_cap_s: float = 300.0
@@ -96,8 +100,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_utilization <= 1.0:
             raise ValueError(f"gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}")
-        if self.victim_rate not in ("window", "long", "max"):
-            raise ValueError(f"victim_rate must be 'window', 'long' or 'max', got {self.victim_rate!r}")
+        if self.victim_rate not in VICTIM_RATES:
+            raise ValueError(f"victim_rate must be one of {VICTIM_RATES}, got {self.victim_rate!r}")
         if not 0.0 <= self.driver_headroom < 1.0:
             raise ValueError(f"driver_headroom must be in [0, 1), got {self.driver_headroom!r}")
         if not self.scale_up_queue_per_worker > 0:

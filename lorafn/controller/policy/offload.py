@@ -29,6 +29,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from lorafn.controller.policy.config import VICTIM_RATES, VictimRate
 from lorafn.controller.policy.model import Costs, Function, Worker
 from lorafn.controller.policy.planner import ColdDemand
 from lorafn.controller.policy.preload import preload_value
@@ -65,10 +66,6 @@ def standby_density(
     if held is not None and held.name in cold.key_of:
         value += preload_value(held, costs, cold.window_s)
     return value / max(1, worker.mem_bytes)
-
-
-VictimRate = str  # "window" | "long" | "max" (PolicyConfig.victim_rate)
-VICTIM_RATES = ("window", "long", "max")
 
 
 def victim_rate(function: Function | None, which: VictimRate = "window") -> float:

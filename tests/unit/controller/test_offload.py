@@ -10,6 +10,7 @@ from lorafn.controller.policy import PolicyConfig, Start, Stop, Wait, Worker, de
 from lorafn.controller.policy.offload import (
     IDLE_BOUND,
     STANDBY,
+    VICTIM_RATES,
     Victim,
     candidates,
     choose_victims,
@@ -68,6 +69,22 @@ def test_decide_offloads_by_the_configured_victim_rate():
         config = PolicyConfig(victim_rate=rate, thrash_horizon_starts=0.0, warm_pool=False)
         plan = decide(snap([g], functions, workers), config)
         assert [a.worker_id for a in plan.of_type(Stop)] == [victim], rate
+
+
+def test_the_policy_and_the_controller_settings_allow_the_same_victim_rates():
+    from pydantic import ValidationError
+
+    from lorafn.controller.cli import ControllerSettings
+
+    assert VICTIM_RATES == ("window", "long", "max")
+    for rate in VICTIM_RATES:
+        assert PolicyConfig(victim_rate=rate).victim_rate == rate
+        assert ControllerSettings(victim_rate=rate).victim_rate == rate
+        assert victim_rate(fn("ns/a", arrival_rate=0.5), rate) == 0.5  # each one has its rule
+    with pytest.raises(ValueError, match="victim_rate"):
+        PolicyConfig(victim_rate="ewma")
+    with pytest.raises(ValidationError, match="victim_rate"):
+        ControllerSettings(victim_rate="ewma")
 
 
 def test_order_cold_standby_then_hot_standby_then_idle_bound_by_density():
