@@ -8,7 +8,9 @@ The serving loop (`worker.py`) calls `Batching` at four points; the decisions ar
 - `arrived()` when entries were read: an idle worker may hold its first prefill for companions (`hold_left_ms`
   says how much longer; the loop waits for more entries that long, never past `SLO − T(N)`);
 - `allow_prefill()` before an engine step: with prefills pending it asks for a share of the GPU's
-  prefill budget, the prompt tokens its step will prefill (one round trip; a worker alone on its GPU is
+  prefill budget, the prompt tokens its step will prefill, bidding with the TTFT deadline of the prompt
+  its step serves first (`bid_deadline` "plan": the engine's deadline plan's first prompt that can still
+  make it, else the oldest waiting online request; one round trip; a worker alone on its GPU is
   granted at once); granted, `prefill_cap` is the share's tokens and the loop's step prefills no more
   than that (`Engine.step(max_prefill_tokens=...)`: the rest of a prompt is chunked into the next granted
   steps); refused, the step runs the decodes only, or, with none, the loop blocks until a share
@@ -53,6 +55,8 @@ from lorafn.store import admission as store_admission
 
 log = logging.getLogger("lorafn.worker")
 
+BID_DEADLINES = ("plan", "oldest")
+
 
 @dataclass
 class BatchingConfig:
@@ -79,6 +83,10 @@ class BatchingConfig:
     urgent_fraction: float = 0.5  # a grant is urgent when its margin is below this share of the TTFT SLO
     gate_min_pause_ms: float = 5.0  # a TPOT slack smaller than this is not worth a pause's round trip
     gate_max_pause_ms: float = 2000.0  # a pause blocks the loop's Redis connection: never near its timeout
+    # the deadline the ask bids with: "plan" = of the first prompt the engine's deadline plan serves on time
+    # (`Engine.next_prefill_deadline`; the oldest waiting request's when none is on time or the order is off),
+    # "oldest" = the oldest waiting online request's (before issue 13's change; kept for the ablation)
+    bid_deadline: str = "plan"
 
     def __post_init__(self) -> None:
         if (
@@ -89,6 +97,8 @@ class BatchingConfig:
             raise ValueError(f"prefill_tokens must be an integer >= 1, got {self.prefill_tokens!r}")
         if not 0 <= self.urgent_fraction <= 1:
             raise ValueError(f"urgent_fraction must be in [0, 1], got {self.urgent_fraction!r}")
+        if self.bid_deadline not in BID_DEADLINES:
+            raise ValueError(f"bid_deadline must be one of {BID_DEADLINES}, got {self.bid_deadline!r}")
         if not self.gate_min_pause_ms >= 0:
             raise ValueError(f"gate_min_pause_ms must be >= 0, got {self.gate_min_pause_ms!r}")
         names = (
@@ -106,6 +116,21 @@ class BatchingConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+
+
+def bid_deadline_ms(rule: str, oldest_ms: float, ttft_ms: float, planned_s: float | None) -> float:
+    """The deadline (unix ms) a worker bids with for its GPU's prefill budget. `oldest_ms`: the enqueue time
+    of its oldest waiting online request; `planned_s`: the engine's `next_prefill_deadline` (unix seconds),
+    the deadline of the first prompt its deadline plan serves on time, None when none is on time or the
+    order is off. "plan": that one when known (the step serves the prompts that can still make it first,
+    earliest deadline first, and the late ones behind: a late oldest request, which no grant saves, must
+    not win the GPU over another worker's prompt that can still make it), else the oldest's deadline;
+    "oldest": the oldest's deadline always (the rule before issue 13). Pure."""
+    if rule not in BID_DEADLINES:
+        raise ValueError(f"bid deadline rule must be one of {BID_DEADLINES}, got {rule!r}")
+    if rule == "plan" and planned_s is not None:
+        return planned_s * 1000
+    return oldest_ms + ttft_ms
 
 
 def gpu_model_name(device: str) -> str:
@@ -290,7 +315,9 @@ class Batching:
         priority = getattr(engine, "priority_of", None)
         online = [t for r, t in waiting.items() if not callable(priority) or not priority(r)]
         oldest = min(online) if online else time.time() * 1000
-        deadline_ms = oldest + (cfg.ttft_ms or 1000.0)
+        planned = getattr(engine, "next_prefill_deadline", None)
+        planned_s = planned() if cfg.bid_deadline == "plan" and callable(planned) else None
+        deadline_ms = bid_deadline_ms(cfg.bid_deadline, oldest, cfg.ttft_ms or 1000.0, planned_s)
         if getattr(engine, "num_pending_online_prefills", pending) == 0:
             deadline_ms = math.inf  # never urgent, behind every online waiter
         decode = self.fit(slo.DECODE)

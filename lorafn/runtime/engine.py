@@ -191,6 +191,14 @@ class Engine:
         """Pending prefills of online requests: with none, the GPU admission asks without a deadline."""
         return self.scheduler.num_pending_online_prefills
 
+    def next_prefill_deadline(self, now_s: float | None = None) -> float | None:
+        """The TTFT deadline (unix seconds) of the first prompt the next step's deadline plan serves on time
+        (`Scheduler.next_prefill_deadline` at `now_s`, default now): what the worker's GPU admission bids
+        with. None: first come first served (`deadline_order` off), or no online prompt can make it."""
+        if not self.scheduler.config.deadline_order:
+            return None
+        return self.scheduler.next_prefill_deadline(time.time() if now_s is None else now_s)
+
     def priority_of(self, request_id: str) -> int | None:
         """The request's class (0 online, 1 offline batch), None for an unknown request."""
         req = self._requests.get(request_id)

@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import redis
 import typer
@@ -864,6 +864,14 @@ class WorkerSettings(SharedSettings):
         "(docs/scheduler.md#deadline-order); on by default from the CPU evidence (docs/benchmarks.md), "
         "false: first come first served",
     )
+    bid_deadline: Literal["plan", "oldest"] = Field(
+        default="plan",
+        description="gpu_admission: the deadline a worker bids with for its GPU's prefill budget. plan: of "
+        "the first prompt its deadline plan serves on time (a late oldest request, served behind those, does "
+        "not win the GPU over another worker's prompt that can still make it), the oldest request's when "
+        "none is on time or deadline_order is off; oldest: the oldest waiting request's (the rule before "
+        "issue 13, for ablations)",
+    )
     batch_hold: bool = Field(
         default=True, description="fill or expire: an idle worker holds its first prefill for companions"
     )
@@ -1115,6 +1123,7 @@ def serving_config(
             decode_gating=settings.decode_gating,
             gate_tpot_ms=settings.gate_tpot_ms,
             urgent_fraction=settings.gate_urgent_fraction,
+            bid_deadline=settings.bid_deadline,
             batch_hold=settings.batch_hold,
             prefill_tokens=settings.gpu_prefill_tokens,
             backbone=settings.backbone or "",

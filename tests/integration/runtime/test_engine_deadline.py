@@ -83,3 +83,22 @@ def test_without_deadlines_the_order_is_first_come_first_served(tiny_model_dir: 
     prompts = mixed_prompts(seed=3, lengths=(70, 70, 70))
     first, _ = run(engine(tiny_model_dir, adapter, deadline_order=True), prompts, [None, None, None])
     assert first == ["p0", "p1", "p2"]
+
+
+def test_the_next_prefill_deadline_is_the_first_prompt_the_plan_serves_on_time(
+    tiny_model_dir: Path, adapter: Path
+) -> None:
+    """What the worker bids for its GPU's prefill budget with (issue 13): not the late oldest request."""
+    prompts = mixed_prompts(seed=4, lengths=(70, 70, 70))
+    now = time.time()
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for flag in (True, False):
+        eng = engine(tiny_model_dir, adapter, deadline_order=flag)
+        for k, (prompt, deadline) in enumerate(zip(prompts, [now - 1, now + 3600, now + 1800], strict=True)):
+            eng.add_request(prompt, params, request_id=f"p{k}")
+            eng.set_deadline(f"p{k}", deadline)
+        # by deadline: p0 is late (served last), p2 has the earliest deadline of those that can make it
+        assert eng.next_prefill_deadline() == (now + 1800 if flag else None)
+        first = next(d.request_id for d in eng.step() if d.token_ids)
+        assert first == ("p2" if flag else "p0")
+        assert eng.next_prefill_deadline(now - 7200) == (now - 1 if flag else None)  # then all on time

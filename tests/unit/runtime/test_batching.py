@@ -200,3 +200,132 @@ def test_the_urgent_grants_are_read_only_while_other_workers_are_active() -> Non
     # nothing seen: the loop's pause is a no-op without a store
     b.pause_decodes(lambda: 4)
     assert b.gate.gated_steps == 0
+
+
+# ---------------------------------------------------------------------------- the bid's deadline (issue 13)
+
+
+class _PlanEngine:
+    """What `Batching` reads of an engine, over the real `Scheduler` with deadline order: requests get the
+    worker's deadline (enqueue time + TTFT SLO, unix seconds) as `Worker` sets them on the engine."""
+
+    class config:
+        max_num_batched_tokens = 512
+
+    def __init__(self, ttft_ms: float, deadline_order: bool = True) -> None:
+        from lorafn.runtime.scheduler import Scheduler, SchedulerConfig
+
+        self.ttft_ms = ttft_ms
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=512, block_size=4, num_blocks=256,
+                deadline_order=deadline_order, prefill_s_per_token=0.001,
+            )
+        )  # fmt: skip
+        self.enqueued: dict[str, float] = {}
+
+    def add(self, rid: str, prompt: int, enqueued_ms: float) -> None:
+        from lorafn.runtime.sampling_params import SamplingParams
+        from lorafn.runtime.sequence import Sequence
+
+        self.scheduler.add(Sequence(rid, [1] * prompt, SamplingParams(max_tokens=4)))
+        self.scheduler.set_deadline(rid, (enqueued_ms + self.ttft_ms) / 1000)
+        self.enqueued[rid] = enqueued_ms
+
+    @property
+    def num_pending_prefills(self) -> int:
+        return self.scheduler.num_pending_prefills
+
+    @property
+    def num_pending_online_prefills(self) -> int:
+        return self.scheduler.num_pending_online_prefills
+
+    def pending_prefill_tokens(self, ids: Any = None) -> int:
+        return self.scheduler.pending_prefill_tokens(ids)
+
+    def priority_of(self, rid: str) -> int:
+        return 0
+
+    def next_prefill_deadline(self) -> float | None:  # as Engine's: the scheduler's, at unix now
+        if not self.scheduler.config.deadline_order:
+            return None
+        return self.scheduler.next_prefill_deadline(time.time())
+
+
+@pytest.mark.parametrize("rule", ["plan", "oldest"])
+def test_the_bid_is_the_deadline_of_the_plans_first_on_time_prompt(redis_server: str, rule: str) -> None:
+    """Worker `a` has a request already late (arrived 61 s ago, SLO 60 s: the plan serves it behind) and one
+    that can still make it (60 s left); worker `b` one prompt with 5 s left; a third worker holds the whole
+    budget. With the plan's deadline `a` bids ~60 s, both wait, and `b` gets the freed budget first; with
+    the oldest request's, `a` bids -1 s and is granted at once, over the budget, for a request no grant
+    saves."""
+    from lorafn.store import Store
+    from lorafn.store import admission as adm
+
+    store, keys = Store(redis_server), Keys("bid")
+    now_ms = time.time() * 1000
+    ttft = 60_000.0
+    a, b = _PlanEngine(ttft), _PlanEngine(ttft)
+    a.add("late", 100, now_ms - 61_000)
+    a.add("fresh", 100, now_ms)
+    b.add("b1", 100, now_ms - 55_000)
+    cfg = dict(ttft_ms=ttft, gpu="g0", gpu_admission=True, prefill_tokens=256, bid_deadline=rule)
+    wa = Batching(store, keys, "w-a", "ns/a", BatchingConfig(**cfg))  # type: ignore[arg-type]
+    wb = Batching(store, keys, "w-b", "ns/b", BatchingConfig(**cfg))  # type: ignore[arg-type]
+    holder = adm.ask(
+        keys, "g0", "w-c", "ns/c", deadline_ms=now_ms + 1e6, t_ms=0, lease_ms=60_000, waiter_ttl_ms=60_000,
+        active_ttl_ms=60_000, budget=256, tokens=256,
+    )  # fmt: skip
+    assert store.run(holder).granted
+    granted_a = wa.allow_prefill(a, a.enqueued, a.enqueued)
+    assert wb.allow_prefill(b, b.enqueued, b.enqueued) is False  # 5 s left: it waits for the budget
+    if rule == "oldest":
+        # a margin below the expected wait (here 0: the holder's step time is unknown) goes at once, over
+        # the budget: the late request's -1 s takes the GPU although no grant makes it on time
+        assert granted_a is True
+        grant = store.run(adm.grants(keys, "g0"))[-1]
+        assert grant.worker == "w-a" and grant.margin_ms < 0
+        return
+    assert granted_a is False  # "fresh"'s deadline: 60 s to spare, it waits
+    assert a.next_prefill_deadline() == pytest.approx((now_ms + ttft) / 1000)
+    store.run(adm.release(keys, "g0", "w-c", active_ttl_ms=60_000, budget=256))  # handed to the best waiter
+    first = store.run(adm.grants(keys, "g0"))[-1]
+    assert first.worker == "w-b" and 0 < first.margin_ms < 5_000
+    assert first.runner_up_ms is not None and first.runner_up_ms > 50_000  # a's bid: "fresh"'s deadline
+    assert wb.allow_prefill(b, b.enqueued, b.enqueued) is True  # the handed share is its own
+
+
+def test_the_bid_is_the_oldest_request_when_nothing_is_on_time_or_the_order_is_off(redis_server: str) -> None:
+    from lorafn.store import Store
+    from lorafn.store import admission as adm
+
+    store, keys = Store(redis_server), Keys("bid2")
+    now_ms = time.time() * 1000
+    for n, engine in enumerate((_PlanEngine(60_000.0), _PlanEngine(60_000.0, deadline_order=False))):
+        engine.add("late", 100, now_ms - 61_000)  # nothing on time / first come first served ...
+        engine.add("later", 100, now_ms - 60_500)
+        if n == 1:
+            engine.add("fresh", 100, now_ms)  # ... even with one that could make it
+        cfg = BatchingConfig(ttft_ms=60_000.0, gpu=f"g{n}", gpu_admission=True, prefill_tokens=512)
+        assert cfg.bid_deadline == "plan"  # the default
+        w = Batching(store, keys, f"w{n}", "ns/a", cfg)
+        assert w.allow_prefill(engine, engine.enqueued, engine.enqueued) is True
+        grant = store.run(adm.grants(keys, f"g{n}"))[-1]
+        assert -2_000 < grant.margin_ms < -1_000 + 1  # the oldest request's deadline: 1 s ago
+    with pytest.raises(ValueError, match="bid_deadline"):
+        BatchingConfig(bid_deadline="newest")
+
+
+def test_the_bid_rule_reaches_the_serving_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (
+        serving_config(WorkerSettings(function="ns/fn"), "ns/fn", None, object()).batching.bid_deadline
+        == "plan"
+    )
+    monkeypatch.setenv("LORAFN_BID_DEADLINE", "oldest")
+    assert (
+        serving_config(WorkerSettings(function="ns/fn"), "ns/fn", None, object()).batching.bid_deadline
+        == "oldest"
+    )
+    monkeypatch.setenv("LORAFN_BID_DEADLINE", "newest")
+    with pytest.raises(ValueError, match="bid_deadline"):
+        WorkerSettings(function="ns/fn")
