@@ -33,6 +33,14 @@ The variants 'startup' vary the fresh-start cap (4 / 6 = the default / 12 / none
 warm-pool floor (warmPool.minStandby 0 / 1 = the default here / 2 / 4; met only where memory allows:
 the policy has no knob that keeps standbys under memory pressure).
 
+Parking (issue 16, fourth round; `PolicyConfig.park_idle`): under memory pressure an idle bound worker
+releases its KV cache and graph pools (--kv-mib + --graph-mib) and keeps its process, instead of being
+stopped; its function's next request unparks it (the variants' 0.1 / 0.3 / 1.0 s: allocate the KV,
+re-capture graphs) instead of a fresh start. The variants 'parking' (= "after (defaults)", then parking at
+each unpark time, then parking also every worker idle 10 s) print parks, unparks, requests served by an
+unpark, the mean number of parked workers and the window's GPU memory in GPU-seconds beside the other
+columns. No worker can park yet: this is the simulated case for building it.
+
     python bench/policy_replay.py [--functions 32] [--rate 4] [--duration 90] [--kv-mib 512]
                                   [--max-standby 4] [--start-parallelism 10] [--variants ...]
                                   [--warmup-s 90] [--sized] [--overhead-quantiles ...]
@@ -103,6 +111,19 @@ VARIANTS["cap 12 + floor 2"] = (
     {**PLATFORM, "min_standby": 2},
 )
 STARTUP_VARIANTS = "cap 4,cap 6,cap 12,cap none,floor 0,floor 1,floor 2,floor 4,cap 12 + floor 2"
+# issue 16's fourth round: parking idle bound workers (the policy's estimate of an unpark = the simulated one)
+for _unpark in (0.1, 0.3, 1.0):
+    VARIANTS[f"park: unpark {_unpark:g} s"] = (
+        dataclasses.replace(AFTER, park_idle=True, unpark_s=_unpark),
+        {**PLATFORM, "unpark_s": _unpark},
+    )
+VARIANTS["park 0.3 s + idle 10 s"] = (
+    dataclasses.replace(AFTER, park_idle=True, unpark_s=0.3, park_after_s=10.0),
+    {**PLATFORM, "unpark_s": 0.3},
+)
+PARKING_VARIANTS = (
+    "after (defaults),park: unpark 0.1 s,park: unpark 0.3 s,park: unpark 1 s,park 0.3 s + idle 10 s"
+)
 # the H100's pre_runner p50 (ms) of fresh starts (bench/replay_breakdown.py, 2026-11-24): by requests running
 # on the GPU during the start, and by starts under way at the decision (itself included)
 RUNNING_BINS = ((0, 2), (2, 5), (5, 10), (10, 20), (20, 10**9))
@@ -139,6 +160,11 @@ COLUMNS = (
     ("peak_held_gib", "peak held GiB"),
     ("over_gpu_ticks", "over GPU"),
     ("pool_empty_pct", "pool empty %"),
+    ("unparked", "unparked"),
+    ("parks", "parks"),
+    ("unparks", "unparks"),
+    ("mean_parked", "mean parked"),
+    ("held_gpu_s", "GPU-s held"),
 )
 
 
@@ -194,7 +220,12 @@ def main() -> None:
         help="q:MiB,... a worker's settled overhead beyond KV + LoRA (with --sized)",
     )
     ap.add_argument("--lora-mib", type=int, default=80, help="a function's LoRA tensors (with --sized)")
-    ap.add_argument("--graph-mib", type=int, default=150, help="lazy decode graphs' pool (with --sized)")
+    ap.add_argument(
+        "--graph-mib",
+        type=int,
+        default=150,
+        help="lazy decode graphs' pool (with --sized); a park releases it with the KV",
+    )
     ap.add_argument("--graph-settle-s", type=float, default=2.0, help="lazy graphs in by then")
     ap.add_argument("--unattributed-mib", type=int, default=0, help="per process, held but in no report")
     ap.add_argument("--late-growth-mib", type=int, default=0, help="a fresh worker's growth once it served")
@@ -215,7 +246,7 @@ def main() -> None:
         "--variants",
         default=DEFAULT_VARIANTS,
         help=f"comma-separated, of: {', '.join(VARIANTS)}; 'issue16' = {ISSUE16_VARIANTS}; "
-        f"'startup' = {STARTUP_VARIANTS}",
+        f"'startup' = {STARTUP_VARIANTS}; 'parking' = {PARKING_VARIANTS}",
     )
     args = ap.parse_args()
 
@@ -247,6 +278,8 @@ def main() -> None:
         long_window_s=args.long_window_s,
         service_s=args.service_s,
         startup=STARTUP_MODELS.get(args.startup_model),
+        # a park releases the KV cache and the decode graphs' pool (their memory points into the KV)
+        park_release_bytes=(args.kv_mib + args.graph_mib) * MiB,
         seed=args.seed,
     )
     if args.sized:
@@ -280,7 +313,9 @@ def main() -> None:
         + (f"; sized: overhead quantiles {args.overhead_quantiles} MiB + KV + LoRA" if args.sized else "")
         + (f"; mean of seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else "")
     )
-    chosen = {"issue16": ISSUE16_VARIANTS, "startup": STARTUP_VARIANTS}.get(args.variants, args.variants)
+    chosen = {"issue16": ISSUE16_VARIANTS, "startup": STARTUP_VARIANTS, "parking": PARKING_VARIANTS}.get(
+        args.variants, args.variants
+    )
     names = [v.strip() for v in chosen.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

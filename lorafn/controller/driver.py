@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lorafn.controller.metrics import ControllerMetrics
-from lorafn.controller.policy.actions import Bind, Plan, Preload, Start, Stop, Wait
+from lorafn.controller.policy.actions import Bind, Park, Plan, Preload, Start, Stop, Unpark, Wait
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide, fast_binds
 from lorafn.controller.policy.model import GPU, Snapshot, Worker
@@ -130,6 +130,13 @@ class Controller:
     def __init__(
         self, store: Store, keys: Keys, executor: Executor, sizing: SizingConfig, config: ControllerConfig
     ) -> None:
+        if config.policy.park_idle:
+            # the policy can plan Park/Unpark (issue 16, simulated in bench/policy_replay.py), but no worker
+            # can release its KV cache and take it back yet: refuse rather than plan memory nobody frees
+            raise ValueError(
+                "PolicyConfig.park_idle=True is not supported by the controller yet: workers cannot park "
+                "(release their KV cache) or unpark; leave park_idle off (the default)"
+            )
         self.store, self.keys, self.executor, self.config = store, keys, executor, config
         self.reader = SnapshotReader(store, keys, sizing, config.heartbeat_ttl_s)
         self._binds: dict[str, _PendingBind] = {}
@@ -443,6 +450,8 @@ class Controller:
                         claim=int(self.config.preload_claims),
                     )
                 )
+            elif isinstance(action, (Park, Unpark)):  # only with park_idle, which __init__ refuses
+                raise RuntimeError(f"the driver cannot apply {action!r}: workers cannot park yet")
             elif isinstance(action, Wait):
                 waiting.add(action.function)
                 self.store.run(control.set_status(self.keys, action.function, wait_reason=action.reason))

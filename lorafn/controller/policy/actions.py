@@ -73,6 +73,34 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class Park:
+    """Tell idle bound worker ``worker_id`` to park (`PolicyConfig.park_idle`): release its KV cache and the
+    graph pools that point into it, keep its process, CUDA context, adapter and backbone mapping, and stay
+    ``function``'s worker. ``release_bytes``: what the account gets back. The plan counts that memory free at
+    once (a later action of the same plan may use it), so a driver applies a Park synchronously: it sends it
+    and waits for the worker's acknowledgement that the memory is released before the actions after it.
+    ``room_for``: the function the room was made for ("" none)."""
+
+    worker_id: str
+    function: str
+    gpu: str
+    release_bytes: int
+    detail: str = ""
+    room_for: str = ""
+
+
+@dataclass(frozen=True)
+class Unpark:
+    """Tell parked worker ``worker_id`` to take its KV cache back (``mem_bytes`` more out of the account)
+    and serve ``function``'s queued requests (it re-captures its decode graphs lazily)."""
+
+    worker_id: str
+    function: str
+    gpu: str
+    mem_bytes: int
+
+
+@dataclass(frozen=True)
 class Wait:
     """``function`` needs a worker and gets none this round; ``reason`` is for its waiting clients."""
 
@@ -90,7 +118,7 @@ class PoolTarget:
     count: int
 
 
-Action = Bind | Preload | Start | Stop | Wait
+Action = Bind | Preload | Start | Stop | Park | Unpark | Wait
 
 
 @dataclass

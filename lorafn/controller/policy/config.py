@@ -77,6 +77,21 @@ class PolicyConfig:
       that start has the host to itself; the pool refills once it is served. Off = refills compete with it
       (on a GPU host the driver's ``refill_delay_s`` after a bind is the only hold). `lorafn up` on CPU turns
       it on.
+    - ``park_idle``: under memory pressure, *park* idle bound workers before stopping anything (issue 16):
+      a parked worker releases its KV cache and the graph pools that point into it and keeps its process,
+      context, adapter and backbone mapping (`actions.Park`); its function's next request unparks it
+      (`actions.Unpark`: the KV back, graphs re-captured lazily: ``unpark_s``) instead of a fresh start or a
+      bind. Idle workers are parked in the offloading order (`offload.park_candidates`); workers are stopped
+      (parked ones included, charged their parked size) only when parking cannot free enough. Off by
+      default: no worker can park yet, and the controller's driver refuses to run with it on. Evaluated on
+      the policy simulator only (`bench/policy_replay.py`, docs/benchmarks.md).
+    - ``park_release_fraction``: the share of a bound worker's charge a park releases where the snapshot
+      does not say (`Worker.release_bytes` 0); the 7B at 512 MiB of KV: ~0.45 (KV 512 + graphs ~150 MiB of
+      ~1.4 GiB).
+    - ``unpark_s``: the policy's estimate of an unpark (allocate the KV, re-capture graphs on first need):
+      what a parked worker's function pays on its next request (parking order: value = rate x unpark_s).
+    - ``park_after_s``: also park a bound worker idle this long without memory pressure (None: only under
+      pressure), so that the warm pool gets the memory idle workers hold.
     """
 
     gpu_utilization: float = 0.92
@@ -96,6 +111,10 @@ class PolicyConfig:
     thrash_horizon_starts: float = 1.0
     max_pool_starts_per_node: int | None = None
     pool_waits_for_demand: bool = False
+    park_idle: bool = False
+    park_release_fraction: float = 0.45
+    unpark_s: float = 0.3
+    park_after_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_utilization <= 1.0:
@@ -141,6 +160,12 @@ class PolicyConfig:
             )
         if not self.thrash_horizon_starts >= 0:
             raise ValueError(f"thrash_horizon_starts must be >= 0, got {self.thrash_horizon_starts!r}")
+        if not 0.0 < self.park_release_fraction < 1.0:
+            raise ValueError(f"park_release_fraction must be in (0, 1), got {self.park_release_fraction!r}")
+        if not self.unpark_s >= 0:
+            raise ValueError(f"unpark_s must be >= 0, got {self.unpark_s!r}")
+        if self.park_after_s is not None and not self.park_after_s >= 0:
+            raise ValueError(f"park_after_s must be >= 0 or None, got {self.park_after_s!r}")
         if self.refill_s is not None and not self.refill_s > 0:
             raise ValueError(f"refill_s must be > 0 or None, got {self.refill_s!r}")
 

@@ -38,6 +38,16 @@ Order of work (each step sees the memory the previous ones granted or freed):
 4. **Warm pool** (planner.py) with the memory and the start slots left.
 5. **Pre-loading** (preload.py): which function's adapter each ready standby the plan keeps should hold.
 
+Parking (``PolicyConfig.park_idle``, off by default; offload.py's docstring): after step 2, bound workers idle
+``park_after_s`` or longer are parked (when set). In step 3, a function whose live workers are all parked
+(or too few unparked for its queue) gets an Unpark first: where its KV fits now, or after parking idle
+workers on its GPU; else once workers exiting for it are gone (b'); else a ready standby is bound; else
+workers are stopped (e) for the unpark's memory, not a whole fresh worker's. Where a fresh start does not fit
+(d), idle workers are parked on the GPU where it loses least before any worker is stopped (e). A Park's
+memory is free at once in the plan (the driver must apply it synchronously: the worker acknowledges the
+release), so the Start or Unpark it makes room for follows in the same plan; a Stop's is not (a process
+frees at its exit).
+
 `fast_binds(snapshot, functions)` is step 3a alone for functions whose demand just arrived: the driver
 binds from its last snapshot within milliseconds of a request, and the full round follows.
 """
@@ -49,11 +59,18 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from lorafn.controller.policy.account import Ledger, MemoryAccount, accounts, gib
-from lorafn.controller.policy.actions import Action, Bind, OffloadCause, Plan, Start, Stop, Wait
+from lorafn.controller.policy.actions import Action, Bind, OffloadCause, Park, Plan, Start, Stop, Unpark, Wait
 from lorafn.controller.policy.backoff import backoff_reason, backoff_remaining_s
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.model import Function, Snapshot, Worker
-from lorafn.controller.policy.offload import candidates, choose_victims, lost_value
+from lorafn.controller.policy.offload import (
+    candidates,
+    choose_parks,
+    choose_victims,
+    lost_value,
+    park_candidates,
+    release_bytes,
+)
 from lorafn.controller.policy.planner import cold_demand, holds, is_pool_worker, plan_pool, refill_s
 from lorafn.controller.policy.preload import plan_preload
 
@@ -85,6 +102,8 @@ class _Round:
         self.on_gpu: dict[str, list[Worker]] = defaultdict(list)
         # fresh starts under way per GPU (processes starting, bound or standby; this plan's Starts added)
         self.starting: dict[str, int] = defaultdict(int)
+        self.unparked: set[str] = set()  # parked workers this plan unparks
+        self.unpark_tried: set[str] = set()  # parked workers this plan found no memory for (`unpark_path`)
         for w in snapshot.workers:
             self.on_gpu[w.gpu].append(w)
             if w.state == "starting":
@@ -119,6 +138,115 @@ class _Round:
 
     def live_count(self, name: str) -> int:
         return len(self.live.get(name, ()))
+
+    def parked_of(self, name: str) -> list[Worker]:
+        """``name``'s parked workers this plan neither stopped nor unparked (nor tried to)."""
+        return [
+            w
+            for w in self.live.get(name, ())
+            if w.parked and w.id not in self.unparked and w.id not in self.unpark_tried
+        ]
+
+    def active_count(self, name: str) -> int:
+        """``name``'s live workers that serve or will serve without an unpark."""
+        return sum(1 for w in self.live.get(name, ()) if not w.parked or w.id in self.unparked)
+
+    # -- parking (PolicyConfig.park_idle) --------------------------------------------------------------
+    def park(self, w: Worker, release: int, detail: str, room_for: str = "") -> None:
+        """Park ``w``: its ``release`` bytes are free in this plan at once (the driver applies a Park
+        synchronously), it stays its function's live worker, and nothing else this plan touches it."""
+        self.actions.append(Park(w.id, w.function or "", w.gpu, release, detail, room_for))
+        self.ledger.give(w.gpu, release)
+        self.protected.add(w.id)
+
+    def park_idle_workers(self) -> None:
+        """Park every bound worker idle ``park_after_s`` or longer (no pressure needed): its memory goes to
+        the demand and the warm pool of this round. A function with requests queued keeps its workers."""
+        after = self.config.park_after_s
+        if not self.config.park_idle or after is None:
+            return
+        for w in sorted(self.snapshot.workers, key=lambda w: w.id):
+            fn = self.functions.get(w.function or "")
+            if (
+                w.state != "bound"
+                or w.parked
+                or w.running > 0
+                or w.id in self.gone
+                or fn is None
+                or fn.queued > 0
+                or w.idle_s < after
+            ):
+                continue
+            release = release_bytes(w, self.config.park_release_fraction)
+            if release > 0:
+                self.park(w, release, f"idle {w.idle_s:.0f} s >= park_after_s {after:.0f} s")
+
+    def park_for(self, fn: Function, gpus: list[str], need_bytes: int) -> str | None:
+        """Park idle workers on the one of ``gpus`` where that loses the least value so that ``need_bytes``
+        fit there now; that GPU, or None when parking cannot make room on any (nothing is parked then)."""
+        if not self.config.park_idle:
+            return None
+        guard_s = self.config.thrash_horizon_starts * self.costs.fresh_start_s
+        best = None
+        for g in gpus:
+            short = need_bytes - self.ledger.free[g]
+            if short <= 0:
+                return g
+            cands = park_candidates(
+                (w for w in self.on_gpu.get(g, ()) if w.id not in self.gone),
+                self.functions,
+                self.protected,
+                self.config.unpark_s,
+                self.config.park_release_fraction,
+                guard_s,
+                self.config.victim_rate,
+            )
+            parks = choose_parks(cands, short)
+            if parks is None:
+                continue
+            rank = (sum(c.density * c.release for c in parks), len(parks), g)
+            if best is None or rank < best[0]:
+                best = (rank, g, parks)
+        if best is None:
+            return None
+        _, g, parks = best
+        for c in parks:
+            self.park(c.worker, c.release, f"idle bound worker parked: makes room for {fn.name}", fn.name)
+        return g
+
+    def unpark(self, fn: Function, w: Worker, need: int) -> None:
+        self.ledger.take(w.gpu, need)
+        self.actions.append(Unpark(w.id, fn.name, w.gpu, need))
+        self.unparked.add(w.id)
+        self.protected.add(w.id)
+        self.served.add(fn.name)
+
+    def unpark_path(self, fn: Function, cause: OffloadCause) -> bool:
+        """One of ``fn``'s parked workers serves again, or is on its way to (True); False: none is parked,
+        or no memory can be had for one (the caller goes on as for a function without one)."""
+        parked = self.parked_of(fn.name)
+        if not parked:
+            return False
+        fraction = self.config.park_release_fraction
+        # the one that fits best (most free on its GPU after its KV is back)
+        w = max(parked, key=lambda w: (self.ledger.free[w.gpu] - release_bytes(w, fraction), w.id))
+        need = release_bytes(w, fraction)
+        if self.ledger.fits(w.gpu, need) or self.park_for(fn, [w.gpu], need) is not None:
+            self.unpark(fn, w, need)
+            return True
+        self.unpark_tried.add(w.id)  # whatever happens below, not again this round
+        if self.room_coming(fn, [w.gpu], need):
+            return True
+        standby = self.pick_standby(fn, set(self.where.get(fn.backbone, ())))
+        if standby is not None:  # a ready standby serves at once and needs no more memory
+            self.bind(fn, standby)
+            return True
+        if self.config.offloading:
+            made = self.offload_for(fn, [w.gpu], cause, need)
+            if made is not None:
+                self.wait_for_room(fn, *made, need_bytes=need)
+                return True
+        return False
 
     # -- step 2 ------------------------------------------------------------------------------
     def retire(self) -> None:
@@ -168,16 +296,17 @@ class _Round:
         live = self.live
         for fn in self.snapshot.functions:
             n = len(live[fn.name]) if fn.name in live else 0
-            first = 1 if fn.queued > 0 and n == 0 else 0
+            active = self.active_count(fn.name)  # parked workers serve only once unparked
+            first = 1 if fn.queued > 0 and active == 0 else 0
             floor = fn.min_replicas - n
             need = max(first, floor)
             if (
                 need == 0
-                and 0 < n < fn.max_replicas
-                and fn.queued / n > self.config.scale_up_queue_per_worker
+                and 0 < active < fn.max_replicas
+                and fn.queued / active > self.config.scale_up_queue_per_worker
             ):
                 need = 1
-            need = min(need, fn.max_replicas - n)
+            need = min(need, fn.max_replicas - active)
             if need > 0:
                 urgency = 0 if first else (1 if floor > 0 else 2)
                 wants.append((urgency, -fn.oldest_wait_s, fn.name, need))
@@ -194,6 +323,10 @@ class _Round:
         rest = []
         for fn, need, cause in ready:
             gpus = set(self.where.get(fn.backbone, ()))
+            if cause != "min_replicas":  # its parked workers first (the floor counts them already)
+                while need > 0 and self.unpark_path(fn, cause):
+                    need -= 1
+                need = min(need, fn.max_replicas - self.live_count(fn.name))  # new ones: parked count
             while need > 0:
                 standby = self.pick_standby(fn, gpus, prepared_only=True)
                 if standby is None:
@@ -264,6 +397,8 @@ class _Round:
             open_gpus = list(gpus)  # over the cap: waiting would make its oldest request miss its deadline
         free = self.ledger.free
         best = max((g for g in open_gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
+        if best is None:
+            best = self.park_for(fn, open_gpus, fn.mem_bytes)  # None unless park_idle
         if best is None and self.config.offloading:
             made = self.offload_for(fn, open_gpus, cause)
             if made is not None:
@@ -309,12 +444,14 @@ class _Round:
                 free.append(w)
         return own + sorted(free, key=lambda w: (-w.mem_bytes, w.id))
 
-    def room_coming(self, fn: Function, gpus: list[str]) -> bool:
+    def room_coming(self, fn: Function, gpus: list[str], need_bytes: int | None = None) -> bool:
         """Whether ``fn`` fits on one of ``gpus`` once workers now exiting there are gone (`coming`): then it
-        Waits for them (`wait_for_room`) and nothing is offloaded for it. The most of its own room first."""
+        Waits for them (`wait_for_room`) and nothing is offloaded for it. The most of its own room first.
+        ``need_bytes``: the memory it needs (None: a worker of it, ``fn.mem_bytes``; an unpark: less)."""
+        size_needed = fn.mem_bytes if need_bytes is None else need_bytes
         best = None
         for g in gpus:
-            need = fn.mem_bytes - max(0, self.ledger.free[g])
+            need = size_needed - max(0, self.ledger.free[g])
             counted, size = [], 0
             for w in self.coming(fn, g):
                 if size >= need:
@@ -328,21 +465,24 @@ class _Round:
                     best = (rank, g, counted)
         if best is None:
             return False
-        self.wait_for_room(fn, best[1], best[2])
+        self.wait_for_room(fn, best[1], best[2], need_bytes=size_needed)
         return True
 
     def room_target(self, w: Worker) -> str:
         """The function an exiting worker's memory is for ("" none): its Stop's in this plan, else its own."""
         return self.stopped_for.get(w.id, "") if w.id in self.gone else (w.room_for or "")
 
-    def wait_for_room(self, fn: Function, gpu: str, exiting: list[Worker]) -> None:
+    def wait_for_room(
+        self, fn: Function, gpu: str, exiting: list[Worker], need_bytes: int | None = None
+    ) -> None:
         """``fn`` waits for ``exiting`` (workers whose processes are ending) on ``gpu``: their memory and the
         free part it needs beside them are its own in this plan (the free part taken from the ledger, so no
         later demand or the pool uses it; the account counts the exiting ones as used until they are gone).
         """
         size = sum(w.mem_bytes for w in exiting)
         self.room_used.update(w.id for w in exiting)
-        self.ledger.take(gpu, max(0, fn.mem_bytes - size))
+        need = fn.mem_bytes if need_bytes is None else need_bytes
+        self.ledger.take(gpu, max(0, need - size))
         self.served.add(fn.name)
         self.actions.append(Wait(fn.name, self.making_room_reason(gpu, exiting)))
 
@@ -447,10 +587,12 @@ class _Round:
         return best
 
     def offload_for(
-        self, fn: Function, gpus: list[str], cause: OffloadCause
+        self, fn: Function, gpus: list[str], cause: OffloadCause, need_bytes: int | None = None
     ) -> tuple[str, list[Worker]] | None:
         """Stop the least valuable workers on the best GPU so that ``fn`` fits there once they have exited;
-        that GPU and the workers stopped, or None."""
+        that GPU and the workers stopped, or None. ``need_bytes``: what must fit (None: ``fn.mem_bytes``;
+        an unpark: its KV)."""
+        need = fn.mem_bytes if need_bytes is None else need_bytes
         counts = {name: len(ws) for name, ws in self.live.items()}
         guard_s = self.config.thrash_horizon_starts * self.costs.fresh_start_s
         # A worker whose function is back soon goes only for what the user asked for (a cold start, the
@@ -478,7 +620,7 @@ class _Round:
                 self.config.victim_rate,
             )
             exiting = self.coming(fn, g)  # all of it is short of fn's need, else `room_coming` took it
-            short = fn.mem_bytes - max(0, self.ledger.free[g]) - sum(w.mem_bytes for w in exiting)
+            short = need - max(0, self.ledger.free[g]) - sum(w.mem_bytes for w in exiting)
             victims = choose_victims(cands, short)
             if victims is None:
                 continue
@@ -571,6 +713,7 @@ def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
     """The plan of one round (see the module docstring)."""
     r = _Round(snapshot, config or PolicyConfig())
     r.retire()
+    r.park_idle_workers()
     r.demand()
     pool = r.warm_pool()
     r.preload()
@@ -607,3 +750,26 @@ def fast_binds(
         if standby is not None:
             r.bind(fn, standby)
     return [a for a in r.actions if isinstance(a, Bind)]
+
+
+def fast_unparks(
+    snapshot: Snapshot, functions: Iterable[str], config: PolicyConfig | None = None
+) -> list[Park | Unpark]:
+    """Unparks for ``functions`` (demand just arrived for them) from ``snapshot`` alone, as `fast_binds`
+    binds: for each whose live workers are all parked, one Unpark where its KV fits now or once idle workers
+    on its GPU are parked (those Parks first). Nothing without ``park_idle``; no stops or waits (the full
+    round does those)."""
+    r = _Round(snapshot, config or PolicyConfig())
+    if not r.config.park_idle:
+        return []
+    fraction = r.config.park_release_fraction
+    for name in sorted(set(functions)):
+        fn = r.functions.get(name)
+        parked = r.parked_of(name)
+        if fn is None or not parked or r.active_count(name) > 0:
+            continue
+        w = max(parked, key=lambda w: (r.ledger.free[w.gpu] - release_bytes(w, fraction), w.id))
+        need = release_bytes(w, fraction)
+        if r.ledger.fits(w.gpu, need) or r.park_for(fn, [w.gpu], need) is not None:
+            r.unpark(fn, w, need)
+    return [a for a in r.actions if isinstance(a, (Park, Unpark))]

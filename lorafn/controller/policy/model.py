@@ -79,6 +79,10 @@ class Worker:
     the next rounds count this memory as coming for that function instead of offloading more).
     ``reported_bytes``: what the driver counts its process holding now (0: no such figure, or not yet):
     ``mem_bytes`` less this is memory the account promised it that the device does not show used yet.
+    ``parked``: a bound worker that released its KV cache and graph pools (`PolicyConfig.park_idle`); its
+    ``mem_bytes`` is then its parked charge, and it serves nothing until unparked. ``release_bytes``: for a
+    bound worker, what parking it would give back to the account; for a parked one, what unparking it takes
+    back (0: not known; `PolicyConfig.park_release_fraction` of its charge stands in).
     """
 
     id: str
@@ -94,9 +98,18 @@ class Worker:
     preloaded: str | None = None
     room_for: str | None = None
     reported_bytes: int = 0
+    parked: bool = False
+    release_bytes: int = 0
 
     def __post_init__(self) -> None:
         owner = f"Worker {self.id}"
+        if self.parked and self.state != "bound":
+            raise ValueError(
+                f"{owner}.parked must be False on a {self.state} worker (only a bound one parks)"
+            )
+        if self.parked and self.running:
+            raise ValueError(f"{owner}: a parked worker runs nothing, got running={self.running!r}")
+        _check_bytes(owner, "release_bytes", self.release_bytes)
         if not self.id:
             raise ValueError("Worker.id must be a non-empty string")
         if self.state not in WORKER_STATES:

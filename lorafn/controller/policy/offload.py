@@ -21,13 +21,24 @@ plan binds or keeps (``protected``).
 
 `choose_victims` takes candidates in that order until enough bytes are freed, then drops again,
 most valuable first, every victim the others make unnecessary: the smallest set the order allows.
+
+Parking (`PolicyConfig.park_idle`, issue 16): before any worker is stopped, idle bound workers may be
+*parked* (`park_candidates`): each releases its KV cache and graph pools (`release_bytes`) and stays its
+function's worker, whose next request pays an unpark (~0.1-0.3 s) instead of a fresh start (1-3 s). The
+order is the offloading order of idle bound workers: tier (expected back soon last), then value density =
+arrival rate x unpark seconds / bytes released, longest idle first among equals. Unlike a stop, a park may
+take a function's last ``min_replicas`` workers and one expected back soon (it stays a worker), but never a
+worker with requests in flight, one whose function has requests queued (they would unpark it at once), one
+parked already, or one the plan binds, unparks or keeps. `choose_parks` is `choose_victims` by released
+bytes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from lorafn.controller.policy.config import VICTIM_RATES, VictimRate
 from lorafn.controller.policy.model import Costs, Function, Worker
@@ -35,6 +46,7 @@ from lorafn.controller.policy.planner import ColdDemand
 from lorafn.controller.policy.preload import preload_value
 
 STANDBY, IDLE_BOUND, GUARDED = 0, 1, 2
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,12 @@ def candidates(
 
 def choose_victims(ordered: list[Victim], need_bytes: int) -> list[Victim] | None:
     """The victims that free at least ``need_bytes`` (None when all of them together cannot)."""
+    return _smallest_prefix_set(ordered, need_bytes, lambda v: v.worker.mem_bytes)
+
+
+def _smallest_prefix_set(ordered: list[T], need_bytes: int, size: Callable[[T], int]) -> list[T] | None:
+    """Take ``ordered`` from the front until ``need_bytes`` are freed, then drop, most valuable first, every
+    item the others make unnecessary (None when all of them together cannot free enough)."""
     if need_bytes <= 0:
         return []
     chosen, freed = [], 0
@@ -155,14 +173,71 @@ def choose_victims(ordered: list[Victim], need_bytes: int) -> list[Victim] | Non
         if freed >= need_bytes:
             break
         chosen.append(v)
-        freed += v.worker.mem_bytes
+        freed += size(v)
     if freed < need_bytes:
         return None
     for v in reversed(list(chosen)):  # most valuable first: keep it if the others suffice
-        if freed - v.worker.mem_bytes >= need_bytes:
+        if freed - size(v) >= need_bytes:
             chosen.remove(v)
-            freed -= v.worker.mem_bytes
+            freed -= size(v)
     return chosen
+
+
+def release_bytes(worker: Worker, fraction: float) -> int:
+    """For a bound worker, the bytes parking it gives back; for a parked one, the bytes unparking it takes
+    back: its ``release_bytes`` where the snapshot knows them, else ``fraction`` of its unparked charge."""
+    if worker.release_bytes > 0:
+        return worker.release_bytes
+    if worker.parked:
+        return int(worker.mem_bytes * fraction / (1.0 - fraction))
+    return int(worker.mem_bytes * fraction)
+
+
+@dataclass(frozen=True)
+class ParkCandidate:
+    """An idle bound worker that could be parked: ``release``: bytes it gives back; ``tier``: `IDLE_BOUND`,
+    or `GUARDED` when its function is expected back soon; ``density``: value lost per byte released."""
+
+    worker: Worker
+    tier: int
+    density: float
+    release: int
+
+    @property
+    def rank(self) -> tuple[int, float, float, str]:
+        return (self.tier, self.density, -self.worker.idle_s, self.worker.id)
+
+
+def park_candidates(
+    workers: Iterable[Worker],
+    functions: Mapping[str, Function],
+    protected: set[str],
+    unpark_s: float,
+    fraction: float,
+    guard_s: float = 0.0,
+    rate: VictimRate = "window",
+) -> list[ParkCandidate]:
+    """The workers of one GPU that may be parked, least valuable first (see the module docstring)."""
+    out = []
+    for w in workers:
+        if w.state != "bound" or w.parked or w.running > 0 or w.id in protected:
+            continue
+        fn = functions.get(w.function or "")
+        if fn is not None and fn.queued > 0:
+            continue
+        release = release_bytes(w, fraction)
+        if release <= 0:
+            continue
+        guarded = guard_s > 0 and expected_return_s(w, fn) < guard_s
+        density = victim_rate(fn, rate) * unpark_s / release
+        out.append(ParkCandidate(w, GUARDED if guarded else IDLE_BOUND, density, release))
+    out.sort(key=lambda c: c.rank)
+    return out
+
+
+def choose_parks(ordered: list[ParkCandidate], need_bytes: int) -> list[ParkCandidate] | None:
+    """The workers to park that release at least ``need_bytes`` (None when all of them cannot)."""
+    return _smallest_prefix_set(ordered, need_bytes, lambda c: c.release)
 
 
 def lost_value(victims: list[Victim]) -> float:

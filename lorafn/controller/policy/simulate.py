@@ -32,7 +32,14 @@ The model (each part as simple as the question allows; none of it is measured he
   with ``driver_guard`` each GPU carries the driver's free bytes (total - backbone - what processes hold -
   ``unattributed_bytes`` per process); ``late_growth_bytes``: what a fresh bound worker grows by once it has
   served (its activations after a longer step than its first). The result reports the peak of what the
-  processes really hold.
+  processes really hold;
+- parking (`PolicyConfig.park_idle`, issue 16): a Park takes effect at once (the worker releases its KV and
+  graph pools in milliseconds and acknowledges; the driver would wait for that); a parked worker holds
+  ``park_release_bytes`` less (``worker_bytes - park_release_bytes`` unsized), is charged what it holds +
+  the overhead margin, and serves nothing; an Unpark gives it its whole size back at once and it serves
+  ``unpark_s`` later (KV allocation + lazy graph re-capture, its graphs settled then). A request for a
+  function whose workers are all parked is answered at once from the last round's view (`fast_unparks`, as
+  `fast_binds` for a function with no worker), else by the next round.
 
 Each request's path is as the trace replay reports it: warm (a bound worker was there), standby or fresh
 (its arrival was answered by a bind or a fresh start and it was that worker's first request), queued (it
@@ -49,7 +56,7 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lorafn.controller.policy.actions import Bind, Start, Stop
+from lorafn.controller.policy.actions import Bind, Park, Start, Stop, Unpark
 from lorafn.controller.policy.charge import (
     OVERHEAD_MARGIN_BYTES,
     SizeReport,
@@ -58,7 +65,7 @@ from lorafn.controller.policy.charge import (
     overhead_floor,
 )
 from lorafn.controller.policy.config import PolicyConfig
-from lorafn.controller.policy.decide import decide, fast_binds
+from lorafn.controller.policy.decide import decide, fast_binds, fast_unparks
 from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker, WorkerState
 
 GiB = 2**30
@@ -150,6 +157,9 @@ class SimSetup:
     unattributed_bytes: int = 0
     late_growth_bytes: int = 0  # a fresh bound worker grows by this once it has served (a longer step)
     startup: StartupModel | None = None  # None: fresh_start_s shared by start_parallelism (the fixed model)
+    # parking (module docstring): what a park releases (KV + graph pools), and an unpark's time
+    park_release_bytes: int = 0
+    unpark_s: float = 0.3
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -160,6 +170,12 @@ class SimSetup:
                 raise ValueError(f"SimSetup.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_batch < 1:
             raise ValueError(f"SimSetup.max_batch must be >= 1, got {self.max_batch!r}")
+        if not 0 <= self.park_release_bytes < self.worker_bytes:
+            raise ValueError(
+                f"SimSetup.park_release_bytes must be in [0, worker_bytes), got {self.park_release_bytes!r}"
+            )
+        if not self.unpark_s >= 0:
+            raise ValueError(f"SimSetup.unpark_s must be >= 0, got {self.unpark_s!r}")
         if self.charge not in ("learned", "own"):
             raise ValueError(f"SimSetup.charge must be 'learned' or 'own', got {self.charge!r}")
         if self.overhead_quantiles is not None:
@@ -203,6 +219,8 @@ class _Worker:
     running_sum: float = 0.0  # requests running on its GPU, summed over its pre_runner ticks
     pre_ticks: int = 0
     pre_s: float = 0.0  # its pre_runner stage's time, once done
+    parked: bool = False
+    unparked_first: bool = False  # unparked for a request and has not taken one yet
 
 
 @dataclass
@@ -231,6 +249,12 @@ class SimResult:
     start_records: list[tuple[float, int, float]] = field(default_factory=list)
     pool_empty_ticks: int = 0  # measured ticks with no ready standby on some GPU
     measured_ticks: int = 0
+    parks: int = 0
+    unparks: int = 0
+    # the measured window's GPU memory held (backbones + processes), in GPU-seconds: sum over its ticks (to
+    # its last arrival) of held / GPU bytes x tick (one GPU full all along = the window's length)
+    held_gpu_s: float = 0.0
+    parked_ticks: int = 0  # sum over measured ticks of parked workers (their mean = / measured_ticks)
 
     def row(self) -> dict[str, float | int]:
         ttft = sorted(self.ttft_s)
@@ -264,6 +288,11 @@ class SimResult:
             "peak_held_gib": round(self.peak_held_bytes / GiB, 1),
             "over_gpu_ticks": self.over_gpu_ticks,
             "pool_empty_pct": round(100.0 * self.pool_empty_ticks / max(1, self.measured_ticks), 1),
+            "unparked": self.paths.get("unpark", 0),
+            "parks": self.parks,
+            "unparks": self.unparks,
+            "mean_parked": round(self.parked_ticks / max(1, self.measured_ticks), 1),
+            "held_gpu_s": round(self.held_gpu_s),
         }
 
 
@@ -301,6 +330,9 @@ class Simulation:
         self.start_records: list[tuple[float, int, float]] = []
         self.pool_empty = 0
         self.ticks = 0
+        self.held_gpu_s = 0.0
+        self.parked_ticks = 0
+        self.held_share = 0.0
         self.gpus = tuple(
             GPU(f"gpu{g}", "node0", setup.gpu_bytes, {BACKBONE: setup.backbone_bytes})
             for g in range(setup.num_gpus)
@@ -319,11 +351,24 @@ class Simulation:
         """What the worker's process holds now (the driver's count)."""
         s = self.setup
         if not self.sized:
-            return s.worker_bytes
+            return s.worker_bytes - (s.park_release_bytes if w.parked else 0)
         whole = s.kv_lora_bytes + w.overhead
         if w.served_any and not w.via_bind:  # a standby's warm-up ran the longest steps already
             whole += s.late_growth_bytes
+        if w.parked:  # KV and graph pools released (its cached activations kept)
+            return max(0, whole - s.park_release_bytes)
         return whole if self.settled(w) else max(0, whole - s.graph_bytes)
+
+    def parked_charge(self, w: _Worker) -> int:
+        """What the account charges ``w`` parked (nothing grows while it runs nothing): what it holds + the
+        overhead margin; unsized: the flat size less the release."""
+        s = self.setup
+        if not self.sized:
+            return s.worker_bytes - s.park_release_bytes
+        was, w.parked = w.parked, True
+        held = self.held_bytes(w)
+        w.parked = was
+        return held + OVERHEAD_MARGIN_BYTES
 
     def settled(self, w: _Worker) -> bool:
         return w.state != "starting" and self.now >= w.settled_at
@@ -332,7 +377,7 @@ class Simulation:
         s, now = self.setup, self.now
         fn_bytes, floor = s.worker_bytes, 0
         if self.sized:
-            reporting = [w for w in self.workers.values() if w.state in ("standby", "bound")]
+            reporting = [w for w in self.workers.values() if w.state in ("standby", "bound") and not w.parked]
             overheads = [self.held_bytes(w) - s.kv_lora_bytes for w in reporting]
             learned = learned_overhead(overheads, s.worker_bytes - s.kv_lora_bytes)
             settled = [self.held_bytes(w) - s.kv_lora_bytes for w in reporting if self.settled(w)]
@@ -344,7 +389,11 @@ class Simulation:
             running = sum(1 for end in w.running if end > now)
             held = self.held_bytes(w)
             held_on[w.gpu] += held + s.unattributed_bytes
-            if not self.sized:
+            release = 0
+            if w.parked:
+                charge, reported = self.parked_charge(w), held
+                release = max(0, fn_bytes - charge)  # unparked, it is charged as an unsettled worker
+            elif not self.sized:
                 charge, reported = s.worker_bytes, 0
             elif w.state == "starting":
                 charge, reported = fn_bytes, 0
@@ -353,6 +402,8 @@ class Simulation:
                 charge, reported = charge_bytes(report, fn_bytes, floor), held
             else:
                 charge, reported = max(held, fn_bytes), held
+            if w.state == "bound" and not w.parked and s.park_release_bytes > 0:
+                release = max(0, charge - self.parked_charge(w))  # what the next snapshot would show
             workers.append(
                 Worker(
                     w.id,
@@ -367,6 +418,8 @@ class Simulation:
                     age_s=max(1e-3, now - w.started_at),
                     room_for=w.room_for if w.state == "draining" else None,
                     reported_bytes=reported,
+                    parked=w.parked and w.state == "bound",  # a stopped one drains at its parked size
+                    release_bytes=release,
                 )
             )
         gpus = self.gpus
@@ -458,9 +511,28 @@ class Simulation:
         w.state, w.ready_at = "draining", self.now + self.setup.stop_s
         w.room_for = a.room_for or None
 
+    def _park(self, a: Park) -> None:
+        w = self.workers.get(a.worker_id)
+        if w is None or w.state != "bound" or w.parked or any(end > self.now for end in w.running):
+            raise RuntimeError(f"the policy parked {a.worker_id}, which is not an idle bound worker")
+        w.parked, w.unparked_first = True, False
+        self.count("parks")
+
+    def _unpark(self, a: Unpark) -> None:
+        w = self.workers.get(a.worker_id)
+        if w is None or not w.parked:
+            raise RuntimeError(f"the policy unparked {a.worker_id}, which is not parked")
+        w.parked, w.unparked_first = False, True
+        w.ready_at = w.settled_at = self.now + self.setup.unpark_s  # KV allocated, graphs re-captured
+        self.count("unparks")
+
     def apply(self, actions: Sequence[object]) -> None:
         for a in actions:
-            if isinstance(a, Stop):
+            if isinstance(a, Park):
+                self._park(a)
+            elif isinstance(a, Unpark):
+                self._unpark(a)
+            elif isinstance(a, Stop):
                 self._stop(a)
             elif isinstance(a, Start):
                 self._start(a)
@@ -528,7 +600,11 @@ class Simulation:
             if not queue:
                 continue
             for w in sorted(
-                (w for w in self.workers.values() if w.function == name and w.state == "bound"),
+                (
+                    w
+                    for w in self.workers.values()
+                    if w.function == name and w.state == "bound" and not w.parked
+                ),
                 key=lambda w: w.id,
             ):
                 if w.ready_at > now:
@@ -541,13 +617,15 @@ class Simulation:
                         self.ttft.append(now - at + self.setup.warm_ttft_s)
                     if hint == "warm":
                         path = "warm"
+                    elif w.unparked_first:
+                        path = "unpark"
                     elif not w.served_any and (w.via_bind or w.fresh_for == name):
                         path = "standby" if w.via_bind else "fresh"
                     else:
                         path = "queued"
                     if measured:
                         self.paths[path] += 1
-                    w.served_any = True
+                    w.served_any, w.unparked_first = True, False
                     w.running.append(now + self.setup.service_s)
                     w.idle_since = now + self.setup.service_s
                 if not queue:
@@ -558,10 +636,12 @@ class Simulation:
         held: dict[str, int] = defaultdict(int)
         for w in self.workers.values():
             held[w.gpu] += self.held_bytes(w) + self.setup.unattributed_bytes
+        self.held_share = 0.0  # this tick's memory held, in GPUs (for the window's GPU-seconds)
         for g in self.gpus:
             total = self.setup.backbone_bytes + held[g.id]
             self.peak_held = max(self.peak_held, total)
             self.over_gpu += total > g.total_bytes
+            self.held_share += total / g.total_bytes
 
     def run(self, drain_s: float = 60.0) -> SimResult:
         s = self.setup
@@ -569,17 +649,27 @@ class Simulation:
         next_round, k = 0.0, 0
         while self.now <= end:
             self._finish_starts()
-            woke = []
+            woke, waking = [], []
             while k < len(self.arrivals) and self.arrivals[k][0] <= self.now:
                 name = self.names[self.arrivals[k][1]]
-                bound = any(w.function == name and w.state == "bound" for w in self.workers.values())
-                self.queues[name].append((self.arrivals[k][0], "warm" if bound else "cold"))
+                mine = [w for w in self.workers.values() if w.function == name]
+                bound = [w for w in mine if w.state == "bound"]
+                # warm: a bound worker serving (not parked, not unparking); parked: only parked/unparking ones
+                if any(not w.parked and not w.unparked_first for w in bound):
+                    hint = "warm"
+                else:
+                    hint = "parked" if bound else "cold"
+                self.queues[name].append((self.arrivals[k][0], hint))
                 self.history[name].append(self.arrivals[k][0])
-                if not any(w.function == name for w in self.workers.values()):
+                if not mine:
                     woke.append(name)
+                elif all(w.parked for w in mine):
+                    waking.append(name)
                 k += 1
             if woke:  # the driver's fast path: binds from the last round's view at once
                 self.apply(fast_binds(self.snapshot(), woke, self.config))
+            if waking:  # and unparks (a driver that parks would answer its workers' demand so)
+                self.apply(fast_unparks(self.snapshot(), waking, self.config))
             if self.now >= next_round:
                 self.apply(decide(self.snapshot(), self.config).actions)
                 next_round = self.now + s.round_s
@@ -591,6 +681,8 @@ class Simulation:
                 self.ticks += 1
                 ready = {w.gpu for w in self.workers.values() if w.state == "standby"}
                 self.pool_empty += any(g.id not in ready for g in self.gpus)
+                self.parked_ticks += sum(1 for w in self.workers.values() if w.parked)
+                self.held_gpu_s += self.held_share * s.tick_s
             self.now = round(self.now + s.tick_s, 9)
         c = self.counts
         regretted = 0
@@ -618,4 +710,8 @@ class Simulation:
             self.start_records,
             self.pool_empty,
             self.ticks,
+            c["parks"],
+            c["unparks"],
+            self.held_gpu_s,
+            self.parked_ticks,
         )
