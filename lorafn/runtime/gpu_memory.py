@@ -68,11 +68,26 @@ def device_uuid(device: Any) -> str | None:
     return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
 
 
+def cuda_uuid(device: Any) -> str | None:
+    """The NVML UUID of ``device`` where it is a torch CUDA device (None for a CPU device, None, or no UUID):
+    what the ``*_on`` readings take."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    return device_uuid(device)
+
+
+def _nvml_device(uuid: str) -> tuple[Any, Any] | None:
+    """The NVML library and the device handle of the GPU ``uuid``, or None (no NVML, unknown device)."""
+    lib, handle = _nvml(), _handle(uuid)
+    return None if lib is None or handle is None else (lib, handle)
+
+
 def process_bytes_on(uuid: str, pid: int | None = None) -> int | None:
     """Bytes the driver counts for process ``pid`` (default: this one) on the GPU ``uuid``, or None."""
-    lib, handle = _nvml(), _handle(uuid)
-    if lib is None or handle is None:
+    nvml = _nvml_device(uuid)
+    if nvml is None:
         return None
+    lib, handle = nvml
     pid = os.getpid() if pid is None else pid
     call = getattr(lib, "nvmlDeviceGetComputeRunningProcesses_v3", None) or getattr(
         lib, "nvmlDeviceGetComputeRunningProcesses_v2", None
@@ -105,9 +120,10 @@ class _MemoryInfo(ctypes.Structure):
 
 def device_free_bytes_on(uuid: str) -> int | None:
     """The free bytes of the GPU ``uuid`` as the driver counts them (every process's), or None."""
-    lib, handle = _nvml(), _handle(uuid)
-    if lib is None or handle is None:
+    nvml = _nvml_device(uuid)
+    if nvml is None:
         return None
+    lib, handle = nvml
     info = _MemoryInfo()
     if lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(info)) != _NVML_SUCCESS:
         return None
@@ -117,18 +133,21 @@ def device_free_bytes_on(uuid: str) -> int | None:
 def device_free_bytes(device: Any) -> int | None:
     """The free bytes of a torch CUDA ``device`` as the driver counts them (the controller's second guard
     under its account), or None (CPU, no NVML)."""
-    if getattr(device, "type", "cpu") != "cuda":
-        return None
-    uuid = device_uuid(device)
+    uuid = cuda_uuid(device)
     return device_free_bytes_on(uuid) if uuid else None
 
 
 def process_bytes(device: Any) -> int | None:
     """This process's bytes on a torch CUDA ``device`` as the driver counts them, or None."""
-    if getattr(device, "type", "cpu") != "cuda":
-        return None
-    uuid = device_uuid(device)
+    uuid = cuda_uuid(device)
     return process_bytes_on(uuid) if uuid else None
 
 
-__all__ = ["device_free_bytes", "device_free_bytes_on", "device_uuid", "process_bytes", "process_bytes_on"]
+__all__ = [
+    "cuda_uuid",
+    "device_free_bytes",
+    "device_free_bytes_on",
+    "device_uuid",
+    "process_bytes",
+    "process_bytes_on",
+]

@@ -1086,16 +1086,16 @@ def placement_fields(settings: WorkerSettings, engine: Any, memory: bool = True)
         fields["kv_budget_bytes"] = budget_mib << 20
         # the driver's figure for the whole process (context, kernels, workspaces, allocator) where it
         # can be read: the controller learns a worker's real overhead from it
-        from lorafn.runtime.gpu_memory import device_free_bytes, process_bytes
+        from lorafn.runtime.gpu_memory import cuda_uuid, device_free_bytes_on, process_bytes_on
 
-        device = getattr(runner, "device", None)
-        whole = process_bytes(device)
+        uuid = cuda_uuid(getattr(runner, "device", None))  # once for both readings (None: CPU, no UUID)
+        whole = process_bytes_on(uuid) if uuid else None
         if whole is not None:
             fields["mem_bytes"], fields["mem_source"] = max(whole, fields.get("mem_bytes", 0)), "driver"
             # decode graphs still to capture (`lazy_graphs`): the process grows by their pool; until they
             # are captured the controller charges it the learned overhead (controller.policy.charge)
             fields["graphs_pending"] = int(bool(getattr(runner, "graphs_pending", False)))
-        free = device_free_bytes(device)
+        free = device_free_bytes_on(uuid) if uuid else None
         if free is not None:  # the device as the driver counts it: the controller's second guard
             fields["device_free_bytes"] = free
     return fields

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from lorafn.runtime.worker import WorkerSettings, placement_fields
 
 MiB = 1 << 20
@@ -24,22 +26,40 @@ def test_without_a_budget_no_grant_is_reported() -> None:
 
 
 def test_a_driver_counted_worker_says_whether_graphs_are_pending_and_the_devices_free(monkeypatch) -> None:
-    # what NVML would say (no GPU here): the process's bytes and the device's free bytes
+    # what NVML would say (no GPU here): the process's bytes and the device's free bytes, both read by the
+    # device's UUID, resolved once per heartbeat
     from lorafn.runtime import gpu_memory
 
-    monkeypatch.setattr(gpu_memory, "process_bytes", lambda device: 1409 * MiB)
-    monkeypatch.setattr(gpu_memory, "device_free_bytes", lambda device: 17 << 30)
+    resolved: list[object] = []
+
+    def cuda_uuid(device: object) -> str:
+        resolved.append(device)
+        return "GPU-0"
+
+    monkeypatch.setattr(gpu_memory, "cuda_uuid", cuda_uuid)
+    monkeypatch.setattr(gpu_memory, "process_bytes_on", {"GPU-0": 1409 * MiB}.get)
+    monkeypatch.setattr(gpu_memory, "device_free_bytes_on", {"GPU-0": 17 << 30}.get)
     settings = WorkerSettings(gpu="g0", backbone="tiny", kv_budget_mib=512)
     for pending in (True, False):
         runner = SimpleNamespace(
-            memory_parts=lambda: (504 * MiB, 80 * MiB), device=None, graphs_pending=pending
+            memory_parts=lambda: (504 * MiB, 80 * MiB), device="cuda:0", graphs_pending=pending
         )
+        resolved.clear()
         fields = placement_fields(settings, SimpleNamespace(lora_shape_key="r16", runner=runner))
+        assert resolved == ["cuda:0"]
         assert fields["mem_bytes"] == 1409 * MiB and fields["mem_source"] == "driver"
         assert fields["graphs_pending"] == int(pending)
         assert fields["device_free_bytes"] == 17 << 30
-    # no driver figure (CPU): neither field, the controller keeps its learned charge and no guard
-    monkeypatch.setattr(gpu_memory, "process_bytes", lambda device: None)
-    monkeypatch.setattr(gpu_memory, "device_free_bytes", lambda device: None)
+    # no driver figure (NVML cannot read the device; a CPU: no UUID, NVML not asked): neither field, the
+    # controller keeps its learned charge and no guard
+    monkeypatch.setattr(gpu_memory, "process_bytes_on", {}.get)
+    monkeypatch.setattr(gpu_memory, "device_free_bytes_on", {}.get)
     fields = placement_fields(settings, SimpleNamespace(lora_shape_key="r16", runner=runner))
-    assert "graphs_pending" not in fields and "device_free_bytes" not in fields
+    assert not {"mem_source", "graphs_pending", "device_free_bytes"} & set(fields)
+    monkeypatch.setattr(gpu_memory, "cuda_uuid", lambda device: None)
+    monkeypatch.setattr(gpu_memory, "process_bytes_on", lambda uuid: pytest.fail("NVML read without a UUID"))
+    monkeypatch.setattr(
+        gpu_memory, "device_free_bytes_on", lambda uuid: pytest.fail("NVML read without a UUID")
+    )
+    fields = placement_fields(settings, SimpleNamespace(lora_shape_key="r16", runner=runner))
+    assert not {"mem_source", "graphs_pending", "device_free_bytes"} & set(fields)
