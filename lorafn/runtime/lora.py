@@ -166,10 +166,10 @@ def load_lora(
     total = pieces[-1].end if pieces else 0
     dev = torch.device(device)
     # Every tensor is built on the host, in one buffer, and crosses to the device in ONE copy: on a GPU
-    # time-sliced between many worker processes each small copy or kernel waits for this process's turn
-    # (H100 replay: ~450 copies + ~700 small ops took 3.2-4.4 s with 10-20 requests running elsewhere,
-    # 0.45 s when quiet). The host math runs on the
-    # worker's one CPU thread (GPU workers set torch.set_num_threads: many workers oversubscribed the host).
+    # time-sliced between many worker processes each small copy or kernel waits for this process's turn (H100
+    # replay: ~450 copies + ~700 small ops took 3.2-4.4 s with 10-20 requests running elsewhere, 0.45 s when
+    # quiet). The host math runs on the worker's one CPU thread (GPU workers set torch.set_num_threads: many
+    # workers oversubscribed the host).
     host = torch.empty(total, dtype=dtype, pin_memory=pinned and dev.type == "cuda")
     for piece in pieces:
         view = host[piece.start : piece.end].view(piece.shape)
