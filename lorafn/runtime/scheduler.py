@@ -574,14 +574,11 @@ class Scheduler:
             add_chunk(group, seq, num_tokens)
 
         # Both orders (first come first served, deadline) size chunks and admit requests by these two.
-        def partial_chunk(seq: Sequence) -> int | None:
-            """This step's chunk of a running sequence's partial prefill, or None (it waits)."""
+        def chunk_tokens(num_tokens: int, runs_alone: bool = False) -> int | None:
+            """`_chunk_tokens` of a prefill with ``num_tokens`` left, in this step as planned so far."""
+            first_prefill = not (prefills or admitted)
             return _chunk_tokens(
-                seq.num_uncomputed_tokens,
-                budget,
-                prefill_left,
-                cfg.enable_chunked_prefill,
-                first_prefill=not (prefills or admitted),
+                num_tokens, budget, prefill_left, cfg.enable_chunked_prefill, first_prefill, runs_alone
             )
 
         def admission_chunk(seq: Sequence, larger_class_only: bool = False) -> int | None:
@@ -593,13 +590,8 @@ class Scheduler:
             if seq.seq_id in preempted_now or len(self._running) >= cfg.max_num_seqs:
                 return None
             left = seq.num_tokens - seq.swapped_tokens  # what is left to compute once swapped in
-            num_tokens = _chunk_tokens(
-                left,
-                budget,
-                prefill_left,
-                cfg.enable_chunked_prefill,
-                first_prefill=not (prefills or admitted),
-                runs_alone=not self._running and left > cfg.max_num_batched_tokens,
+            num_tokens = chunk_tokens(
+                left, runs_alone=not self._running and left > cfg.max_num_batched_tokens
             )
             if num_tokens is None:
                 return None
@@ -631,7 +623,7 @@ class Scheduler:
                     break
                 running = seq.status is SequenceStatus.RUNNING
                 if running:
-                    num_tokens = partial_chunk(seq)
+                    num_tokens = chunk_tokens(seq.num_uncomputed_tokens)
                 elif admitting:
                     num_tokens = admission_chunk(seq, larger_class_only=True)
                     admitting = num_tokens is not None
@@ -669,7 +661,7 @@ class Scheduler:
                     or seq.num_uncomputed_tokens <= 1
                 ):
                     continue
-                num_tokens = partial_chunk(seq)
+                num_tokens = chunk_tokens(seq.num_uncomputed_tokens)
                 if num_tokens is not None and reserve(seq, seq.num_computed_tokens + num_tokens):
                     add_chunk(prefills, seq, num_tokens)
 
