@@ -10,7 +10,10 @@ deadline margin), `off` without, `gate` with admission and decode gating (`LORAF
 tight function's urgent prefill runs, the other workers pause their decode steps, each at most its TPOT
 slack; docs/scheduler.md#decode-gating), `edf` with each worker's pending prefills served by TTFT deadline
 (`LORAFN_DEADLINE_ORDER`: earliest deadline first among those that can still make it, the ones predicted
-late behind them; docs/scheduler.md#deadline-order) and no admission, `on-edf` with both. Printed per
+late behind them; docs/scheduler.md#deadline-order) and no admission, `on-edf` with both (the workers bid
+for the budget with the deadline of the first prompt their plan serves on time), `on-edf-oldest` as
+`on-edf` but bidding with the oldest waiting request's deadline (`LORAFN_BID_DEADLINE=oldest`, the rule
+before issue 13). Printed per
 function and overall: TTFT p50/p99, TPOT p50/p99, SLO
 violations (an error or a first token later than the function's SLO), throughput (completion tokens/s),
 the budget's grants, and per mode the gating counters (urgent grants, gated decode steps, their total and
@@ -38,6 +41,12 @@ mean wait, pauses that ran to their bound).
         --slos 500,8000,8000 --rates 10 --duration-s 45 --trace-start-s 120 --max-prompt-tokens 512 \
         --max-tokens 128 --kv-mib 2048 --prefill-tokens 2048 --data-dir .data --workdir /tmp/adm \
         --modes off,edf,on,on-edf --request-timeout-s 90 --json $OUT/admission.json
+    # the bid's deadline with deadline order and admission: the plan's first on-time prompt vs the oldest
+    # request (issue 13), twice each in alternating order (~8 min)
+    python bench/admission.py --model /tmp/llama-2-7b --device cuda --dtype bfloat16 --functions 8 \\
+        --slos 500,8000,8000 --rates 10 --duration-s 45 --trace-start-s 120 --max-prompt-tokens 512 \\
+        --max-tokens 128 --kv-mib 2048 --prefill-tokens 2048 --data-dir .data --workdir /tmp/adm \\
+        --modes on-edf-oldest,on-edf --repeat 2 --request-timeout-s 90 --json $OUT/admission.json
 
 `--rates` replays each rate in turn on the same platform of each mode (one start-up per mode; its records
 and figures per rate); `--prompt-size question` sends one GSM8K question per request instead of text of
@@ -118,8 +127,9 @@ def figures(
     }  # fmt: skip
 
 
-# admission; none; admission + decode gating; deadline order in each worker (no admission); both
-MODES = ("on", "off", "gate", "edf", "on-edf")
+# admission; none; admission + decode gating; deadline order in each worker (no admission); both; both with
+# the bid of the oldest waiting request (before issue 13)
+MODES = ("on", "off", "gate", "edf", "on-edf", "on-edf-oldest")
 
 
 def run_one(
@@ -134,7 +144,7 @@ def run_one(
     """One platform of one mode (`MODES`): warm up, then replay each plan (one per rate, in order, each
     after the last one's answers came back); per plan its results, the budget's records during it and
     the change of the gating counters."""
-    admission = mode in ("on", "gate", "on-edf")
+    admission = mode in ("on", "gate", "on-edf", "on-edf-oldest")
     workdir = Path(args.workdir) / mode
     if workdir.exists():  # a repeat: a fresh platform each time
         shutil.rmtree(workdir)
@@ -143,7 +153,8 @@ def run_one(
         settings["device_memory_mib"] = args.device_memory_mib
     env = {"LORAFN_GPU_PREFILL_TOKENS": str(args.prefill_tokens)} if args.prefill_tokens else {}
     env["LORAFN_DECODE_GATING"] = "true" if mode == "gate" else "false"
-    env["LORAFN_DEADLINE_ORDER"] = "true" if mode in ("edf", "on-edf") else "false"
+    env["LORAFN_DEADLINE_ORDER"] = "true" if mode in ("edf", "on-edf", "on-edf-oldest") else "false"
+    env["LORAFN_BID_DEADLINE"] = "oldest" if mode == "on-edf-oldest" else "plan"
     if args.gate_tpot_ms:
         env["LORAFN_GATE_TPOT_MS"] = str(args.gate_tpot_ms)
     platform = ManagedPlatform(workdir, settings, env=env)  # the workers read these from the env
@@ -218,8 +229,9 @@ def summarize(
         for k, v in p.get("gating", {}).items():
             gating[k] = gating.get(k, 0.0) + v
     return {
-        "mode": mode, "admission": mode in ("on", "gate", "on-edf"), "decode_gating": mode == "gate",
-        "deadline_order": mode in ("edf", "on-edf"), "gating": gating,
+        "mode": mode, "admission": mode in ("on", "gate", "on-edf", "on-edf-oldest"),
+        "decode_gating": mode == "gate", "deadline_order": mode in ("edf", "on-edf", "on-edf-oldest"),
+        "bid_deadline": "oldest" if mode == "on-edf-oldest" else "plan", "gating": gating,
         "overall": overall, "functions": per_fn, "duration_s": duration,
         "repeats": len(parts), "grants": len(grants), "contested_grants": len(contested),
         "slot": slot_figures(grants, releases), "unanswered": sum(not r.ok for r in results),
@@ -355,7 +367,8 @@ def main() -> int:
         "--modes", default="on,off",
         help="comma-separated, in this order, each on its own platform: on (admission), off (none), gate "
         "(admission + decode gating), edf (each worker serves its prefills by TTFT deadline, no admission), "
-        "on-edf (admission + deadline order)",
+        "on-edf (admission + deadline order), on-edf-oldest (as on-edf, bidding the oldest request's "
+        "deadline)",
     )  # fmt: skip
     ap.add_argument(
         "--gate-tpot-ms", type=float, default=None,

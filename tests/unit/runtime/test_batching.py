@@ -329,3 +329,13 @@ def test_the_bid_rule_reaches_the_serving_loop(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("LORAFN_BID_DEADLINE", "newest")
     with pytest.raises(ValueError, match="bid_deadline"):
         WorkerSettings(function="ns/fn")
+
+
+def test_bid_deadline_rule_by_example() -> None:
+    from lorafn.runtime.batching import bid_deadline_ms
+
+    assert bid_deadline_ms("plan", 1_000.0, 500.0, 7.0) == 7_000.0  # the plan's on-time prompt
+    assert bid_deadline_ms("plan", 1_000.0, 500.0, None) == 1_500.0  # nothing on time: the oldest's
+    assert bid_deadline_ms("oldest", 1_000.0, 500.0, 7.0) == 1_500.0
+    with pytest.raises(ValueError, match="bid deadline"):
+        bid_deadline_ms("fifo", 1_000.0, 500.0, None)
