@@ -20,7 +20,9 @@ Out (actions.py): `Plan(actions, pool, account)`:
   `Bind(worker_id, function, gpu, prepared)`, `Start(gpu, backbone, shape, function, mem_bytes,
   reason)` (function None = a standby), `Stop(worker_id, reason, gpu, detail)` with reason
   "offload" | "scale_down" | "pool_shrink" | "keep_alive", `Wait(function, reason)` (no worker this
-  round; the reason is for the function's waiting clients and its status).
+  round; the reason is for the function's waiting clients and its status); with ``park_idle`` (off; the
+  driver refuses it until workers can park), `Park(worker_id, function, gpu, release_bytes)` and
+  `Unpark(worker_id, function, gpu, mem_bytes)`.
 - `pool`: `PoolTarget(gpu, backbone, shape, count)` for every (gpu, backbone, shape) planned or
   present (count 0 = none wanted there any more).
 - `account`: gpu -> `MemoryAccount` (capacity, backbone/other/worker bytes, free now, free after).
@@ -34,7 +36,7 @@ warm pool), decide (one round), synthetic (seeded random snapshots for tests and
 """
 
 from lorafn.controller.policy.account import MemoryAccount
-from lorafn.controller.policy.actions import Bind, Plan, PoolTarget, Start, Stop, Wait
+from lorafn.controller.policy.actions import Bind, Park, Plan, PoolTarget, Start, Stop, Unpark, Wait
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide
 from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker
@@ -46,12 +48,14 @@ __all__ = [
     "Costs",
     "Function",
     "MemoryAccount",
+    "Park",
     "Plan",
     "PolicyConfig",
     "PoolTarget",
     "Snapshot",
     "Start",
     "Stop",
+    "Unpark",
     "Wait",
     "Worker",
     "decide",

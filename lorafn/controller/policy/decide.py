@@ -757,11 +757,9 @@ def fast_unparks(
 ) -> list[Park | Unpark]:
     """Unparks for ``functions`` (demand just arrived for them) from ``snapshot`` alone, as `fast_binds`
     binds: for each whose live workers are all parked, one Unpark where its KV fits now or once idle workers
-    on its GPU are parked (those Parks first). Nothing without ``park_idle``; no stops or waits (the full
-    round does those)."""
+    on its GPU are parked (those Parks first; none without ``park_idle``, but parked workers left from
+    when it was on are still unparked). No stops or waits (the full round does those)."""
     r = _Round(snapshot, config or PolicyConfig())
-    if not r.config.park_idle:
-        return []
     fraction = r.config.park_release_fraction
     for name in sorted(set(functions)):
         fn = r.functions.get(name)

@@ -36,10 +36,10 @@ The model (each part as simple as the question allows; none of it is measured he
 - parking (`PolicyConfig.park_idle`, issue 16): a Park takes effect at once (the worker releases its KV and
   graph pools in milliseconds and acknowledges; the driver would wait for that); a parked worker holds
   ``park_release_bytes`` less (``worker_bytes - park_release_bytes`` unsized), is charged what it holds +
-  the overhead margin, and serves nothing; an Unpark gives it its whole size back at once and it serves
-  ``unpark_s`` later (KV allocation + lazy graph re-capture, its graphs settled then). A request for a
-  function whose workers are all parked is answered at once from the last round's view (`fast_unparks`, as
-  `fast_binds` for a function with no worker), else by the next round.
+  the overhead margin, and serves nothing; an Unpark gives it its KV back at once and it serves
+  ``unpark_s`` later (KV allocation + graph re-capture; its graph pools held and settled from then on). A
+  request for a function whose workers are all parked is answered at once from the last round's view
+  (`fast_unparks`, as `fast_binds` for a function with no worker), else by the next round.
 
 Each request's path is as the trace replay reports it: warm (a bound worker was there), standby or fresh
 (its arrival was answered by a bind or a fresh start and it was that worker's first request), queued (it
