@@ -6,7 +6,9 @@
   took, how, and whether its adapter was pre-loaded) and `bind_failed`; the local supervisor reports
   `start_failed` (a process died before serving); on Kubernetes the operator reports `pod_exited` (a worker
   pod's container terminated with a non-zero code: `PodExit`), which the Kubernetes executor turns into
-  worker exits. The controller turns them into function status and start-failure backoff.
+  worker exits. The controller turns them into function status and start-failure backoff. Parking
+  (`PolicyConfig.park_idle`, docs/architecture.md): a worker answers a `park` command with `parked`
+  (`released_bytes`) or `park_refused` (`reason`: it had requests), an `unpark` with `unparked` (`kv_bytes`).
 - Function status (`<p>:fn:<f>:status`): `wait_reason` (why no worker serves it right now; the gateway
   tells waiting clients), `last_cold_start_ms`, `last_cold_path` (standby | fresh),
   `last_cold_preloaded` (1: the standby had pre-loaded the adapter), `last_cold_claimed` (1: that standby
@@ -29,6 +31,7 @@ from lorafn.store.keys import GROUP, Keys
 from lorafn.store.streams import stream_entries
 
 BOUND, BIND_FAILED, START_FAILED, POD_EXITED = "bound", "bind_failed", "start_failed", "pod_exited"
+PARKED, PARK_REFUSED, UNPARKED = "parked", "park_refused", "unparked"
 PATH_STANDBY, PATH_FRESH = "standby", "fresh"
 
 _RENEW = """
