@@ -159,6 +159,21 @@ class DecodeGraphRunner:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    def release(self) -> None:
+        """Drop every graph, its output and the static inputs (a parked worker's, `ModelRunner.park`).
+
+        Each graph is reset (its executable graph destroyed and its use of the shared pool given up, so
+        the pool's memory is free to go back with `torch.cuda.empty_cache()` once its tensors are gone),
+        then the outputs (allocated inside the pool) and the static inputs (outside it) are dropped. The
+        runner is unusable afterwards: an unparked runner builds a new one."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.input_ids = self.positions = self.slot_mapping = self.block_tables = self.context_lens = None
+        self.pool = None
+        self.kv_cache = None
+
     def can_run(self, num_decodes: int) -> bool:
         """Whether a captured graph takes ``num_decodes`` rows (the smallest captured bucket that fits)."""
         return bucket_for(num_decodes, list(self.graphs)) is not None

@@ -38,7 +38,7 @@ from lorafn.runtime.detokenizer import IncrementalOutput
 from lorafn.runtime.kv_cache import block_bytes
 from lorafn.runtime.kv_offload import OffloadPolicy
 from lorafn.runtime.model_runner import ModelRunner, resolve_dtype
-from lorafn.runtime.outputs import RequestOutput, StreamDelta
+from lorafn.runtime.outputs import ParkRefused, RequestOutput, StreamDelta
 from lorafn.runtime.sampling import make_generator, sample
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.runtime.scheduler import Scheduler, SchedulerConfig
@@ -118,6 +118,46 @@ class Engine:
     def reserved_bytes(self) -> int:
         return self.runner.reserved_bytes()
 
+    # ------------------------------------------------------------------ parking (docs/runtime.md#parking)
+
+    @property
+    def parked(self) -> bool:
+        """Parked: no KV cache, no decode graphs; requests are refused until `unpark`."""
+        return self.runner.parked
+
+    def park(self) -> int:
+        """Release the KV cache and decode graphs of an idle engine (the process, its CUDA context, the
+        backbone mapping, the adapter, the tokenizer and the learned costs stay); the bytes released.
+        Idempotent. Raises ParkRefused (its message the reason) while a request is unfinished, a swapped-out
+        KV copy is held or a block is in use, and with graph archives."""
+        if self.runner.parked:
+            return self.runner.park()  # the first park's answer
+        busy = []
+        if self._requests or self.scheduler.has_unfinished():
+            held = self.scheduler.num_waiting + self.scheduler.num_running
+            busy.append(f"{max(len(self._requests), held)} requests")
+        if self._host_kv:
+            busy.append(f"{len(self._host_kv)} swapped-out KV copies")
+        used = self.scheduler.block_manager.num_used_blocks
+        if used:
+            busy.append(f"{used} KV blocks in use")
+        if busy:
+            raise ParkRefused("busy: " + ", ".join(busy))
+        return self.runner.park()
+
+    def unpark(self) -> int:
+        """A parked engine serves again: a KV cache of the same blocks, every block free, the decode graphs
+        captured lazily. The KV bytes; an unparked engine is left as it is (the same answer)."""
+        if not self.runner.parked:
+            return self.runner.unpark()
+        kv_bytes = self.runner.unpark()
+        self.scheduler.reset_blocks()
+        return kv_bytes
+
+    def park_release_bytes(self) -> int:
+        """What `park` frees now; parked: what `unpark` takes back (`ModelRunner.park_release_bytes`)."""
+        return self.runner.park_release_bytes()
+
     def capture_pending_graph(self) -> bool:
         """Idle time of a lazily started engine (`EngineConfig.lazy_graphs`): capture one decode graph it
         has not captured yet; False when none is left (then there is nothing for idle time)."""
@@ -128,6 +168,8 @@ class Engine:
     ) -> str:
         """Queue a request (text, or token ids); it joins the running batch at the next step."""
         params = params or SamplingParams()
+        if self.runner.parked:
+            raise RuntimeError("add_request: the engine is parked (unpark it first)")
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)

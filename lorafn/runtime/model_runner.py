@@ -42,6 +42,7 @@ from lorafn.runtime.kv_cache import (
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import LoRAWeights, copy_lora, fits_shape, load_lora, zero_lora
 from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
+from lorafn.runtime.outputs import ParkRefused
 from lorafn.runtime.scheduler import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -172,6 +173,10 @@ class ModelRunner:
         clock.lap("kv_cache")
         self.graph_capture_s = 0.0
         self.max_blocks_per_seq = 0
+        # parking (park/unpark): what the last park released, and whether unparking re-creates graphs
+        self.parked_kv_bytes = self.parked_release_bytes = 0
+        self.park_s = self.unpark_s = 0.0
+        self._graphs_on_unpark = False
 
     def _buckets(self) -> list[int]:
         # No batch is larger than the KV cache has blocks (one per sequence at least): a small budget
@@ -305,9 +310,11 @@ class ModelRunner:
         )
 
     def memory_parts(self) -> tuple[int, int]:
-        """(KV cache bytes, LoRA tensor bytes): the parts of this worker that its function's spec sizes."""
+        """(KV cache bytes, LoRA tensor bytes): the parts of this worker that its function's spec sizes
+        (KV 0 while parked)."""
         tensors = self.lora.tensors() if self.lora is not None else []
-        return self.kv_cache.nbytes, sum(t.numel() * t.element_size() for t in tensors)
+        kv = self.kv_cache.nbytes if self.kv_cache is not None else 0
+        return kv, sum(t.numel() * t.element_size() for t in tensors)
 
     def reserved_bytes(self) -> int:
         """What this runner holds on its device besides the shared backbone: KV cache + LoRA tensors
@@ -316,6 +323,85 @@ class ModelRunner:
         if self.device.type == "cuda":
             return max(kv + lora, int(torch.cuda.memory_reserved(self.device)))
         return kv + lora
+
+    # ------------------------------------------------------------------ parking (docs/runtime.md#parking)
+    # A parked runner holds no KV cache and no decode graphs (nor their pool and static inputs): on CUDA
+    # that memory goes back to the driver, while the process, its context, the backbone mapping and the
+    # adapter stay. Unparking allocates a cache of the same number of blocks; the graphs come back lazily
+    # (`ensure_graph` on need, `capture_pending_graph` in idle time), as in a `lazy_graphs` start.
+
+    @property
+    def parked(self) -> bool:
+        return self.kv_cache is None
+
+    def park(self) -> int:
+        """Release the KV cache and the decode graphs; the bytes released (on CUDA what torch's allocator
+        gave back to the driver, `memory_reserved` before - after; on CPU the KV bytes). Parking a parked
+        runner releases nothing more and answers the first park's bytes. The caller makes sure that no
+        sequence holds blocks (`Engine.park`). Raises ParkRefused with graph archives (the decode state
+        lives in the arena, which this does not remap yet)."""
+        import time
+
+        if self.archives is not None:
+            raise ParkRefused("graph archives")
+        if self.kv_cache is None:
+            return self.parked_release_bytes
+        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)  # nothing in flight reads what goes
+            before = int(torch.cuda.memory_reserved(self.device))
+        kv_bytes = self.kv_cache.nbytes
+        self._graphs_on_unpark = self.graphs is not None
+        if self.graphs is not None:
+            self.graphs.release()  # graphs reset, outputs (in the pool) and static inputs dropped
+            self.graphs = None
+        self.kv_cache = None
+        if cuda:
+            torch.cuda.empty_cache()  # the pool's and the cache's segments back to the driver
+            released = max(0, before - int(torch.cuda.memory_reserved(self.device)))
+        else:
+            released = kv_bytes
+        self.parked_kv_bytes, self.parked_release_bytes = kv_bytes, released
+        self.park_s = time.perf_counter() - t0
+        return released
+
+    def unpark(self) -> int:
+        """A new KV cache of the same number of blocks (zeros, as at start); decode graphs pending, captured
+        lazily. Returns the KV bytes; unparking an unparked runner does nothing (the same answer)."""
+        import time
+
+        if self.kv_cache is not None:
+            return self.kv_cache.nbytes
+        t0 = time.perf_counter()
+        cfg = self.config
+        self.kv_cache = KVCache(self.model_config, self.num_blocks, cfg.block_size, self.device, self.dtype)
+        if self._graphs_on_unpark:  # the same buckets and block-table width as before, none captured yet
+            self.graphs = DecodeGraphRunner(
+                self.model, self.kv_cache, self._buckets(), self.max_blocks_per_seq
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.unpark_s = time.perf_counter() - t0
+        return self.kv_cache.nbytes
+
+    def park_release_bytes(self) -> int:
+        """What parking frees now, or (parked) what unparking takes back: the bytes the last park released
+        (the KV cache at once, graph pools and cached activations as the worker captures and serves again).
+        Unparked on CUDA: the KV cache, the graphs' tensors and everything the allocator holds unused (the
+        graph pool, cached activations), which `empty_cache` returns; on CPU the KV bytes."""
+        if self.kv_cache is None:
+            return self.parked_release_bytes
+        kv = self.kv_cache.nbytes
+        if self.device.type != "cuda":
+            return kv
+        graph_tensors = 0
+        if self.graphs is not None:
+            g = self.graphs
+            statics = [g.input_ids, g.positions, g.slot_mapping, g.block_tables, g.context_lens]
+            graph_tensors = sum(t.numel() * t.element_size() for t in [*statics, *g.outputs.values()])
+        unused = int(torch.cuda.memory_reserved(self.device)) - int(torch.cuda.memory_allocated(self.device))
+        return max(kv, kv + graph_tensors + unused)
 
     # ------------------------------------------------------------------ KV-cache size
 

@@ -45,3 +45,8 @@ class RequestOutput:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+class ParkRefused(RuntimeError):
+    """`Engine.park` will not park now; the message is the reason the worker reports (`park_refused`):
+    the engine holds requests, or its decode state lives in a graph archive's arena."""

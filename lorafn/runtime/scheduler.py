@@ -382,6 +382,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
+    def reset_blocks(self) -> None:
+        """Every block free again (an unparked engine's new KV cache, `Engine.unpark`); only with no
+        unfinished sequence (none holds blocks)."""
+        if self._seqs:
+            raise RuntimeError(f"reset_blocks: {len(self._seqs)} unfinished sequences hold blocks")
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
+
     def get(self, seq_id: str) -> Sequence | None:
         return self._seqs.get(seq_id)
 
