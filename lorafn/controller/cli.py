@@ -70,6 +70,17 @@ class ControllerSettings(SharedSettings):
     victim_rate: VictimRate = Field(
         default="long", description="arrival rate that ranks idle workers for offloading (60 s, 10 min, max)"
     )
+    park_idle: bool = Field(
+        default=False,
+        description="park idle bound workers under memory pressure (release their KV cache, keep the "
+        "process) before stopping any; off until measured on a GPU (docs/architecture.md, Controller)",
+    )
+    park_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="how long a park waits for the worker's answer before its GPU's other "
+        "actions wait for the next round",
+    )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="the workers' device kind (sizing)")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus /metrics port (0: off)")
     metrics_host: str = Field(default="0.0.0.0", description="address of the metrics endpoint")
@@ -105,12 +116,14 @@ def build_controller(settings: ControllerSettings) -> Controller:
         lease_ttl_s=settings.lease_ttl_s,
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
         preload_claims=settings.preload_claims,
+        park_timeout_s=settings.park_timeout_s,
         policy=PolicyConfig(
             gpu_utilization=settings.gpu_utilization,
             driver_headroom=settings.driver_headroom,
             victim_rate=settings.victim_rate,
             warm_pool=settings.warm_pool,
             offloading=settings.offloading,
+            park_idle=settings.park_idle,
             **burst_overrides(
                 settings.cold_prior_rps, settings.max_fresh_starts_per_gpu, settings.thrash_horizon_starts
             ),

@@ -8,15 +8,22 @@ A round, in order:
    lifecycle events (a standby bound in N ms; a bind failed). A worker that died before serving counts
    as a failed start of its function (exponential backoff in the policy, the reason in its status).
 3. Snapshot (Redis + the executor's starting workers + binds sent but not yet confirmed), `decide`.
-4. Apply: Stop (a `stop` control command: the worker drains and exits), Start (the executor),
-   Bind (a `bind` control command to the standby), Preload (a `preload` control command: the standby
-   loads that function's adapter and stays a standby), Wait (the reason into the function's status, where
-   the gateway and `lorafn status` read it); write the pool targets.
+4. Apply: Park first, synchronously (`PolicyConfig.park_idle`: a `park` control command to each idle
+   bound worker the plan parks, then up to ``park_timeout_s`` for its `parked` or `park_refused` lifecycle
+   event: the plan counts that memory free for the actions after it; every other action of the plan on a
+   GPU where a park was refused or not answered is dropped this round, the next one re-plans from fresh
+   heartbeats); then Stop (a `stop` control command: the worker drains and exits), Start (the executor),
+   Bind (a `bind` control command to the standby), Unpark (an `unpark` control command: the parked worker
+   takes its KV cache back; counted in the account at once, as a Bind, no wait), Preload (a `preload`
+   control command: the standby loads that function's adapter and stays a standby), Wait (the reason into
+   the function's status, where the gateway and `lorafn status` read it); write the pool targets.
 
 Between rounds the driver waits on the demand stream (`wait_for_demand`, the one wait both `lorafn up`'s
 supervisor and the Kubernetes loop use). Demand for a function with no live worker is answered at once
 from the last round's snapshot (`policy.fast_binds`: bind a standby, pre-loaded with it first), before
-the full round that follows: the request waits for one Redis write, not for a snapshot and a plan.
+the full round that follows: the request waits for one Redis write, not for a snapshot and a plan. Demand
+for a function whose workers are all parked (the parked worker records it: it reads no requests) is
+answered the same way (`policy.fast_unparks`: an Unpark, after the Parks that make room for it).
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ from typing import Protocol
 from lorafn.controller.metrics import ControllerMetrics
 from lorafn.controller.policy.actions import Bind, Park, Plan, Preload, Start, Stop, Unpark, Wait
 from lorafn.controller.policy.config import PolicyConfig
-from lorafn.controller.policy.decide import decide, fast_binds
+from lorafn.controller.policy.decide import decide, fast_binds, fast_unparks
 from lorafn.controller.policy.model import GPU, Snapshot, Worker
 from lorafn.controller.snapshot import SizingConfig, SnapshotReader
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, combine, control, workers
+from lorafn.store.streams import entry_ms
 
 log = logging.getLogger("lorafn.controller")
 
@@ -95,12 +103,28 @@ class ControllerConfig:
     # registers as the function's worker while the function has none: no bind round through the
     # controller inside the cold start); off: it waits for the bind as before (the bench's "before" row)
     preload_claims: bool = True
+    # how long a Park waits for the worker's `parked` / `park_refused` event (an idle worker reads its
+    # control stream every ~0.1 s); unanswered by then: its GPU's other actions wait for the next round
+    park_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.park_timeout_s > 0:
+            raise ValueError(f"ControllerConfig.park_timeout_s must be > 0, got {self.park_timeout_s!r}")
 
 
 @dataclass
 class _PendingBind:
     function: str
     sent_at: float
+
+
+@dataclass
+class _PendingPark:
+    """A park the worker acknowledged (or an unpark sent) that its heartbeat does not show yet: when, and
+    the bytes it moves in the account (`Park.release_bytes`, `Unpark.mem_bytes`)."""
+
+    sent_at: float
+    bytes: int
 
 
 @dataclass
@@ -130,13 +154,6 @@ class Controller:
     def __init__(
         self, store: Store, keys: Keys, executor: Executor, sizing: SizingConfig, config: ControllerConfig
     ) -> None:
-        if config.policy.park_idle:
-            # the policy can plan Park/Unpark (issue 16, simulated in bench/policy_replay.py), but no worker
-            # can release its KV cache and take it back yet: refuse rather than plan memory nobody frees
-            raise ValueError(
-                "PolicyConfig.park_idle=True is not supported by the controller yet: workers cannot park "
-                "(release their KV cache) or unpark; leave park_idle off (the default)"
-            )
         self.store, self.keys, self.executor, self.config = store, keys, executor, config
         self.reader = SnapshotReader(store, keys, sizing, config.heartbeat_ttl_s)
         self._binds: dict[str, _PendingBind] = {}
@@ -160,9 +177,17 @@ class Controller:
         # standby id -> (function, sent at): preloads not yet seen in the standby's heartbeat
         self._preloads: dict[str, _PendingBind] = {}
         self._bound_at: dict[str, float] = {}  # GPU -> when a bind was last sent there (monotonic)
+        # parks the worker acknowledged and unparks sent, until its heartbeat says so (`parked`): the plans
+        # in between count them as done (its memory freed / taken back), and send neither again
+        self._parks: dict[str, _PendingPark] = {}
+        self._unparks: dict[str, _PendingPark] = {}
         self._deferred_since: dict[str, float] = {}  # GPU -> since when its refill waits
         self.last_plan: Plan | None = None
         self.last_snapshot: Snapshot | None = None
+        # the same as read from Redis, before this driver's pending binds, stops and parks patched it: the
+        # fast path patches it again with what is pending then (patching a patched one would take its own
+        # patches for the heartbeats' confirmations)
+        self._last_read: Snapshot | None = None
         # the last fresh starts (spawn -> serving, s): their median replaces the configured fresh_start_s,
         # which sizes the pool's refill window and how long a cold start may wait on a warming standby
         self._fresh_starts: deque[float] = deque(maxlen=FRESH_STARTS_KEPT)
@@ -181,13 +206,14 @@ class Controller:
         self._answer_recorded_demand()
         snapshot = self.reader.read(self.executor.gpus(), self.executor.starting())
         self._answer_recorded_demand()  # before the pending binds patch this round's snapshot
+        read = snapshot
         snapshot = self._with_pending_binds(snapshot)
         for w in snapshot.workers:  # demand of a function that has a worker is answered (or never needed one)
             if w.function:
                 self._demand_at.pop(w.function, None)
         plan = decide(snapshot, self.config.policy)
         self._apply(plan, snapshot)
-        self.last_plan, self.last_snapshot = plan, snapshot
+        self.last_plan, self.last_snapshot, self._last_read = plan, snapshot, read
         self._answer_recorded_demand()
         m = self.metrics
         m.pool_target.set(sum(t.count for t in plan.pool))
@@ -250,27 +276,40 @@ class Controller:
             return
         demand = self.wait_for_demand(None)
         if demand:
-            bound = {b.function for b in self.answer_demand(demand)}
-            self._unanswered.extend(d for d in demand if d.function not in bound)
+            answered = {a.function for a in self.answer_demand(demand)}
+            self._unanswered.extend(d for d in demand if d.function not in answered)
 
-    def answer_demand(self, demand: list[Demand]) -> list[Bind]:
-        """Bind standbys to the functions of `demand` that have no live worker, from the last round's
-        snapshot (no new snapshot, no plan): milliseconds after the request instead of a round. The full
-        round that follows sees these binds as pending. Nothing before the first round, or when the lease
-        is another controller's (that one answers)."""
+    def answer_demand(self, demand: list[Demand]) -> list[Bind | Unpark]:
+        """Bind standbys to the functions of `demand` that have no live worker, and unpark a parked worker
+        of those whose workers are all parked (`fast_unparks`; the Parks that make room for it first, as in
+        a round), from the last round's snapshot (no new snapshot, no plan): milliseconds after the request
+        instead of a round. The full round that follows sees these binds and unparks as pending. Nothing
+        before the first round, or when the lease is another controller's (that one answers)."""
         for d in demand:
             self._demand_at.setdefault(d.function, d.at_ms)
         if not demand or not self.config.fast_bind or self.last_snapshot is None:
             return []
         ttl_ms = int(self.config.lease_ttl_s * 1000)
         if not self.store.run(control.acquire_lease(self.keys, self.config.holder, ttl_ms)):
-            self.last_snapshot = None  # another controller leads now: its view, not our old one
+            self.last_snapshot = self._last_read = (
+                None  # another controller leads now: its view, not our old one
+            )
             return []
-        snapshot = self._with_pending_binds(self.last_snapshot)  # stopped ones count as draining
-        binds = fast_binds(snapshot, {d.function for d in demand}, self.config.policy)
+        # stopped ones count as draining, parks acknowledged as parked, ...
+        snapshot = self._with_pending_binds(self._last_read or self.last_snapshot)
+        functions = {d.function for d in demand}
+        binds = fast_binds(snapshot, functions, self.config.policy)
         for bind in binds:
             self._send_bind(bind, fast=True)
-        return binds
+        answered: list[Bind | Unpark] = list(binds)
+        actions = fast_unparks(snapshot, functions, self.config.policy)
+        if actions:
+            failed = self._apply_parks([a for a in actions if isinstance(a, Park)], fast=True)
+            for a in actions:
+                if isinstance(a, Unpark) and a.gpu not in failed:
+                    self._send_unpark(a, fast=True)
+                    answered.append(a)
+        return answered
 
     # -- what happened ---------------------------------------------------------------------------
     def _learn(self) -> None:
@@ -300,31 +339,42 @@ class Controller:
     def _learn_events(self) -> None:
         assert self._events_cursor is not None
         for entry_id, event in self.store.run(control.read_events(self.keys, self._events_cursor)):
-            self._events_cursor = entry_id
-            kind, function, wid = event.get("kind"), event.get("function", ""), event.get("worker", "")
-            if kind == control.BOUND and function:
-                self._binds.pop(wid, None)
-                self._demand_at.pop(function, None)
-                self._served.add(wid)  # it reached serving: a later crash is not a failed start
-                self.store.run(
-                    control.set_status(
-                        self.keys, function,
-                        last_cold_start_ms=event.get("ms", ""), last_cold_path=event.get("path", ""),
-                        last_cold_preloaded=event.get("preloaded", "0"),
-                        last_cold_claimed=event.get("claimed", "0"),
-                        last_cold_at_ms=int(time.time() * 1000), start_failures=0, wait_reason=None,
-                    )
-                )  # fmt: skip
-                path = event.get("path") or "unknown"
-                self.metrics.cold_starts.labels(path).inc()
-                with contextlib.suppress(ValueError):  # a malformed ms field is not worth a failed round
-                    seconds = float(event.get("ms") or 0) / 1000
-                    self.metrics.cold_start_seconds.labels(path).observe(seconds)
-                    if path == "fresh" and seconds > 0:
-                        self._learn_fresh_start(seconds)
-            elif kind in (control.BIND_FAILED, control.START_FAILED) and function:
-                self._binds.pop(wid, None)
-                self._failed(function, event.get("reason", kind))
+            self._learn_event(entry_id, event)
+
+    def _learn_event(self, entry_id: str, event: dict[str, str]) -> None:
+        """One lifecycle event (the cursor moves past it). Parking answers are awaited where a park is
+        sent (`_apply_parks`); one read here came after its wait gave up."""
+        self._events_cursor = entry_id
+        kind, function, wid = event.get("kind"), event.get("function", ""), event.get("worker", "")
+        if kind in (control.PARKED, control.PARK_REFUSED):  # the park's wait had given up on it
+            log.info("controller: late answer to a park: %s %s (%s)", wid, kind, event.get("reason", ""))
+            return
+        if kind == control.UNPARKED:
+            log.info("controller: %s unparked (%s, KV %s bytes)", wid, function, event.get("kv_bytes", "?"))
+            return
+        if kind == control.BOUND and function:
+            self._binds.pop(wid, None)
+            self._demand_at.pop(function, None)
+            self._served.add(wid)  # it reached serving: a later crash is not a failed start
+            self.store.run(
+                control.set_status(
+                    self.keys, function,
+                    last_cold_start_ms=event.get("ms", ""), last_cold_path=event.get("path", ""),
+                    last_cold_preloaded=event.get("preloaded", "0"),
+                    last_cold_claimed=event.get("claimed", "0"),
+                    last_cold_at_ms=int(time.time() * 1000), start_failures=0, wait_reason=None,
+                )
+            )  # fmt: skip
+            path = event.get("path") or "unknown"
+            self.metrics.cold_starts.labels(path).inc()
+            with contextlib.suppress(ValueError):  # a malformed ms field is not worth a failed round
+                seconds = float(event.get("ms") or 0) / 1000
+                self.metrics.cold_start_seconds.labels(path).observe(seconds)
+                if path == "fresh" and seconds > 0:
+                    self._learn_fresh_start(seconds)
+        elif kind in (control.BIND_FAILED, control.START_FAILED) and function:
+            self._binds.pop(wid, None)
+            self._failed(function, event.get("reason", kind))
 
     def _learn_fresh_start(self, seconds: float) -> None:
         """A measured fresh start: the policy's fresh_start_s becomes the median of the last few (the
@@ -362,7 +412,11 @@ class Controller:
             # still there, or its exit never reported: let the policy see it again
             if now - stopped.sent_at > self.config.bind_timeout_s:
                 del self._stops_sent[wid]
-        if not self._binds and not self._preloads and not self._stops_sent:
+        for pending_parks in (self._parks, self._unparks):
+            for wid, parking in list(pending_parks.items()):
+                if now - parking.sent_at > self.config.bind_timeout_s:  # never seen: its heartbeat decides
+                    del pending_parks[wid]
+        if not (self._binds or self._preloads or self._stops_sent or self._parks or self._unparks):
             return snapshot
         patched = []
         seen = {w.id for w in snapshot.workers}
@@ -373,7 +427,10 @@ class Controller:
                 and stopped.last is not None
                 and getattr(self.executor, "reports_every_exit", False)
             ):
-                w = dataclasses.replace(stopped.last, state="draining", running=0, preloaded=None)
+                # (a parked one drains at its parked size)
+                w = dataclasses.replace(
+                    stopped.last, state="draining", running=0, preloaded=None, parked=False
+                )
                 patched.append(dataclasses.replace(w, room_for=stopped.room_for or None))
         for w in snapshot.workers:
             pending = self._binds.get(w.id)
@@ -387,11 +444,12 @@ class Controller:
             if stopped is not None and w.state in ("standby", "bound", "starting"):
                 # told to stop, still heartbeating (or starting) for a moment: its memory is held, but it
                 # is neither bound nor stopped again (a bind sent now would follow the stop and be lost)
-                w = dataclasses.replace(w, state="draining", running=0, preloaded=None)
+                w = dataclasses.replace(w, state="draining", running=0, preloaded=None, parked=False)
             if stopped is not None and stopped.room_for and w.state == "draining":
                 # stopped to make room for a function: that function waits for this memory (policy
                 # `room_coming`) instead of the next rounds offloading more for it
                 w = dataclasses.replace(w, room_for=stopped.room_for)
+            w = self._with_pending_park(w)
             preload = self._preloads.get(w.id)
             if preload is not None and w.state == "standby":
                 if w.preloaded == preload.function:
@@ -401,11 +459,41 @@ class Controller:
             patched.append(w)
         return dataclasses.replace(snapshot, workers=tuple(patched))
 
+    def _with_pending_park(self, w: Worker) -> Worker:
+        """``w`` as a park it acknowledged, or an unpark sent to it, left it (its heartbeat, up to a second
+        old, may not show it yet): parked, charged its release less; unparked, charged it back and busy
+        (its function's request is on its way to it: neither parked nor stopped again meanwhile)."""
+        park, unpark = self._parks.get(w.id), self._unparks.get(w.id)
+        if park is not None:
+            if w.parked or w.state != "bound" or w.running > 0:
+                del self._parks[w.id]  # its heartbeat says parked (or it is no longer an idle bound one)
+            else:
+                return dataclasses.replace(
+                    w, parked=True, mem_bytes=max(0, w.mem_bytes - park.bytes), release_bytes=park.bytes
+                )
+        if unpark is not None:
+            if not w.parked:
+                del self._unparks[w.id]  # its heartbeat says unparked
+            else:
+                return dataclasses.replace(
+                    w, parked=False, mem_bytes=w.mem_bytes + unpark.bytes, release_bytes=unpark.bytes,
+                    running=max(1, w.running),
+                )  # fmt: skip
+        return w
+
     # -- carrying the plan out -------------------------------------------------------------------
     def _apply(self, plan: Plan, snapshot: Snapshot | None = None) -> None:
         waiting: set[str] = set()
         by_id = {w.id: w for w in snapshot.workers} if snapshot is not None else {}
+        # Parks first, synchronously: the plan counts their memory free for the actions after them
+        failed = self._apply_parks([a for a in plan.actions if isinstance(a, Park)], fast=False)
         for action in plan.actions:
+            if isinstance(action, Park):
+                continue
+            gpu = getattr(action, "gpu", "")
+            if gpu and gpu in failed:  # a park there was refused or not answered: re-planned next round
+                log.info("controller: %r dropped this round: a park on %s did not happen", action, gpu)
+                continue
             if isinstance(action, Stop):
                 log.info("controller: stop %s (%s) %s", action.worker_id, action.reason, action.detail)
                 self.metrics.stops.labels(action.reason).inc()
@@ -450,8 +538,8 @@ class Controller:
                         claim=int(self.config.preload_claims),
                     )
                 )
-            elif isinstance(action, (Park, Unpark)):  # only with park_idle, which __init__ refuses
-                raise RuntimeError(f"the driver cannot apply {action!r}: workers cannot park yet")
+            elif isinstance(action, Unpark):
+                self._send_unpark(action, fast=False)
             elif isinstance(action, Wait):
                 waiting.add(action.function)
                 self.store.run(control.set_status(self.keys, action.function, wait_reason=action.reason))
@@ -510,6 +598,76 @@ class Controller:
             "controller: bind %s -> %s (%s%s%s)",
             action.worker_id, action.function, "fast path" if fast else "round",
             ", adapter pre-loaded" if action.preloaded else "", waited,
+        )  # fmt: skip
+
+    def _apply_parks(self, parks: list[Park], fast: bool) -> set[str]:
+        """Send each Park's `park` command and wait up to ``park_timeout_s`` (for all of them together) for
+        the workers' answers on the lifecycle stream; the GPUs where a park was refused or not answered
+        (their other actions wait for the next round). Other events read meanwhile go to the usual handling
+        (`_learn_event`): none is lost."""
+        if not parks:
+            return set()
+        if self._events_cursor is None:
+            self._events_cursor = self.store.run(control.last_event_id(self.keys))
+        path = "fast" if fast else "round"
+        t0 = time.monotonic()
+        ids = self.store.run(combine(*(workers.send_control(self.keys, p.worker_id, "park") for p in parks)))
+        # an answer counts when it came after its command (both ids are on Redis's clock): an older one
+        # (a park before, answered after its wait gave up) is not this one's
+        sent = {p.worker_id: (p, entry_ms(entry_id)) for p, entry_id in zip(parks, ids, strict=True)}
+        answers: dict[str, dict[str, str]] = {}
+        deadline = t0 + self.config.park_timeout_s
+        while len(answers) < len(sent):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                break
+            entries = self.store.run(control.read_events(self.keys, self._events_cursor, block_ms=left_ms))
+            for entry_id, event in entries:
+                wid = event.get("worker", "")
+                if (
+                    event.get("kind") in (control.PARKED, control.PARK_REFUSED)
+                    and wid in sent
+                    and entry_ms(entry_id) >= sent[wid][1]
+                ):
+                    self._events_cursor = entry_id
+                    answers[wid] = event
+                else:
+                    self._learn_event(entry_id, event)
+        waited = time.monotonic() - t0
+        self.metrics.park_wait_seconds.observe(waited)
+        failed: set[str] = set()
+        for wid, (park, _) in sent.items():
+            event = answers.get(wid)
+            if event is not None and event.get("kind") == control.PARKED:
+                self.metrics.parks.labels(path).inc()
+                self._parks[wid] = _PendingPark(time.monotonic(), park.release_bytes)
+                log.info(
+                    "controller: parked %s (%s on %s): released %s bytes (planned %d), %s; answer in %.0f ms",
+                    wid, park.function, park.gpu, event.get("released_bytes", "?"), park.release_bytes,
+                    park.detail, waited * 1000,
+                )  # fmt: skip
+                continue
+            reason = "refused" if event is not None else "timeout"
+            self.metrics.park_refusals.labels(reason).inc()
+            failed.add(park.gpu)
+            log.warning(
+                "controller: park of %s (%s on %s) %s%s: the plan's other actions on %s wait a round",
+                wid, park.function, park.gpu, reason,
+                f" ({event.get('reason', '')})" if event is not None else f" after {waited:.1f} s", park.gpu,
+            )  # fmt: skip
+        return failed
+
+    def _send_unpark(self, action: Unpark, fast: bool) -> None:
+        """An Unpark: its memory is the account's at once (`_with_pending_park` until the heartbeat shows
+        it); no wait for the `unparked` answer."""
+        self.store.run(workers.send_control(self.keys, action.worker_id, "unpark"))
+        self._unparks[action.worker_id] = _PendingPark(time.monotonic(), action.mem_bytes)
+        self._parks.pop(action.worker_id, None)
+        self._demand_at.pop(action.function, None)  # answered
+        self.metrics.unparks.labels("fast" if fast else "round").inc()
+        log.info(
+            "controller: unpark %s (%s on %s, %d bytes back; %s)",
+            action.worker_id, action.function, action.gpu, action.mem_bytes, "fast path" if fast else "round",
         )  # fmt: skip
 
     def _new_worker_id(self, action: Start) -> str:

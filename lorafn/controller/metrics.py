@@ -1,6 +1,7 @@
 """Prometheus metrics of the controller: cold starts by path, binds (fast path or round; adapter pre-loaded or
 not) and the request -> bind command latency, pre-loads, starts, stops by reason, offloads by cause and
-victim, start failures, rounds and their duration, and the warm pool (standby workers wanted and present).
+victim, parks (their refusals, how long a plan waited for them) and unparks, start failures, rounds and
+their duration, and the warm pool (standby workers wanted and present).
 
 One registry per `Controller` (so two in one process, as in tests, do not collide). `lorafn controller
 run --metrics-port N` serves it over HTTP; `lorafn up` serves it when `controller_metrics_port` is set.
@@ -54,6 +55,29 @@ class ControllerMetrics:
         self.stops = Counter(
             "lorafn_controller_stops", "Stop commands, by reason (offload|scale_down|pool_shrink|keep_alive)",
             ["reason"], registry=r,
+        )  # fmt: skip
+        # parking (PolicyConfig.park_idle): idle bound workers release their KV cache, keep their process
+        self.parks = Counter(
+            "lorafn_controller_parks",
+            "Idle bound workers parked (the worker acknowledged), by path (round|fast: to make room for an "
+            "unpark on demand)",
+            ["path"], registry=r,
+        )  # fmt: skip
+        self.park_refusals = Counter(
+            "lorafn_controller_park_refusals",
+            "Parks that did not happen, by reason (refused: the worker had requests; timeout: no answer "
+            "within park_timeout_s); the plan's other actions on that GPU wait for the next round",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.park_wait_seconds = Histogram(
+            "lorafn_controller_park_wait_seconds",
+            "From a plan's park commands to the last answer (or the timeout): what its other actions waited",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5), registry=r,
+        )  # fmt: skip
+        self.unparks = Counter(
+            "lorafn_controller_unparks",
+            "Unpark commands sent to parked workers, by path (fast: on demand from the last snapshot; round)",
+            ["path"], registry=r,
         )  # fmt: skip
         self.start_failures = Counter(
             "lorafn_controller_start_failures", "Workers that failed to start or bind", registry=r

@@ -29,6 +29,7 @@ from lorafn.controller.policy.charge import (
     charge_bytes,
     learned_overhead,
     overhead_floor,
+    park_sizes,
 )
 from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker
 from lorafn.store import Keys, Store, batches, combine, control, stats, workers
@@ -87,6 +88,8 @@ class LiveView:
     sizes: dict[str, SizeReport]  # worker id -> its size report (driver-counted GPU workers only)
     settled_overheads: list[int]  # overheads of those whose decode graphs are captured
     driver_free: dict[str, int]  # gpu -> the device's free bytes at the latest heartbeat that says
+    # worker id -> what parking it frees now (parked: what unparking takes back), its `park_release_bytes`
+    park_release: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -290,6 +293,20 @@ class SnapshotReader:
             size = self.sizes.get(w.function or "")
             if size is not None:
                 estimate = size.mem_bytes
+                hb_release = view.park_release.get(w.id, 0)
+                if w.state == "bound" and (w.parked or hb_release > 0):
+                    # parking (`PolicyConfig.park_idle`): a parked worker is charged what it still holds, and
+                    # each bound one says what a park (an unpark) gives back (takes back) in the account
+                    own = self.sizing.charge_own_reports
+                    charge, release = park_sizes(
+                        view.sizes.get(w.id) if own else None,
+                        estimate if own else max(w.mem_bytes, estimate),
+                        self.floor_overhead_bytes,
+                        hb_release,
+                        w.parked,
+                    )
+                    live.append(dataclasses.replace(w, mem_bytes=charge, release_bytes=release))
+                    continue
                 if w.state == "bound" and self.sizing.charge_own_reports:
                     charge = charge_bytes(view.sizes.get(w.id), estimate, self.floor_overhead_bytes)
                     live.append(dataclasses.replace(w, mem_bytes=charge))
@@ -362,6 +379,7 @@ class SnapshotReader:
         kv_reports: dict[str, int] = {}
         sizes: dict[str, SizeReport] = {}
         driver_free: dict[str, tuple[int, int]] = {}  # gpu -> (heartbeat ms, free bytes)
+        park_release: dict[str, int] = {}
         # GPUs with a live worker the driver does not count (a container hiding host pids): how much of its
         # charge the device's free bytes already show is not known there, so those GPUs get no guard
         unreported: set[str] = set()
@@ -376,6 +394,14 @@ class SnapshotReader:
             policy_state = {"standby": "standby", "draining": "draining", "starting": "starting"}.get(
                 state, "bound"
             )
+            running = int(h.get("running") or 0)
+            # parked (`PolicyConfig.park_idle`): only a bound worker that runs nothing is (the policy's model
+            # refuses anything else); its report holds no KV and no graph pools: not a peer's overhead
+            parked = str(h.get("parked", "")) == "1" and policy_state == "bound" and running == 0
+            with contextlib.suppress(ValueError):
+                release = int(h.get("park_release_bytes") or 0)
+                if release > 0:
+                    park_release[wid] = release
             reported = 0
             if h.get("mem_source") == "driver":
                 with contextlib.suppress(ValueError):
@@ -388,7 +414,7 @@ class SnapshotReader:
                         settled=str(h.get("graphs_pending", "")) == "0",
                     )
                     sizes[wid], reported = report, report.whole_bytes
-                    if state in ("standby", "serving"):
+                    if state in ("standby", "serving") and not parked:
                         overhead_reports.append(report.overhead_bytes)
                         if report.settled:
                             settled.append(report.overhead_bytes)
@@ -416,13 +442,14 @@ class SnapshotReader:
                     function=function,
                     mem_bytes=int(h.get("mem_bytes") or 0),
                     idle_s=float(h.get("idle_s") or 0.0),
-                    running=int(h.get("running") or 0),
+                    running=running,
                     age_s=max(0.0, (now_ms - int(h.get("started") or 0) * 1000) / 1000)
                     if h.get("started")
                     else 0.0,
                     # a standby's pre-loaded adapter (runtime.standby); a bound one's is its own
                     preloaded=(h.get("preloaded") or None) if policy_state == "standby" else None,
                     reported_bytes=reported,
+                    parked=parked,
                 )
             )
         return LiveView(
@@ -432,6 +459,7 @@ class SnapshotReader:
             sizes,
             settled,
             {g: free for g, (_, free) in driver_free.items() if g not in unreported},
+            park_release,
         )
 
 

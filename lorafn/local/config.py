@@ -82,6 +82,11 @@ class LocalConfig(SharedSettings):
     thrash_horizon_starts: float | None = Field(
         default=None, ge=0, description="offloading spares workers back within this many starts (0: off)"
     )
+    park_idle: bool = Field(
+        default=False,
+        description="park idle bound workers under memory pressure (release their KV cache, keep the "
+        "process) before stopping any (the controller's PolicyConfig.park_idle; off until measured on a GPU)",
+    )
     # the warm pool's starts on this machine (PolicyConfig.max_pool_starts_per_node / pool_waits_for_demand)
     pool_starts_at_once: int | None = Field(
         default=None,

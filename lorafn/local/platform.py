@@ -158,6 +158,7 @@ class LocalPlatform:
                     gpu_utilization=self.config.gpu_utilization,
                     warm_pool=self.config.warm_pool,
                     offloading=self.config.offloading,
+                    park_idle=self.config.park_idle,
                     **self.pool_starts,
                     **burst_overrides(
                         self.config.cold_prior_rps,

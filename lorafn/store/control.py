@@ -94,10 +94,14 @@ def report_pod_exit(keys: Keys, exit: PodExit) -> Op[str]:
     return post_event(keys, POD_EXITED, **exit.fields())
 
 
-def read_events(keys: Keys, last_id: str, count: int = 1000) -> Op[list[tuple[str, dict[str, str]]]]:
-    """Lifecycle events after `last_id` (non-blocking)."""
+def read_events(
+    keys: Keys, last_id: str, count: int = 1000, block_ms: int | None = None
+) -> Op[list[tuple[str, dict[str, str]]]]:
+    """Lifecycle events after `last_id`, waiting up to `block_ms` for the first (None: no wait; the driver
+    waits so for a worker's answer to a `park`)."""
     return Op(
-        lambda pipe: pipe.xread({keys.lifecycle(): last_id}, count=count), lambda r: stream_entries(r[0])
+        lambda pipe: pipe.xread({keys.lifecycle(): last_id}, count=count, block=block_ms),
+        lambda r: stream_entries(r[0]),
     )
 
 

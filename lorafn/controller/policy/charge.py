@@ -102,3 +102,63 @@ def charge_bytes(
     floor = report.kv_bytes + report.lora_bytes + report.private_bytes + floor_overhead
     own = max(report.whole_bytes + margin_bytes, floor)
     return own if report.whole_bytes > estimate_bytes else min(own, estimate_bytes)
+
+
+def parked_charge_bytes(
+    report: SizeReport | None,
+    estimate_bytes: int,
+    release_bytes: int,
+    lora_bytes: int,
+    margin_bytes: int = OVERHEAD_MARGIN_BYTES,
+) -> int:
+    """What the account charges a parked worker (`PolicyConfig.park_idle`: its KV cache and graph pools
+    released, its process kept). A parked worker runs nothing, so nothing of it grows: with a driver report
+    it is charged that report + ``margin_bytes`` (as a settled worker, without the peers' floor: the floor's
+    peers hold graph pools and KV it has given back). Without one (CPU, a container hiding host pids) it is
+    charged ``estimate_bytes`` (its unparked charge) less ``release_bytes`` (what its heartbeat says the
+    park freed: 0 when it does not say, then the whole estimate), never below its LoRA tensors."""
+    if report is not None and report.whole_bytes > 0:
+        return report.whole_bytes + margin_bytes
+    return max(lora_bytes, estimate_bytes - max(0, release_bytes), 0)
+
+
+def park_sizes(
+    report: SizeReport | None,
+    estimate_bytes: int,
+    floor_overhead: int,
+    release_bytes: int,
+    parked: bool,
+    margin_bytes: int = OVERHEAD_MARGIN_BYTES,
+) -> tuple[int, int]:
+    """A live bound worker's charge and its ``Worker.release_bytes`` as the account sees them: (charge,
+    release). ``release_bytes``: its heartbeat's ``park_release_bytes`` (what parking frees now; parked:
+    what unparking takes back), 0 when it does not say (then the release is 0 too: the policy falls back
+    to ``PolicyConfig.park_release_fraction``).
+
+    Unparked: charged `charge_bytes`; its release is that charge less what it would be charged parked
+    (its report less the heartbeat's release, `parked_charge_bytes`): what a Park gives back to the
+    account, not what the process frees (they differ where the charge is the estimate or the floor).
+    Parked: charged `parked_charge_bytes`; its release is what it is charged once unparked (its report +
+    the release, graphs pending again: `charge_bytes`' unsettled rule) less that."""
+    lora = report.lora_bytes if report is not None else 0
+    if not parked:
+        charge = charge_bytes(report, estimate_bytes, floor_overhead, margin_bytes)
+        if release_bytes <= 0:
+            return charge, 0
+        after = None
+        if report is not None and report.whole_bytes > 0:
+            after = SizeReport(
+                max(0, report.whole_bytes - release_bytes), 0, report.lora_bytes, report.private_bytes, True
+            )
+        parked_charge = parked_charge_bytes(after, charge, release_bytes, lora, margin_bytes)
+        return charge, max(0, charge - parked_charge)
+    charge = parked_charge_bytes(report, estimate_bytes, release_bytes, lora, margin_bytes)
+    if release_bytes <= 0:
+        return charge, 0
+    back = None
+    if report is not None and report.whole_bytes > 0:
+        back = SizeReport(
+            report.whole_bytes + release_bytes, release_bytes, report.lora_bytes, report.private_bytes, False
+        )
+    unparked = charge_bytes(back, estimate_bytes, floor_overhead, margin_bytes)
+    return charge, max(0, unparked - charge)

@@ -74,3 +74,29 @@ def test_graphs_pending_or_no_driver_report_keeps_the_learned_charge():
 def test_learned_overhead_is_the_largest_report_plus_a_margin():
     assert learned_overhead([], 560 * MiB) == 560 * MiB
     assert learned_overhead([300 * MiB, 420 * MiB], 560 * MiB) == 420 * MiB + OVERHEAD_MARGIN_BYTES
+
+
+def test_a_parked_worker_is_charged_what_it_holds_and_a_park_gives_back_the_difference():
+    from lorafn.controller.policy.charge import park_sizes, parked_charge_bytes
+
+    floor, release = 908 * MiB, KV + 150 * MiB  # KV + the graph pool
+    # with the driver's count: parked, its report + the margin (no floor: it holds no KV, no graphs)
+    parked = SizeReport(LORA + 900 * MiB, 0, LORA, settled=True)
+    assert parked_charge_bytes(parked, ESTIMATE, release, LORA) == parked.whole_bytes + OVERHEAD_MARGIN_BYTES
+    charge, back = park_sizes(parked, ESTIMATE, floor, release, parked=True)
+    assert charge == parked.whole_bytes + OVERHEAD_MARGIN_BYTES
+    # unparked it is charged as a worker whose graphs are pending again: its report + the release, at
+    # least the estimate; unparking takes the difference back
+    assert back == max(parked.whole_bytes + release, ESTIMATE) - charge
+    # settled and unparked: its own charge; a park gives back that less its parked charge
+    whole = SizeReport(KV + LORA + 1050 * MiB, KV, LORA, settled=True)
+    charge, gives = park_sizes(whole, ESTIMATE, floor, release, parked=False)
+    assert charge == charge_bytes(whole, ESTIMATE, floor)
+    assert gives == charge - (whole.whole_bytes - release + OVERHEAD_MARGIN_BYTES)
+    # without a driver count (CPU): the estimate less the release, never below the LoRA tensors
+    assert park_sizes(None, ESTIMATE, floor, release, parked=True) == (ESTIMATE - release, release)
+    assert park_sizes(None, ESTIMATE, floor, release, parked=False) == (ESTIMATE, release)
+    assert parked_charge_bytes(None, ESTIMATE, 10 * ESTIMATE, LORA) == LORA
+    # a worker that does not say what a park releases: charged as before, release unknown (0)
+    assert park_sizes(whole, ESTIMATE, floor, 0, parked=False) == (charge_bytes(whole, ESTIMATE, floor), 0)
+    assert park_sizes(None, ESTIMATE, floor, 0, parked=True) == (ESTIMATE, 0)

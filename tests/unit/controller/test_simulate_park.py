@@ -1,7 +1,7 @@
 """Parking in the policy simulator (issue 16): a parked worker holds its KV and graph pools less and is
 charged what it holds; an unpark gives them back and serves after ``unpark_s``; a run with parking on parks,
-unparks and answers every request without the processes ever holding more than the GPU. And the driver,
-whose workers cannot park yet, refuses the switch."""
+unparks and answers every request without the processes ever holding more than the GPU. (The driver applies
+parking: tests/unit/controller/test_park_driver.py.)"""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import dataclasses
 
 import pytest
 
-from lorafn.controller.driver import Controller, ControllerConfig
 from lorafn.controller.policy import PolicyConfig
 from lorafn.controller.policy.actions import Park, Unpark
 from lorafn.controller.policy.charge import OVERHEAD_MARGIN_BYTES
 from lorafn.controller.policy.simulate import GiB, SimSetup, Simulation, _Worker
-from lorafn.controller.snapshot import SizingConfig
 
 MiB = 2**20
 # 32 functions called in turn, every 0.25 s, for 60 s: more than the 32 GiB GPU holds bound at once
@@ -87,15 +85,3 @@ def test_setup_checks_its_parking_fields():
         dataclasses.replace(SETUP, park_release_bytes=SETUP.worker_bytes)
     with pytest.raises(ValueError, match="unpark_s"):
         dataclasses.replace(SETUP, unpark_s=-1.0)
-
-
-def test_the_driver_refuses_park_idle():
-    # no worker can park yet: the controller must not plan memory that nobody frees
-    with pytest.raises(ValueError, match="park_idle"):
-        Controller(
-            None,  # type: ignore[arg-type]
-            None,  # type: ignore[arg-type]
-            None,  # type: ignore[arg-type]
-            SizingConfig(worker_overhead_bytes=MiB, default_kv_bytes=MiB),
-            ControllerConfig(holder="me", policy=PolicyConfig(park_idle=True)),
-        )
