@@ -313,8 +313,8 @@ class ModelRunner:
         """(KV cache bytes, LoRA tensor bytes): the parts of this worker that its function's spec sizes
         (KV 0 while parked)."""
         tensors = self.lora.tensors() if self.lora is not None else []
-        kv = self.kv_cache.nbytes if self.kv_cache is not None else 0
-        return kv, sum(t.numel() * t.element_size() for t in tensors)
+        cache = self.kv_cache  # once: the heartbeat thread reads this while the loop may park
+        return (cache.nbytes if cache is not None else 0), sum(t.numel() * t.element_size() for t in tensors)
 
     def reserved_bytes(self) -> int:
         """What this runner holds on its device besides the shared backbone: KV cache + LoRA tensors
@@ -390,16 +390,18 @@ class ModelRunner:
         (the KV cache at once, graph pools and cached activations as the worker captures and serves again).
         Unparked on CUDA: the KV cache, the graphs' tensors and everything the allocator holds unused (the
         graph pool, cached activations), which `empty_cache` returns; on CPU the KV bytes."""
-        if self.kv_cache is None:
+        # each attribute read once: the heartbeat thread asks while the serving loop may be parking
+        cache, g = self.kv_cache, self.graphs
+        if cache is None:
             return self.parked_release_bytes
-        kv = self.kv_cache.nbytes
+        kv = cache.nbytes
         if self.device.type != "cuda":
             return kv
         graph_tensors = 0
-        if self.graphs is not None:
-            g = self.graphs
-            statics = [g.input_ids, g.positions, g.slot_mapping, g.block_tables, g.context_lens]
-            graph_tensors = sum(t.numel() * t.element_size() for t in [*statics, *g.outputs.values()])
+        if g is not None:
+            held = [g.input_ids, g.positions, g.slot_mapping, g.block_tables, g.context_lens]
+            held += list(g.outputs.values())
+            graph_tensors = sum(t.numel() * t.element_size() for t in held if t is not None)
         unused = int(torch.cuda.memory_reserved(self.device)) - int(torch.cuda.memory_allocated(self.device))
         return max(kv, kv + graph_tensors + unused)
 

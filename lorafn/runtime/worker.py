@@ -56,7 +56,7 @@ from pydantic import Field
 
 from lorafn.api.settings import SharedSettings
 from lorafn.runtime.batching import Batching, BatchingConfig, gpu_model_name
-from lorafn.runtime.outputs import StreamDelta
+from lorafn.runtime.outputs import ParkRefused, StreamDelta
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.runtime.step_profile import StepProfiler
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, streams, workers
@@ -111,6 +111,11 @@ class ServingConfig:
     # torch.profiler over the first `profile_steps` engine steps, written under `profile_dir` (step_profile)
     profile_steps: int = 0
     profile_dir: str | None = None
+    # while idle or parked a control command (park, unpark, stop) is seen within this long: the idle read
+    # blocks at most this and reads the control stream in the same round trip (busy: every heartbeat_s)
+    control_poll_ms: int = 100
+    # a parked worker that sees its function's requests queued records demand at most this often
+    park_demand_guard_ms: int = 2000
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -121,6 +126,8 @@ class ServingConfig:
             )
         if self.keep_alive_s is not None and self.keep_alive_s < 0:
             raise ValueError(f"keep_alive_s must be >= 0, got {self.keep_alive_s}")
+        if self.control_poll_ms < 1:
+            raise ValueError(f"control_poll_ms must be >= 1, got {self.control_poll_ms}")
 
 
 def default_worker_id() -> str:
@@ -229,6 +236,8 @@ class Worker:
         # work for idle time, one piece per call, False once none is left (an engine started with
         # `lazy_graphs` captures its remaining decode graphs so); None: nothing to do
         self._idle_work: Callable[[], bool] | None = getattr(engine, "capture_pending_graph", None)
+        # parked (a `park` command): the engine holds no KV cache; no requests are read (docs/runtime.md)
+        self.parked = False
 
     # -- public ---------------------------------------------------------------------------------
     def drain(self, *_: Any) -> None:
@@ -278,7 +287,7 @@ class Worker:
         now = self.clock()
         next_heartbeat = now + cfg.heartbeat_s
         next_claim = now + self.defer_first_claim_s
-        last_busy = self._last_busy = now
+        self._last_busy = now
         outage_since: float | None = None
         try:
             while True:
@@ -293,7 +302,7 @@ class Worker:
                             "worker %s: Redis is back after %.1f s", self.worker_id, now - outage_since
                         )
                         outage_since = None
-                    if now >= next_claim and not self._draining:
+                    if now >= next_claim and not self._draining and not self.parked:
                         self._claim_dead()
                         next_claim = now + cfg.claim_interval_s
                     if self.running:
@@ -302,21 +311,37 @@ class Worker:
                             self._read(block_ms=max(1, int(hold_ms)))
                             continue
                         self._step()
-                        last_busy = self._last_busy = self.clock()
+                        self._last_busy = self.clock()
                         continue
                     if self._draining:
                         self._flush()
                         return 0
+                    if self.parked:  # no requests read: the queue is watched, demand recorded, control read
+                        self._parked_wait()
+                        if (
+                            cfg.keep_alive_s is not None
+                            and self.clock() - self._last_busy >= cfg.keep_alive_s
+                        ):
+                            log.info(
+                                "worker %s: parked and idle for %.0f s, exiting",
+                                self.worker_id,
+                                cfg.keep_alive_s,
+                            )
+                            self._flush()
+                            return 0
+                        continue
                     # idle work (decode graphs a fresh worker left for later) goes one piece at a time
                     # between reads that barely wait: a request arriving meanwhile waits for one piece
                     idle_work = self._idle_work is not None and not self._draining
-                    got = self._read(block_ms=1 if idle_work else cfg.block_ms)
+                    got = self._read(block_ms=1 if idle_work else min(cfg.block_ms, cfg.control_poll_ms))
                     if got or self.running:
-                        last_busy = self._last_busy = self.clock()
+                        self._last_busy = self.clock()
+                    elif self.parked:  # parked by a command of that read
+                        pass
                     elif idle_work:
-                        if not self._idle_work():
+                        if self._idle_work is not None and not self._idle_work():
                             self._idle_work = None
-                    elif cfg.keep_alive_s is not None and self.clock() - last_busy >= cfg.keep_alive_s:
+                    elif cfg.keep_alive_s is not None and self.clock() - self._last_busy >= cfg.keep_alive_s:
                         log.info("worker %s: idle for %.0f s, exiting", self.worker_id, cfg.keep_alive_s)
                         self._flush()
                         return 0
@@ -412,28 +437,148 @@ class Worker:
             "progress_s": round(max(0.0, self.clock() - self._progress_at), 1),  # since the loop advanced
             **self.config.heartbeat_fields,
             **(self.config.live_fields() if self.config.live_fields else {}),
+            **self._park_fields(),
         }
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
         store.run(workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields))
 
     def _read_control(self) -> None:
-        """Commands sent to this worker (`stop`, `drain`)."""
-        commands = self.store.run(
-            workers.read_control(self.keys, self.worker_id, self._control_cursor or "0")
+        """Commands sent to this worker (`stop`, `drain`, `park`, `unpark`)."""
+        self._handle_control(
+            self.store.run(workers.read_control(self.keys, self.worker_id, self._control_cursor or "0"))
         )
+
+    def _handle_control(self, commands: list[tuple[str, dict[str, str]]]) -> None:
         for entry_id, body in commands:
             self._control_cursor = entry_id
             if body.get("cmd") in ("stop", "drain"):
                 self.drain()
+            elif body.get("cmd") == "park":
+                self._park()
+            elif body.get("cmd") == "unpark":
+                self._unpark()
             elif body.get("cmd") == "bind" and body.get("function") == self.function:
                 # the controller's bind for the request this worker (a pre-loaded standby) took itself
                 log.debug("worker %s: already serving %s", self.worker_id, self.function)
             else:
                 log.warning("worker %s: ignoring control command %r", self.worker_id, body)
 
+    # -- parking (docs/runtime.md#parking) ----------------------------------------------------------
+    def _park_fields(self) -> dict[str, int]:
+        """Heartbeat fields of an engine that can park: parked 1|0, and park_release_bytes (what parking
+        frees now; parked: what unparking takes back). The engine's kv_bytes (0 parked) come with
+        `live_fields`."""
+        release = getattr(self.engine, "park_release_bytes", None)
+        if not callable(release):
+            return {}
+        return {"parked": int(self.parked), "park_release_bytes": int(release())}
+
+    def _post(self, kind: str, **fields: Any) -> None:
+        from lorafn.store import control
+
+        gpu = self.config.heartbeat_fields.get("gpu") or self.config.batching.gpu
+        self.store.run(
+            control.post_event(
+                self.keys, kind, worker=self.worker_id, function=self.function, gpu=gpu, **fields
+            )
+        )
+
+    def _park(self) -> None:
+        """A `park` command: release the engine's KV cache and decode graphs when idle, and answer `parked`
+        (released_bytes) or `park_refused` (reason) on the lifecycle stream. A parked worker answers
+        `parked` again (the first park's bytes)."""
+        from lorafn.store import control
+
+        park = getattr(self.engine, "park", None)
+        reason = ""
+        if not callable(park):
+            reason = "the engine cannot park"
+        elif self._draining:
+            reason = "draining"
+        elif not self.parked and (self.running or self.engine.has_unfinished()):
+            reason = f"busy: {len(self.running)} running"
+        released, t0 = 0, time.perf_counter()
+        if not reason:
+            try:
+                released = int(park())  # type: ignore[misc]
+            except ParkRefused as e:
+                reason = str(e)
+        if reason:
+            log.info("worker %s: park refused (%s)", self.worker_id, reason)
+            self._post(control.PARK_REFUSED, reason=reason)
+            return
+        ms = (time.perf_counter() - t0) * 1000
+        if not self.parked:
+            self.parked = True
+            self._counters["parks"] = self._counters.get("parks", 0) + 1
+            log.info(
+                "worker %s parked: released %d bytes (%.1f MiB) in %.0f ms",
+                self.worker_id, released, released / 2**20, ms,
+            )  # fmt: skip
+        self._post(control.PARKED, released_bytes=released)
+
+    def _unpark(self) -> None:
+        """An `unpark` command: the engine takes its KV cache back (decode graphs captured lazily, in idle
+        time as after a lazy start) and the worker reads requests again; answers `unparked` (kv_bytes). An
+        unpark of an unparked worker answers `unparked` with its current KV bytes. An unpark that fails
+        (the device has no room) drains the worker: it exits, and the controller sees it gone."""
+        from lorafn.store import control
+
+        unpark = getattr(self.engine, "unpark", None)
+        if not callable(unpark):
+            self._post(control.UNPARKED, kv_bytes=0)
+            return
+        t0 = time.perf_counter()
+        try:
+            kv_bytes = int(unpark())
+        except Exception:
+            log.exception("worker %s: unpark failed; exiting", self.worker_id)
+            self.drain()
+            return
+        if self.parked:
+            self.parked = False
+            self._last_busy = self.clock()  # keep-alive counts from here: the unpark is for a request
+            self._idle_work = getattr(self.engine, "capture_pending_graph", None)  # the graphs, lazily
+            self._counters["unparks"] = self._counters.get("unparks", 0) + 1
+            log.info(
+                "worker %s unparked: KV cache of %d bytes (%.1f MiB) back in %.0f ms",
+                self.worker_id, kv_bytes, kv_bytes / 2**20, (time.perf_counter() - t0) * 1000,
+            )  # fmt: skip
+        self._post(control.UNPARKED, kv_bytes=kv_bytes)
+
+    def _parked_wait(self) -> None:
+        """One iteration of a parked worker, one round trip: send what is queued, wait up to
+        `control_poll_ms` for a control command, then read the function's queue depth (after the wait:
+        what arrived during it counts). Requests queued and not yet delivered to any worker (another
+        worker of the function may take them, or none is left unparked) -> demand recorded (reason
+        "parked", deduplicated over `park_demand_guard_ms`), so that the controller unparks a worker or
+        binds another; the request stays in the stream meanwhile."""
+        from lorafn.store import control
+
+        cfg = self.config
+        ops = self._pending_ops()
+        at = len(ops)
+        ops.append(
+            workers.read_control(
+                self.keys, self.worker_id, self._control_cursor or "0", block_ms=cfg.control_poll_ms
+            )
+        )
+        ops.append(control.queue_depths(self.keys, [self.function]))
+        results = self.store.run(combine(*ops))
+        self._sent()
+        commands, depths = results[at], results[at + 1]
+        self._handle_control(commands)
+        queued = depths[self.function].queued
+        if queued and self.parked:
+            recorded = self.store.run(
+                streams.record_demand(self.keys, self.function, "parked", cfg.park_demand_guard_ms)
+            )
+            if recorded:
+                log.info("worker %s: parked with %d requests queued; demand recorded", self.worker_id, queued)
+
     def _free_slots(self) -> int:
         limit = self.batching.max_running(self.config.max_running)  # the TPOT SLO's batch, if set
-        return 0 if self._draining else max(0, limit - len(self.running))
+        return 0 if self._draining or self.parked else max(0, limit - len(self.running))
 
     def _pending_ops(self) -> list[Op[Any]]:
         ops: list[Op[Any]] = self.batching.pipeline_ops(busy=bool(self.running))
@@ -485,13 +630,20 @@ class Worker:
         self._sent()
 
     def _read(self, block_ms: int | None) -> int:
-        """Send queued events and read new entries, in one round trip; returns how many arrived."""
+        """Send queued events and read new entries, in one round trip; returns how many arrived. With no
+        request running, the control stream is read in the same round trip (before the blocking read; see
+        `ServingConfig.control_poll_ms`) and its commands handled after the entries are admitted (a `park`
+        that comes with a request is refused)."""
         self._reading.set()
+        control = not self.running
         free = self._free_slots()
         ops = self._pending_ops()
+        at = len(ops)
         check = list(self.running)  # their cancel flags, read in the same round trip
         if check:
             ops.append(cancel.cancelled(self.keys, check))
+        if control:
+            ops.append(workers.read_control(self.keys, self.worker_id, self._control_cursor or "0"))
         if free:
             ops.append(streams.read_requests(self.keys, self.function, self.worker_id, free, block_ms))
         if not ops:
@@ -499,7 +651,9 @@ class Worker:
         results = self.store.run(combine(*ops))
         self._sent()
         if check:
-            self._abort_cancelled(results[-2] if free else results[-1])
+            self._abort_cancelled(results[at])
+            at += 1
+        commands = results[at] if control else []
         entries = results[-1] if free else []
         idle_before = not self.running
         for entry_id, fields in entries:
@@ -509,6 +663,8 @@ class Worker:
         )
         if entries:  # `accepted` at once, not after the next engine step (the gateway's accept deadline)
             self._flush()
+        if commands:
+            self._handle_control(commands)
         return len(entries)
 
     def _step(self) -> None:
