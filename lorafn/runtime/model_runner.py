@@ -358,7 +358,13 @@ class ModelRunner:
             self.graphs = None
         self.kv_cache = None
         if cuda:
-            torch.cuda.empty_cache()  # the pool's and the cache's segments back to the driver
+            # cuBLAS workspaces (one per stream that ran a GEMM: each lazy capture's side stream made one)
+            # are allocator blocks held outside the cache; no graph that names them is left, and the next
+            # GEMM makes a new one. Then the pool's and the cache's segments go back to the driver
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
+            torch.cuda.empty_cache()
             released = max(0, before - int(torch.cuda.memory_reserved(self.device)))
         else:
             released = kv_bytes
