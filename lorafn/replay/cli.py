@@ -123,10 +123,11 @@ def replay(
     configs: str = typer.Option(
         "default",
         "--configs",
-        help="Comma-separated configurations, each a platform of its own and a row: full, no-sharing, "
-        "no-warm-pool, no-offloading, no-slo-admission, always-on (minReplicas 1, shared backbone), "
-        "always-on-private (minReplicas 1, a weight copy per worker); 'default' = all but "
-        "always-on-private; 'all'. A switch this build's LocalConfig lacks makes its row n/a.",
+        help="Comma-separated configurations, each a platform of its own and a row: full, parking (full "
+        "+ idle workers park), no-sharing, no-warm-pool, no-offloading, no-slo-admission, always-on "
+        "(minReplicas 1, shared backbone), always-on-private (minReplicas 1, a weight copy per worker); "
+        "'default' = all but parking and always-on-private; 'all'. A switch this build's LocalConfig lacks "
+        "makes its row n/a.",
     ),
     device: str = typer.Option("auto", "--device", help="Started platform: auto | cpu | cuda."),
     model: Path = typer.Option(

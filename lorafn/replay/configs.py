@@ -39,6 +39,14 @@ CONFIGS: dict[str, ReplayConfig] = {
             "everything on: shared backbone, warm pool, offloading, SLO admission",
             {"gpu_admission": True},
         ),
+        # parking (issue 16): off by default until measured on a GPU; a row of its own, beside "full", so
+        # that one replay compares the two (docs/benchmarks.md, "Parking idle bound workers, simulated")
+        ReplayConfig(
+            "parking",
+            "full, and idle bound workers release their KV cache instead of exiting when memory is short "
+            "(park_idle: true)",
+            {"gpu_admission": True, "park_idle": True},
+        ),
         ReplayConfig(
             "no-sharing",
             "every worker loads its own copy of the backbone (LocalConfig share_backbone: false)",

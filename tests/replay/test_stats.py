@@ -218,3 +218,17 @@ def test_configs_selection_and_missing_switches() -> None:
     assert resolve(CONFIGS["no-warm-pool"], fields) == ({"warm_pool": False}, False, None)
     assert CONFIGS["always-on"].min_replicas == 1 and CONFIGS["always-on"].shares_backbone
     assert not CONFIGS["always-on-private"].shares_backbone
+
+
+def test_every_configuration_is_a_valid_platform_config_and_parking_turns_park_idle_on() -> None:
+    from lorafn.local.config import LocalConfig
+
+    fields = set(LocalConfig.model_fields)
+    for config in CONFIGS.values():
+        local, _, why = resolve(config, fields)
+        assert why is None, (config.name, why)  # this build has every switch a row needs
+        LocalConfig(**local)  # each row's settings are accepted as they are
+    local, _, _ = resolve(CONFIGS["parking"], fields)
+    assert LocalConfig(**local).park_idle and LocalConfig(**local).gpu_admission
+    assert not LocalConfig().park_idle  # off by default: "parking" is the only row with it
+    assert "parking" not in DEFAULT_CONFIGS
