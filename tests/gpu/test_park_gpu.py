@@ -79,7 +79,7 @@ def test_tiny_engine_parks_and_unparks_on_cuda(tiny_model_dir: Path) -> None:
             dtype="bfloat16",
             max_num_seqs=8,
             kv_cache_memory_bytes=256 * MIB,
-            cuda_graph_batch_sizes=[1, 2, 4, 8],
+            cuda_graph_batch_sizes=(1, 2, 4, 8),
         )
     )
     try:

@@ -73,3 +73,23 @@ def test_an_aborted_request_leaves_the_engine_parkable(engine: Engine) -> None:
     engine.step()
     engine.abort(rid)
     assert engine.park() == engine.runner.parked_kv_bytes > 0
+
+
+def test_park_drops_the_decode_graph_state_and_unpark_makes_it_again(engine: Engine) -> None:
+    """The graph bookkeeping that runs on CUDA, exercised on CPU: a DecodeGraphRunner (static inputs, no
+    capture: that needs CUDA) is released by park, so nothing keeps its tensors or the KV cache, and unpark
+    builds a new one over the new cache with the same buckets, all pending."""
+    from lorafn.runtime.cuda_graphs import DecodeGraphRunner
+
+    runner = engine.runner
+    runner.graphs = DecodeGraphRunner(runner.model, runner.kv_cache, [1, 2, 4], max_blocks_per_seq=8)
+    runner.max_blocks_per_seq = 8
+    statics = weakref.ref(runner.graphs.block_tables)
+    kv_tensor = weakref.ref(runner.kv_cache.data)
+    engine.park()
+    gc.collect()
+    assert runner.graphs is None and statics() is None and kv_tensor() is None
+    engine.unpark()
+    g = runner.graphs
+    assert g is not None and g.kv_cache is runner.kv_cache and g.max_blocks == 8
+    assert g.pending == list(g.buckets) and g.buckets == tuple(runner._buckets())
