@@ -285,3 +285,28 @@ def test_a_park_that_the_engine_refuses_is_answered_with_its_reason(redis_server
     finally:
         worker.drain()
         thread.join(timeout=10)
+
+
+def test_keep_alive_still_ends_a_parked_worker(redis_server: str) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, FN, [])
+    engine = ParkableEngine()
+    worker = Worker(
+        Store(redis_server), keys, engine, ServingConfig(function=FN, heartbeat_s=0.2, keep_alive_s=3.0)
+    )
+    result: dict[str, int] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", worker.run()), daemon=True)
+    thread.start()
+    try:
+        _until("the worker's first heartbeat", lambda: _heartbeat(store, keys, worker.worker_id))
+        events = _Events(store, keys)
+        store.run(workers.send_control(keys, worker.worker_id, "park"))
+        events.next(control.PARKED, worker.worker_id)
+        thread.join(timeout=WAIT_S)
+        assert result.get("code") == 0 and worker.parked  # it exited parked, on its own
+        assert _heartbeat(store, keys, worker.worker_id) == {}  # and deregistered
+        assert engine.calls == ["park"]
+    finally:
+        worker.drain()
+        thread.join(timeout=10)
