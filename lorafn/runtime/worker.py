@@ -12,7 +12,8 @@ Per iteration (one round trip to Redis while the batch runs):
   see `lorafn.store.cancel`) is aborted in the engine before the next step and ends with a `done` event
   whose finish_reason is "abort" (stats counter `cancelled`); one still queued was deleted by the gateway
   and is never read.
-When the batch is empty the worker blocks in XREADGROUP (`block_ms`), so a new request wakes it at once.
+When the batch is empty the worker blocks in XREADGROUP (`block_ms`, at most `control_poll_ms`), so a new
+request wakes it at once; the same round trip reads its control stream.
 Entries and reply events follow the typed wire protocol (`lorafn.store.protocol`): an entry whose body
 does not parse as a `RequestBody` ends with an `invalid_request` error event (stats counter `errors`).
 
@@ -27,6 +28,9 @@ Around it:
   (a request that kills its workers must not kill them all);
 - SIGTERM (or a `drain`/`stop` command): stop reading, finish the running requests, ack, exit 0;
 - `keep_alive_s` without work: exit 0 (a bound worker never goes back to the pool);
+- `park` / `unpark` commands (docs/runtime.md#parking): an idle worker's engine releases its KV cache and
+  decode graphs and the loop reads no requests until `unpark`, recording demand when its function's requests
+  queue up; answered with `parked` / `park_refused` / `unparked` lifecycle events;
 - Redis unreachable: abort the running requests (their clients already got an error from the gateway),
   retry with backoff, and on return drop what this worker still held with an error event.
 

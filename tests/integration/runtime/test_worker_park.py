@@ -7,7 +7,8 @@
   with the same text as the same prompt before the park (greedy).
 - The serving loop in a thread with a fake engine that can park: a park while a request runs is refused
   (`park_refused`, reason busy) and the request still finishes; a park once it is done succeeds; parking a
-  parked worker and unparking an unparked one answer again; `stop` ends a parked worker.
+  parked worker and unparking an unparked one answer again; `stop` ends a parked worker, and so does
+  keep-alive.
 """
 
 from __future__ import annotations
