@@ -621,7 +621,9 @@ class Controller:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 break
-            entries = self.store.run(control.read_events(self.keys, self._events_cursor, block_ms=left_ms))
+            # a second at most per read: a park_timeout_s above the client's socket timeout is no error
+            block_ms = min(left_ms, 1000)
+            entries = self.store.run(control.read_events(self.keys, self._events_cursor, block_ms=block_ms))
             for entry_id, event in entries:
                 wid = event.get("worker", "")
                 if (
