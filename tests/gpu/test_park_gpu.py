@@ -106,3 +106,66 @@ def test_7b_engine_parks_and_unparks_on_cuda(llama7b_dir: Path) -> None:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def test_a_worker_process_parks_on_cuda(redis_server: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The seam on a GPU: a real `lorafn worker serve --device cuda` (tiny model, 256 MiB KV budget, so its
+    heartbeat carries the driver's count of the process, `mem_bytes`): `park` -> `parked` with released bytes
+    >= its KV bytes, and the driver's count drops by at least the KV bytes; a request sent while parked is
+    answered after `unpark` with the same greedy text as before the park."""
+    import uuid
+
+    from lorafn.store import Keys, Store, control, workers
+    from tests.integration.gateway.harness import (
+        register,
+        start_worker_process,
+        stop_process,
+        wait_live_workers,
+    )
+    from tests.integration.runtime.test_worker_park import FN, _answer, _Events, _heartbeat, _send, _until
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, FN, [], model_dir=str(tiny_model_dir))
+    wid = "gpu-parking-worker"
+    log = tmp_path / "worker.log"
+    proc = start_worker_process(
+        redis_server, prefix, FN, log, LORAFN_ENGINE_FACTORY="", LORAFN_WORKER_ID=wid, LORAFN_GPU="local/0",
+        LORAFN_KEEP_ALIVE_SECONDS="600", LORAFN_DEVICE="cuda", LORAFN_KV_BUDGET_MIB="256",
+    )  # fmt: skip
+    try:
+        wait_live_workers(None, store, keys, FN, 1, timeout=120)
+        prompt = "The quick brown fox jumps over"
+        _send(store, keys, "before", prompt)
+        before, _ = _answer(store, keys, "before")
+        unparked = _until(
+            "a heartbeat with the driver's count and no graphs pending",
+            lambda: (
+                (h := _heartbeat(store, keys, wid)).get("mem_source") == "driver"
+                and h.get("graphs_pending") == "0"
+                and h
+            ),
+            timeout=120,
+        )
+        kv_bytes = int(unparked["kv_bytes"])
+        events = _Events(store, keys)
+        store.run(workers.send_control(keys, wid, "park"))
+        released = int(events.next(control.PARKED, wid)["released_bytes"])
+        parked = _until(
+            "a parked heartbeat", lambda: (h := _heartbeat(store, keys, wid)).get("parked") == "1" and h
+        )
+        drop = int(unparked["mem_bytes"]) - int(parked["mem_bytes"])
+        print(
+            f"\npark: worker kv={kv_bytes / MIB:.1f} MiB released={released / MIB:.1f} MiB "
+            f"estimate={int(unparked['park_release_bytes']) / MIB:.1f} MiB driver_drop={drop / MIB:.1f} MiB "
+            f"(mem_bytes {int(unparked['mem_bytes']) / MIB:.0f} -> {int(parked['mem_bytes']) / MIB:.0f} MiB)"
+        )
+        assert released >= kv_bytes > 0 and drop >= kv_bytes
+        _send(store, keys, "while-parked", prompt)
+        store.run(workers.send_control(keys, wid, "unpark"))
+        assert int(events.next(control.UNPARKED, wid)["kv_bytes"]) == kv_bytes
+        after, _ = _answer(store, keys, "while-parked")
+        assert after == before
+    finally:
+        code = stop_process(proc)
+    assert code == 0, log.read_text()[-3000:]
