@@ -1,9 +1,10 @@
 """`lorafn status` and `lorafn get`: what the running local platform holds, read from Redis.
 
 Everything shown is what the processes themselves wrote: worker heartbeats (state standby | binding |
-serving | draining, device, backbone, adapter shape, memory, idle time), the controller's function status
-(why a function waits, its last cold start and the path it took, failed starts) and pool targets, the
-gateway's counters and the request streams' depth. Collecting is one pass over Redis; rendering is pure.
+serving | draining, parked or not, device, backbone, adapter shape, memory, idle time), the controller's
+function status (why a function waits, its last cold start and the path it took, failed starts) and pool
+targets, the gateway's counters and the request streams' depth. Collecting is one pass over Redis; rendering
+is pure.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class WorkerView:
     mem_mib: int
     idle_s: str
     pid: str
+    parked: bool = False  # released its KV cache, process kept (PolicyConfig.park_idle); serves once unparked
 
 
 @dataclass
@@ -155,6 +157,7 @@ def _worker(wid: str, fields: dict[str, str]) -> WorkerView:
         mem_mib=_int(fields.get("mem_bytes")) // (1024 * 1024),
         idle_s=fields.get("idle_s", ""),
         pid=fields.get("pid", ""),
+        parked=fields.get("parked") == "1",
     )
 
 
@@ -274,7 +277,8 @@ def render_status(status: PlatformStatus, console: Console | None = None) -> Non
     console.print(pool)
     workers = Table("worker", "state", "function", "device", "shape", "MiB", "idle s", "pid", title="Workers")
     for w in status.workers:
-        workers.add_row(w.id, w.state, w.function, w.gpu, w.shape, str(w.mem_mib), w.idle_s, w.pid)
+        state = f"{w.state} (parked)" if w.parked else w.state
+        workers.add_row(w.id, state, w.function, w.gpu, w.shape, str(w.mem_mib), w.idle_s, w.pid)
     console.print(workers)
 
 

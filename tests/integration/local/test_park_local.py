@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from lorafn.local.status import collect
 from lorafn.replay.configs import ReplayConfig
 from lorafn.replay.driver import DriveOptions, Target, drive
 from lorafn.replay.platform import FunctionSetup, ManagedPlatform, manifest, new_keys
@@ -123,6 +124,8 @@ def test_a_third_function_parks_an_idle_worker_and_its_function_unparks_it(
         assert serving()[victim][:2] == (wid, pid) and _alive(pid)
         assert commands(wid) == ["park"]
         assert set(serving()) == {F1, F2, F3}
+        shown = {w.id: w for w in collect(store, platform.keys).workers}  # what `lorafn status` shows
+        assert shown[wid].parked and shown[wid].pid == str(pid)
 
         again = call(victim)  # the parked worker records demand; the controller unparks it; it answers
         assert again.cold is False  # its worker was live all along: no cold start
