@@ -106,10 +106,16 @@ class ControllerConfig:
     # how long a Park waits for the worker's `parked` / `park_refused` event (an idle worker reads its
     # control stream every ~0.1 s); unanswered by then: its GPU's other actions wait for the next round
     park_timeout_s: float = 2.0
+    # a worker that refused a park for another reason than being busy (graph archives, draining, an engine
+    # that cannot park), or did not answer, is planned no park for this long (it may still be stopped): else
+    # every round under pressure would park it again and drop its GPU's actions again
+    park_retry_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.park_timeout_s > 0:
             raise ValueError(f"ControllerConfig.park_timeout_s must be > 0, got {self.park_timeout_s!r}")
+        if not self.park_retry_s >= 0:
+            raise ValueError(f"ControllerConfig.park_retry_s must be >= 0, got {self.park_retry_s!r}")
 
 
 @dataclass
@@ -181,6 +187,7 @@ class Controller:
         # in between count them as done (its memory freed / taken back), and send neither again
         self._parks: dict[str, _PendingPark] = {}
         self._unparks: dict[str, _PendingPark] = {}
+        self._park_held: dict[str, float] = {}  # worker -> until when no park is planned for it (monotonic)
         self._deferred_since: dict[str, float] = {}  # GPU -> since when its refill waits
         self.last_plan: Plan | None = None
         self.last_snapshot: Snapshot | None = None
@@ -348,6 +355,8 @@ class Controller:
         kind, function, wid = event.get("kind"), event.get("function", ""), event.get("worker", "")
         if kind in (control.PARKED, control.PARK_REFUSED):  # the park's wait had given up on it
             log.info("controller: late answer to a park: %s %s (%s)", wid, kind, event.get("reason", ""))
+            if kind == control.PARKED:  # it can park after all (its heartbeat will say it is parked)
+                self._park_held.pop(wid, None)
             return
         if kind == control.UNPARKED:
             log.info("controller: %s unparked (%s, KV %s bytes)", wid, function, event.get("kv_bytes", "?"))
@@ -412,11 +421,21 @@ class Controller:
             # still there, or its exit never reported: let the policy see it again
             if now - stopped.sent_at > self.config.bind_timeout_s:
                 del self._stops_sent[wid]
+        for wid, until in list(self._park_held.items()):
+            if now >= until:
+                del self._park_held[wid]
         for pending_parks in (self._parks, self._unparks):
             for wid, parking in list(pending_parks.items()):
                 if now - parking.sent_at > self.config.bind_timeout_s:  # never seen: its heartbeat decides
                     del pending_parks[wid]
-        if not (self._binds or self._preloads or self._stops_sent or self._parks or self._unparks):
+        if not (
+            self._binds
+            or self._preloads
+            or self._stops_sent
+            or self._parks
+            or self._unparks
+            or self._park_held
+        ):
             return snapshot
         patched = []
         seen = {w.id for w in snapshot.workers}
@@ -450,6 +469,8 @@ class Controller:
                 # `room_coming`) instead of the next rounds offloading more for it
                 w = dataclasses.replace(w, room_for=stopped.room_for)
             w = self._with_pending_park(w)
+            if w.id in self._park_held and w.parkable:
+                w = dataclasses.replace(w, parkable=False)
             preload = self._preloads.get(w.id)
             if preload is not None and w.state == "standby":
                 if w.preloaded == preload.function:
@@ -652,6 +673,8 @@ class Controller:
             reason = "refused" if event is not None else "timeout"
             self.metrics.park_refusals.labels(reason).inc()
             failed.add(park.gpu)
+            if event is None or not event.get("reason", "").startswith("busy"):  # not a passing state
+                self._park_held[wid] = time.monotonic() + self.config.park_retry_s
             log.warning(
                 "controller: park of %s (%s on %s) %s%s: the plan's other actions on %s wait a round",
                 wid, park.function, park.gpu, reason,

@@ -450,6 +450,8 @@ class SnapshotReader:
                     preloaded=(h.get("preloaded") or None) if policy_state == "standby" else None,
                     reported_bytes=reported,
                     parked=parked,
+                    # a runtime that can park says what a park frees (an older one would never answer)
+                    parkable=h.get("park_release_bytes") not in (None, ""),
                 )
             )
         return LiveView(

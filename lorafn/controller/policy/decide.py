@@ -170,6 +170,7 @@ class _Round:
             if (
                 w.state != "bound"
                 or w.parked
+                or not w.parkable
                 or w.running > 0
                 or w.id in self.gone
                 or fn is None

@@ -82,7 +82,9 @@ class Worker:
     ``parked``: a bound worker that released its KV cache and graph pools (`PolicyConfig.park_idle`); its
     ``mem_bytes`` is then its parked charge, and it serves nothing until unparked. ``release_bytes``: for a
     bound worker, what parking it would give back to the account; for a parked one, what unparking it takes
-    back (0: not known; `PolicyConfig.park_release_fraction` of its charge stands in).
+    back (0: not known; `PolicyConfig.park_release_fraction` of its charge stands in). ``parkable``: False
+    for a worker no Park may be planned for (its runtime cannot park, or it refused or did not answer a park
+    lately: the driver says so); it can still be stopped, and unparked when parked.
     """
 
     id: str
@@ -100,6 +102,7 @@ class Worker:
     reported_bytes: int = 0
     parked: bool = False
     release_bytes: int = 0
+    parkable: bool = True
 
     def __post_init__(self) -> None:
         owner = f"Worker {self.id}"

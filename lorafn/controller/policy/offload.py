@@ -220,7 +220,7 @@ def park_candidates(
     """The workers of one GPU that may be parked, least valuable first (see the module docstring)."""
     out = []
     for w in workers:
-        if w.state != "bound" or w.parked or w.running > 0 or w.id in protected:
+        if w.state != "bound" or w.parked or not w.parkable or w.running > 0 or w.id in protected:
             continue
         fn = functions.get(w.function or "")
         if fn is not None and fn.queued > 0:

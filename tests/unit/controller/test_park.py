@@ -46,6 +46,22 @@ def test_off_by_default_and_then_nothing_parks():
     assert len(plan.of_type(Stop)) == 1 and plan.of_type(Start) == []  # offload, start once it exited
 
 
+def test_a_worker_that_cannot_park_is_never_parked_and_is_offloaded_as_without_parking():
+    # Worker.parkable False: its runtime cannot park, or it refused lately (the driver's park_retry_s)
+    functions, workers = _full_gpu([], parkable=False)
+    plan = decide(snap([gpu("g0")], functions, workers), PARK)
+    assert plan.of_type(Park) == [] and len(plan.of_type(Stop)) == 1 and plan.of_type(Start) == []
+    # one parkable among them: that one is parked (two are needed: one parked, the rest as before)
+    workers[0] = dataclasses.replace(workers[0], parkable=True)
+    workers[1] = dataclasses.replace(workers[1], parkable=True)
+    plan = decide(snap([gpu("g0")], functions, workers), PARK)
+    assert sorted(p.worker_id for p in plan.of_type(Park)) == ["w00", "w01"]
+    assert [s.function for s in plan.of_type(Start)] == ["cold"]
+    later = dataclasses.replace(PARK, park_after_s=10.0)  # nor by park_after_s
+    plan = decide(snap([gpu("g0")], functions[:-1], [dataclasses.replace(workers[2], idle_s=60)]), later)
+    assert plan.of_type(Park) == []
+
+
 def test_a_cold_start_parks_idle_workers_instead_of_stopping_one_and_starts_in_the_same_plan():
     functions, workers = _full_gpu([])
     plan = decide(snap([gpu("g0")], functions, workers), PARK)

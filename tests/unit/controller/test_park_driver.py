@@ -244,6 +244,31 @@ def test_an_unanswered_park_times_out_and_events_read_meanwhile_are_not_lost(wor
     assert "late answer to a park: w-idle parked" in caplog.text
 
 
+def test_a_worker_that_cannot_park_is_stopped_instead_for_a_while(world) -> None:
+    # a refusal that is no passing state (graph archives, an engine that cannot park): the next rounds plan no
+    # park of it (ControllerConfig.park_retry_s) and offload it as without parking, instead of parking it
+    # again and dropping the start every round
+    store, keys, controller, executor = world
+    _full_gpu(store, keys, controller, executor)
+    worker = _Worker(
+        store, keys, "w-idle", IDLE, lambda n: (control.PARK_REFUSED, {"reason": "graph archives"})
+    )
+    worker.start()
+    try:
+        controller.round()
+        assert _new_starts(executor) == []
+        plan = controller.round()
+    finally:
+        worker.stop()
+    assert worker.seen == ["park", "stop"]
+    assert plan.of_type(Park) == [] and [s.worker_id for s in plan.of_type(Stop)] == ["w-idle"]
+    assert not next(w for w in controller.last_snapshot.workers if w.id == "w-idle").parkable
+    # a runtime that does not report park_release_bytes cannot park: never planned one
+    _beat(store, keys, "w-old", BUSY, park_release_bytes="")
+    controller.round()
+    assert not next(w for w in controller.last_snapshot.workers if w.id == "w-old").parkable
+
+
 def test_demand_for_a_parked_function_unparks_it_at_once(world) -> None:
     store, keys, controller, executor = world
     controller.round()
