@@ -160,7 +160,8 @@ async def _sampler(
 
 
 async def bound_events(store: AsyncStore, keys: Keys, since_id: str, wall_t0: float) -> list[BoundEvent]:
-    """The `bound` lifecycle events after `since_id` (times relative to `wall_t0`, POSIX seconds)."""
+    """The `bound` and `unparked` lifecycle events after `since_id` (times relative to `wall_t0`, POSIX
+    seconds; an unpark's path is `unparked`)."""
     out: list[BoundEvent] = []
     cursor = since_id
     while True:
@@ -169,7 +170,8 @@ async def bound_events(store: AsyncStore, keys: Keys, since_id: str, wall_t0: fl
             return out
         for entry_id, event in batch:
             cursor = entry_id
-            if event.get("kind") != ctl.BOUND:
+            kind = event.get("kind")
+            if kind not in (ctl.BOUND, ctl.UNPARKED):
                 continue
             try:
                 ms: float | None = float(event.get("ms") or "")
@@ -179,7 +181,7 @@ async def bound_events(store: AsyncStore, keys: Keys, since_id: str, wall_t0: fl
                 BoundEvent(
                     int(entry_id.split("-")[0]) / 1000 - wall_t0,
                     event.get("function", ""),
-                    event.get("path", ""),
+                    "unparked" if kind == ctl.UNPARKED else event.get("path", ""),
                     ms,
                 )
             )

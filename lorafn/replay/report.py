@@ -140,6 +140,8 @@ def _pct(value: float | None) -> str:
 
 
 WARMUP_ROW = "  warm-up"  # the warm-up's row, under its configuration's
+# the request paths the resources table counts (stats.assign_paths; `unparked`: a parked worker got its KV)
+ROUTES = ("warm", "unparked", "standby", "fresh", "queued")
 
 
 def window_title(workload: dict[str, Any]) -> str:
@@ -187,7 +189,7 @@ def render(report: dict[str, Any], console: Console | None = None) -> None:
     for col in columns:
         lat.add_column(col, justify="left" if col == "config" else "right")
     res = Table(title=f"Paths and resources per configuration, {window_title(w)}")
-    for col in ("config", "warm", "standby", "fresh", "queued", "GPU-s", "peak GiB", "cost $", "CE×"):
+    for col in ("config", *ROUTES, "GPU-s", "peak GiB", "cost $", "CE×"):
         res.add_column(col, justify="left" if col == "config" else "right")
     ce = report["comparison"]["cost_effectiveness"]
     for run in report["configs"]:
@@ -203,7 +205,7 @@ def render(report: dict[str, Any], console: Console | None = None) -> None:
         )  # fmt: skip
         p = o["paths"]
         res.add_row(
-            run["config"], *(str(p.get(k, 0)) for k in ("warm", "standby", "fresh", "queued")),
+            run["config"], *(str(p.get(k, 0)) for k in ROUTES),
             f"{run['gpu_seconds']:.1f}", f"{run['peak_held_mib'] / 1024:.1f}", f"{run['cost_usd']:.4f}",
             _x(ce.get(run["config"])),
         )  # fmt: skip
@@ -217,7 +219,7 @@ def render(report: dict[str, Any], console: Console | None = None) -> None:
             )  # fmt: skip
             wp = wo["paths"]
             res.add_row(
-                WARMUP_ROW, *(str(wp.get(k, 0)) for k in ("warm", "standby", "fresh", "queued")),
+                WARMUP_ROW, *(str(wp.get(k, 0)) for k in ROUTES),
                 "-", "-", "-", "-", style="dim",
             )  # fmt: skip
     console.print(lat)

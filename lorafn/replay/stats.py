@@ -15,7 +15,7 @@ import numpy as np
 QUANTILES = (50, 90, 99)
 # The paths a request can take (docs/replay.md#paths). `cold` is a cold request whose cold start left no
 # `bound` event the replay could match (e.g. the run ended first); `none`: it never reached a worker.
-PATHS = ("warm", "standby", "fresh", "queued", "cold", "none")
+PATHS = ("warm", "unparked", "standby", "fresh", "queued", "cold", "none")
 MiB = 1 << 20
 # The replay's clock: 0 is the measured window's start; a warm-up runs at negative times before it.
 WINDOW_START_S = 0.0
@@ -82,7 +82,8 @@ class Sample:
 
 @dataclass(frozen=True)
 class BoundEvent:
-    """A cold start completed: a worker took `function` by `path` (standby | fresh) at `t_s`."""
+    """A cold start completed: a worker took `function` by `path` (standby | fresh) at `t_s`; or (path
+    `unparked`) a parked worker of `function` took its KV cache back (`PolicyConfig.park_idle`)."""
 
     t_s: float
     function: str
@@ -116,12 +117,26 @@ def assign_paths(
     which ends at its first token (or its end); the first `bound` event of that function at or after the
     leader was sent (less `slack_s` for clock skew) gives the leader its path, and the other cold requests
     sent during the episode waited behind that same start: `queued`.
+
+    A parked worker (`PolicyConfig.park_idle`) is live to the gateway, so a request that waited for its
+    unpark arrives as warm: a warm request with an `unparked` event of its function between its sending
+    (less `slack_s`) and its first token (or its end) is `unparked` instead (an inference too: a function
+    with another, unparked worker may have served it without waiting).
     """
     by_function: dict[str, list[BoundEvent]] = defaultdict(list)
+    unparks: dict[str, list[float]] = defaultdict(list)
     for e in sorted(events, key=lambda e: e.t_s):
-        by_function[e.function].append(e)
+        if e.path == "unparked":
+            unparks[e.function].append(e.t_s)
+        else:
+            by_function[e.function].append(e)
     for r in results:
         r.path = "none" if r.cold is None else "warm" if not r.cold else "cold"
+        if r.path == "warm" and r.sent_s is not None and unparks.get(r.function):
+            waited = r.ttft_ms if r.ttft_ms is not None else r.e2e_ms
+            first_s = r.sent_s + (waited or 0.0) / 1000
+            if any(r.sent_s - slack_s <= t <= first_s for t in unparks[r.function]):
+                r.path = "unparked"
     cold = sorted(
         (r for r in results if r.cold and r.sent_s is not None), key=lambda r: (r.function, r.sent_s or 0.0)
     )

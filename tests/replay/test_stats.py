@@ -21,6 +21,7 @@ from lorafn.replay.stats import (
     percentiles,
     reduction,
     slo_violated,
+    summarize,
     summarize_all,
     worker_series,
 )
@@ -232,3 +233,21 @@ def test_every_configuration_is_a_valid_platform_config_and_parking_turns_park_i
     assert LocalConfig(**local).park_idle and LocalConfig(**local).gpu_admission
     assert not LocalConfig().park_idle  # off by default: "parking" is the only row with it
     assert "parking" not in DEFAULT_CONFIGS
+
+
+def test_a_warm_request_that_waited_for_an_unpark_takes_the_unparked_path() -> None:
+    results = [
+        _ok("a/x", 10.0, ttft=400, e2e=900),  # unparked at 10.2 s, first token at 10.4 s
+        _ok("a/x", 10.1, ttft=350, e2e=800),  # behind the same unpark
+        _ok("a/x", 20.0, ttft=40, e2e=90),  # warm: no unpark around it
+        _ok("a/y", 10.0, ttft=400, e2e=900),  # another function's unpark is not its own
+        _ok("a/x", 30.0, ttft=2000, e2e=2500, cold=True),  # cold: a bound event, not the unpark, decides
+    ]
+    events = [
+        BoundEvent(10.2, "a/x", "unparked", None),
+        BoundEvent(31.0, "a/x", "standby", 12.0),
+        BoundEvent(29.5, "a/x", "unparked", None),  # around the cold request: it stays cold-path
+    ]
+    assign_paths(results, events)
+    assert [r.path for r in results] == ["unparked", "unparked", "warm", "warm", "standby"]
+    assert summarize(results, 2500.0)["paths"] == {"warm": 2, "unparked": 2, "standby": 1}
