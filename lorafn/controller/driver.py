@@ -298,9 +298,8 @@ class Controller:
             return []
         ttl_ms = int(self.config.lease_ttl_s * 1000)
         if not self.store.run(control.acquire_lease(self.keys, self.config.holder, ttl_ms)):
-            self.last_snapshot = self._last_read = (
-                None  # another controller leads now: its view, not our old one
-            )
+            # another controller leads now: its view, not our old one
+            self.last_snapshot = self._last_read = None
             return []
         # stopped ones count as draining, parks acknowledged as parked, ...
         snapshot = self._with_pending_binds(self._last_read or self.last_snapshot)
