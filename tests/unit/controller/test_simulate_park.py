@@ -12,23 +12,14 @@ import pytest
 from lorafn.controller.policy import PolicyConfig
 from lorafn.controller.policy.actions import Park, Unpark
 from lorafn.controller.policy.charge import OVERHEAD_MARGIN_BYTES
-from lorafn.controller.policy.simulate import GiB, SimSetup, Simulation, _Worker
+from lorafn.controller.policy.simulate import SimSetup, Simulation, _Worker
+from tests.unit.controller.test_simulate_sizes import ARRIVALS, MiB
+from tests.unit.controller.test_simulate_sizes import SETUP as SIZED
 
-MiB = 2**20
-# 32 functions called in turn, every 0.25 s, for 60 s: more than the 32 GiB GPU holds bound at once
-ARRIVALS = [(i * 0.25, i % 32) for i in range(240)]
-SETUP = SimSetup(
-    32,
-    gpu_bytes=32 * GiB,
-    worker_bytes=(512 + 1230) * MiB,
-    overhead_quantiles=((0.0, 720 * MiB), (0.5, 817 * MiB), (0.9, 908 * MiB), (1.0, 1086 * MiB)),
-    kv_lora_bytes=592 * MiB,
-    settle_s=5.0,
-    max_batch=4,
-    charge="own",
-    driver_guard=True,
-    park_release_bytes=(512 + 150) * MiB,
-    unpark_s=0.3,
+# the sized setup of test_simulate_sizes (32 functions in turn on a 32 GiB GPU), charged by own size, with a
+# park releasing KV + graphs (512 + 150 MiB) and unparks serving after 0.3 s
+SETUP = dataclasses.replace(
+    SIZED, charge="own", driver_guard=True, park_release_bytes=(512 + 150) * MiB, unpark_s=0.3
 )
 PARK = PolicyConfig(park_idle=True, unpark_s=0.3)
 
