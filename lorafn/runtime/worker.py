@@ -63,7 +63,7 @@ from lorafn.runtime.batching import Batching, BatchingConfig, gpu_model_name
 from lorafn.runtime.outputs import ParkRefused, StreamDelta
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.runtime.step_profile import StepProfiler
-from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, streams, workers
+from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, control, streams, workers
 from lorafn.store import stats as store_stats
 from lorafn.store.protocol import Accepted, Delta, Done, Error, ReplyEvent, RequestBody, Restart
 from lorafn.store.streams import entry_ms
@@ -478,8 +478,6 @@ class Worker:
         return {"parked": int(self.parked), "park_release_bytes": int(release())}
 
     def _post(self, kind: str, **fields: Any) -> None:
-        from lorafn.store import control
-
         gpu = self.config.heartbeat_fields.get("gpu") or self.config.batching.gpu
         self.store.run(
             control.post_event(
@@ -491,8 +489,6 @@ class Worker:
         """A `park` command: release the engine's KV cache and decode graphs when idle, and answer `parked`
         (released_bytes) or `park_refused` (reason) on the lifecycle stream. A parked worker answers
         `parked` again (the first park's bytes)."""
-        from lorafn.store import control
-
         park = getattr(self.engine, "park", None)
         reason = ""
         if not callable(park):
@@ -526,8 +522,6 @@ class Worker:
         time as after a lazy start) and the worker reads requests again; answers `unparked` (kv_bytes). An
         unpark of an unparked worker answers `unparked` with its current KV bytes. An unpark that fails
         (the device has no room) drains the worker: it exits, and the controller sees it gone."""
-        from lorafn.store import control
-
         unpark = getattr(self.engine, "unpark", None)
         if not callable(unpark):
             self._post(control.UNPARKED, kv_bytes=0)
@@ -557,8 +551,6 @@ class Worker:
         worker of the function may take them, or none is left unparked) -> demand recorded (reason
         "parked", deduplicated over `park_demand_guard_ms`), so that the controller unparks a worker or
         binds another; the request stays in the stream meanwhile."""
-        from lorafn.store import control
-
         cfg = self.config
         ops = self._pending_ops()
         at = len(ops)
@@ -1180,8 +1172,6 @@ def serve_worker(settings: WorkerSettings) -> int:
     worker = Worker(store, keys, engine, serving_config(settings, function, keep_alive, engine))
     worker.install_signal_handlers()
     if settings.spawned_at_ms:  # a fresh cold start: tell the controller how long it took
-        from lorafn.store import control
-
         ms = max(0.0, time.time() * 1000 - settings.spawned_at_ms)
         store.run(
             control.post_event(
