@@ -160,6 +160,14 @@ class Controller:
     def __init__(
         self, store: Store, keys: Keys, executor: Executor, sizing: SizingConfig, config: ControllerConfig
     ) -> None:
+        if config.policy.parked_keep_alive_s is not None:
+            # simulated only (bench/policy_replay.py): a worker exits by itself at its function's keep-alive,
+            # parked or not, so the policy would plan parked workers that are already gone
+            raise ValueError(
+                "PolicyConfig.parked_keep_alive_s is not supported by the controller yet: a parked worker "
+                f"still exits at its function's keep-alive; got {config.policy.parked_keep_alive_s!r}, "
+                "leave it None (the default)"
+            )
         self.store, self.keys, self.executor, self.config = store, keys, executor, config
         self.reader = SnapshotReader(store, keys, sizing, config.heartbeat_ttl_s)
         self._binds: dict[str, _PendingBind] = {}

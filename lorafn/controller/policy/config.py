@@ -92,6 +92,12 @@ class PolicyConfig:
       what a parked worker's function pays on its next request (parking order: value = rate x unpark_s).
     - ``park_after_s``: also park a bound worker idle this long without memory pressure (None: only under
       pressure), so that the warm pool gets the memory idle workers hold.
+    - ``parked_keep_alive_s``: a parked worker is stopped ("keep_alive") once idle this long (since its last
+      request, as the function's keep-alive counts), instead of at its function's ``keep_alive_s`` (None,
+      the default: the function's, as an unparked worker); ``math.inf``: never (only offloading stops it).
+      A parked worker holds ~0.8 GiB instead of ~1.4, so keeping it longer may pay. Policy and simulator
+      only (`bench/policy_replay.py --variants parking2`): the worker still exits by itself at the
+      function's keep-alive, parked or not, so the controller's driver refuses a value other than None.
     """
 
     gpu_utilization: float = 0.92
@@ -115,6 +121,7 @@ class PolicyConfig:
     park_release_fraction: float = 0.45
     unpark_s: float = 0.3
     park_after_s: float | None = None
+    parked_keep_alive_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_utilization <= 1.0:
@@ -166,6 +173,10 @@ class PolicyConfig:
             raise ValueError(f"unpark_s must be >= 0, got {self.unpark_s!r}")
         if self.park_after_s is not None and not self.park_after_s >= 0:
             raise ValueError(f"park_after_s must be >= 0 or None, got {self.park_after_s!r}")
+        if self.parked_keep_alive_s is not None and not self.parked_keep_alive_s >= 0:
+            raise ValueError(
+                f"parked_keep_alive_s must be >= 0 (inf: never) or None, got {self.parked_keep_alive_s!r}"
+            )
         if self.refill_s is not None and not self.refill_s > 0:
             raise ValueError(f"refill_s must be > 0 or None, got {self.refill_s!r}")
 

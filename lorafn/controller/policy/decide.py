@@ -4,9 +4,10 @@ Order of work (each step sees the memory the previous ones granted or freed):
 
 1. **Account** (account.py): each GPU's capacity, use and free bytes.
 2. **Retire**: workers of deleted functions and workers above ``max_replicas`` (idle ones only) get
-   Stop("scale_down"); idle bound workers past ``keep_alive_s`` get Stop("keep_alive") while their
-   function keeps ``min_replicas`` and has nothing queued; standbys of an unknown backbone, or on a GPU
-   that no longer holds it, get Stop("pool_shrink").
+   Stop("scale_down"); idle bound workers past ``keep_alive_s`` (parked ones: past
+   ``PolicyConfig.parked_keep_alive_s`` where set) get Stop("keep_alive") while their function keeps
+   ``min_replicas`` and has nothing queued; standbys of an unknown backbone, or on a GPU that no longer
+   holds it, get Stop("pool_shrink").
 3. **Demand**, most urgent first (queued with no worker, by longest wait; then below
    ``min_replicas``; then scale-up when queued per live worker exceeds
    ``scale_up_queue_per_worker``, one worker per round, never above ``max_replicas``). A function in
@@ -261,17 +262,22 @@ class _Round:
             idle = sorted(
                 (w for w in workers if w.state == "bound" and w.running == 0), key=lambda w: (-w.idle_s, w.id)
             )
+            parked_keep_alive = self.config.parked_keep_alive_s
             for w in idle:
                 n = self.live_count(name)
+                # a parked worker's own keep-alive where set (PolicyConfig.parked_keep_alive_s)
+                own = w.parked and parked_keep_alive is not None
+                keep_alive = parked_keep_alive if own else fn.keep_alive_s
                 if n > fn.max_replicas:
                     self.stop(w, "scale_down", f"{n} workers > maxReplicas {fn.max_replicas}")
                 elif (
                     fn.queued == 0
                     and fn.batch_backlog == 0
-                    and w.idle_s >= fn.keep_alive_s
+                    and w.idle_s >= keep_alive
                     and n > fn.min_replicas
                 ):
-                    self.stop(w, "keep_alive", f"idle {w.idle_s:.0f} s >= keepAlive {fn.keep_alive_s:.0f} s")
+                    what = "parked keep-alive" if own else "keepAlive"
+                    self.stop(w, "keep_alive", f"idle {w.idle_s:.0f} s >= {what} {keep_alive:.0f} s")
         for w in self.snapshot.workers:
             if is_pool_worker(w) and w.gpu not in self.where.get(w.backbone, ()):
                 self.stop(w, "pool_shrink", f"GPU {w.gpu} does not hold backbone {w.backbone}")

@@ -1,0 +1,87 @@
+"""A parked worker's own keep-alive (`PolicyConfig.parked_keep_alive_s`, issue 16): None keeps today's rule (a
+parked worker retires at its function's keep-alive, as an unparked one); a value retires parked workers at it
+instead, ``inf`` never (only offloading stops them); unparked workers keep their function's keep-alive either
+way. Policy and simulator only: the controller's driver refuses a value other than None, because a worker
+still exits by itself at its function's keep-alive."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lorafn.controller.driver import Controller, ControllerConfig
+from lorafn.controller.policy import PolicyConfig, Stop, decide
+from lorafn.controller.policy.model import GPU
+from lorafn.controller.snapshot import SizingConfig
+from lorafn.store import Keys, Store
+from tests.unit.controller.helpers import GiB, bound, fn, gpu, snap
+from tests.unit.controller.redis_world import RecordingExecutor
+
+PARK = PolicyConfig(park_idle=True, cold_prior_rps=0.0)
+SIZING = SizingConfig(worker_overhead_bytes=2**20, default_kv_bytes=64 * 2**20)
+
+
+def _keep_alive_stops(config: PolicyConfig, idle_s: float, parked: bool = True) -> list[str]:
+    """The workers a round stops for their keep-alive: one worker of f0 (keep-alive 60 s), idle ``idle_s``,
+    parked or not, on a GPU with room to spare (no memory pressure)."""
+    w = bound("w0", "g0", "f0", idle_s=idle_s, parked=parked, release_bytes=GiB)
+    plan = decide(snap([gpu("g0")], [fn("f0", keep_alive_s=60.0)], [w]), config)
+    return [s.worker_id for s in plan.of_type(Stop) if s.reason == "keep_alive"]
+
+
+def test_by_default_a_parked_worker_retires_at_its_functions_keep_alive():
+    assert PolicyConfig().parked_keep_alive_s is None
+    assert _keep_alive_stops(PARK, idle_s=59.0) == []
+    assert _keep_alive_stops(PARK, idle_s=61.0) == ["w0"]
+
+
+@pytest.mark.parametrize("keep", [120.0, 300.0])
+def test_a_parked_worker_retires_at_its_own_keep_alive(keep):
+    config = PolicyConfig(park_idle=True, cold_prior_rps=0.0, parked_keep_alive_s=keep)
+    assert _keep_alive_stops(config, idle_s=61.0) == []
+    assert _keep_alive_stops(config, idle_s=keep - 1) == []
+    assert _keep_alive_stops(config, idle_s=keep + 1) == ["w0"]
+    # an unparked worker keeps its function's keep-alive
+    assert _keep_alive_stops(config, idle_s=61.0, parked=False) == ["w0"]
+
+
+def test_a_shorter_parked_keep_alive_retires_parked_workers_sooner():
+    config = PolicyConfig(park_idle=True, cold_prior_rps=0.0, parked_keep_alive_s=10.0)
+    assert _keep_alive_stops(config, idle_s=11.0) == ["w0"]
+    assert _keep_alive_stops(config, idle_s=11.0, parked=False) == []
+
+
+def test_never_retiring_parked_workers_keeps_them_until_memory_is_needed():
+    config = PolicyConfig(park_idle=True, cold_prior_rps=0.0, parked_keep_alive_s=math.inf)
+    assert _keep_alive_stops(config, idle_s=1e6) == []
+    # under pressure a parked worker is still stopped: 60 parked workers charged 1 GiB each fill all but 0.6
+    # GiB of the GPU (80 GiB x 0.92 - 13 GiB backbone); a cold start of 2 GiB can only stop some of them
+    parked = [
+        bound(f"p{i:02d}", "g0", f"f{i}", mem_gib=1.0, idle_s=1e6, parked=True, release_bytes=GiB)
+        for i in range(60)
+    ]
+    functions = [fn(f"f{i}", keep_alive_s=60.0) for i in range(60)]
+    plan = decide(snap([gpu("g0")], [*functions, fn("cold", queued=1, oldest_wait_s=0.1)], parked), config)
+    offloads = [s for s in plan.of_type(Stop) if s.reason == "offload"]
+    assert offloads and all(s.worker_id.startswith("p") for s in offloads)
+    assert [s for s in plan.of_type(Stop) if s.reason == "keep_alive"] == []
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan])
+def test_an_impossible_parked_keep_alive_is_refused(bad):
+    with pytest.raises(ValueError, match="parked_keep_alive_s"):
+        PolicyConfig(parked_keep_alive_s=bad)
+
+
+def test_the_controller_refuses_a_parked_keep_alive_the_worker_does_not_implement(redis_server: str):
+    store = Store(redis_server)
+    try:
+        executor = RecordingExecutor([GPU("g0", "n", 1 << 40, {"tiny": 0})])
+        config = ControllerConfig(holder="me", policy=PolicyConfig(park_idle=True, parked_keep_alive_s=300.0))
+        with pytest.raises(ValueError, match="parked_keep_alive_s"):
+            Controller(store, Keys("t-keep"), executor, SIZING, config)
+        # the default is accepted
+        Controller(store, Keys("t-keep"), executor, SIZING, ControllerConfig(holder="me"))
+    finally:
+        store.close()
