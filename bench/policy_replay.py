@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -124,6 +125,20 @@ VARIANTS["park 0.3 s + idle 10 s"] = (
 PARKING_VARIANTS = (
     "after (defaults),park: unpark 0.1 s,park: unpark 0.3 s,park: unpark 1 s,park 0.3 s + idle 10 s"
 )
+# parked workers' own keep-alive (PolicyConfig.parked_keep_alive_s; today: the function's 60 s), and parking
+# at 50 s idle instead of exiting at 60 s with parked workers kept until offloaded
+PARKED_KEEP_ALIVE = {"parked keep-alive 120 s": 120.0, "parked keep-alive 300 s": 300.0}
+PARKED_KEEP_ALIVE["parked keep-alive never"] = math.inf
+for _name, _keep in PARKED_KEEP_ALIVE.items():
+    VARIANTS[_name] = (
+        dataclasses.replace(AFTER, park_idle=True, unpark_s=0.3, parked_keep_alive_s=_keep),
+        {**PLATFORM, "unpark_s": 0.3},
+    )
+VARIANTS["park idle 50 s + never"] = (
+    dataclasses.replace(AFTER, park_idle=True, unpark_s=0.3, park_after_s=50.0, parked_keep_alive_s=math.inf),
+    {**PLATFORM, "unpark_s": 0.3},
+)
+PARKING2_VARIANTS = PARKING_VARIANTS + "," + ",".join(PARKED_KEEP_ALIVE) + ",park idle 50 s + never"
 # the H100's pre_runner p50 (ms) of fresh starts (bench/replay_breakdown.py, 2026-11-24): by requests running
 # on the GPU during the start, and by starts under way at the decision (itself included)
 RUNNING_BINS = ((0, 2), (2, 5), (5, 10), (10, 20), (20, 10**9))
@@ -132,6 +147,10 @@ H100_PRE_RUNNER_MS = {
     "h100-conn1": ((271, 446, 834, 813, 1775), (886, 1361, 1711, 2814)),
     "h100-default": ((2283, 3227, 3376, 4392, 7642), (3439, 3282, 3596, 10027)),
 }
+# the -ctx models are h100-conn1 with a context term (the same replay to compare with)
+H100_PRE_RUNNER_MS["h100-conn1-ctx"] = H100_PRE_RUNNER_MS["h100-conn1-ctx-hi"] = H100_PRE_RUNNER_MS[
+    "h100-conn1"
+]
 DEFAULT_VARIANTS = "before,+anticipation,+start-cap,+anti-thrash,burst policy (60 s rate),after (defaults)"
 ISSUE16_VARIANTS = (
     "burst policy (60 s rate),account: own,+ driver guard,+ victims: long rate,+ victims: max rate,"
@@ -246,7 +265,7 @@ def main() -> None:
         "--variants",
         default=DEFAULT_VARIANTS,
         help=f"comma-separated, of: {', '.join(VARIANTS)}; 'issue16' = {ISSUE16_VARIANTS}; "
-        f"'startup' = {STARTUP_VARIANTS}; 'parking' = {PARKING_VARIANTS}",
+        f"'startup' = {STARTUP_VARIANTS}; 'parking' = {PARKING_VARIANTS}; 'parking2' = {PARKING2_VARIANTS}",
     )
     args = ap.parse_args()
 
@@ -313,9 +332,12 @@ def main() -> None:
         + (f"; sized: overhead quantiles {args.overhead_quantiles} MiB + KV + LoRA" if args.sized else "")
         + (f"; mean of seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else "")
     )
-    chosen = {"issue16": ISSUE16_VARIANTS, "startup": STARTUP_VARIANTS, "parking": PARKING_VARIANTS}.get(
-        args.variants, args.variants
-    )
+    chosen = {
+        "issue16": ISSUE16_VARIANTS,
+        "startup": STARTUP_VARIANTS,
+        "parking": PARKING_VARIANTS,
+        "parking2": PARKING2_VARIANTS,
+    }.get(args.variants, args.variants)
     names = [v.strip() for v in chosen.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

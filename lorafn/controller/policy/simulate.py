@@ -12,7 +12,8 @@ The model (each part as simple as the question allows; none of it is measured he
   (CUDA context creation + attach, "pre_runner") lasts ``base_s + per_running_s x R + per_start_s x S``
   at the current R = requests running on its GPU and S = other starts under way there (re-evaluated every
   tick: the stage advances by tick / that time), then ``fixed_s`` (adapter, KV, runner and the first
-  prefill's excess over a warm one) at full speed; `STARTUP_MODELS` holds the fits to the H100 replays;
+  prefill's excess over a warm one) at full speed; `STARTUP_MODELS` holds the fits to the H100 replays
+  (the ``-ctx`` ones add ``per_context_s`` per other live process on the GPU beyond the fits' ~40);
 - a stopped worker holds its memory for ``stop_s`` more (draining: the process exits, CUDA frees);
 - a bind takes ``bind_s``; a bound worker serves up to ``max_batch`` requests at once, each for
   ``service_s``; its first token comes ``warm_ttft_s`` after it takes the request;
@@ -49,6 +50,7 @@ waited for a worker another request asked for, or for memory).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import random
 import statistics
@@ -77,10 +79,14 @@ SHAPE = "r16"
 class StartupModel:
     """A fresh worker's start-up time by what its GPU is doing (see the module docstring).
 
-    pre_runner (CUDA context + attach) = ``base_s + per_running_s x running + per_start_s x others``, where
-    ``running`` = requests running on the GPU and ``others`` = other starts under way there; then ``fixed_s``.
-    A model fitted to binned medians of two H100 replays (`STARTUP_MODELS`), not a measurement of the GPU:
-    live (idle) contexts are not a term (~40 throughout those runs, so they are inside ``base_s``).
+    pre_runner (CUDA context + attach) = ``base_s + per_running_s x running + per_start_s x others
+    + per_context_s x (contexts - context_ref)``, where ``running`` = requests running on the GPU,
+    ``others`` = other starts under way there and ``contexts`` = other live worker processes there (each
+    holds a CUDA context: starting, standby, bound, parked or draining); then ``fixed_s``. A model fitted to
+    binned medians of two H100 replays (`STARTUP_MODELS`), not a measurement of the GPU. Those replays had
+    ~40 live processes throughout, so their fits hold the contexts inside ``base_s``: a context term is
+    relative to ``context_ref`` = 40 (fewer contexts start faster, more slower) and its slope comes from
+    `bench/context_probe.py` (the ``-ctx`` models). pre_runner is never below ``MIN_PRE_RUNNER_S``.
     """
 
     name: str
@@ -88,21 +94,30 @@ class StartupModel:
     per_running_s: float
     per_start_s: float
     fixed_s: float
+    per_context_s: float = 0.0
+    context_ref: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("base_s", "per_running_s", "per_start_s", "fixed_s"):
+        for name in ("base_s", "per_running_s", "per_start_s", "fixed_s", "per_context_s", "context_ref"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"StartupModel.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.base_s <= 0:
             raise ValueError(f"StartupModel.base_s must be > 0, got {self.base_s!r}")
 
-    def pre_runner_s(self, running: float, others: float) -> float:
-        """The first stage's time if the GPU stayed at ``running`` requests and ``others`` other starts."""
-        return self.base_s + self.per_running_s * max(0.0, running) + self.per_start_s * max(0.0, others)
+    def pre_runner_s(self, running: float, others: float, contexts: float | None = None) -> float:
+        """The first stage's time if the GPU stayed at ``running`` requests, ``others`` other starts and
+        ``contexts`` other live processes (None: ``context_ref``, the fit's own)."""
+        extra = 0.0 if contexts is None else self.per_context_s * (max(0.0, contexts) - self.context_ref)
+        pre = self.base_s + self.per_running_s * max(0.0, running) + self.per_start_s * max(0.0, others)
+        return max(MIN_PRE_RUNNER_S, pre + extra)
 
-    def start_s(self, running: float, others: float) -> float:
+    def start_s(self, running: float, others: float, contexts: float | None = None) -> float:
         """The whole start at a steady state: pre_runner + ``fixed_s``."""
-        return self.pre_runner_s(running, others) + self.fixed_s
+        return self.pre_runner_s(running, others, contexts) + self.fixed_s
+
+
+# a fresh context's floor in the model (a context term can take a start below the fit's base_s)
+MIN_PRE_RUNNER_S = 0.05
 
 
 # Fits to bench/replay_breakdown.py on the H100 (64 functions of llama-2-7b, 4 rps code trace, KV 512 MiB,
@@ -117,6 +132,19 @@ STARTUP_MODELS: dict[str, StartupModel] = {
         "h100-default", base_s=1.8, per_running_s=0.18, per_start_s=0.2, fixed_s=1.0
     ),
 }
+# h100-conn1 + a term per other live process (CUDA context) on the GPU, relative to the ~40 of the replays it
+# was fitted to. The slope from `bench/context_probe.py` with one connection (docs/benchmarks.md, ninth H100
+# session: quiet 225 ms; beside 12 GEMM-busy processes 424 ms; beside 8 busy + 30 idle 421 ms): all of the
+# 38-context point's 196 ms on its contexts = 5.2 ms per context (the central value: the count matters more
+# than the load, as those runs found); taking the 12 busy ones' 16.6 ms each as load + context leaves 2.1 ms
+# per idle one (the low end). "-hi": the 8-connection probe's slope, (884 - 354) / 38 = 14 ms, as a
+# pessimistic bound (the workers run one connection).
+STARTUP_MODELS["h100-conn1-ctx"] = dataclasses.replace(
+    STARTUP_MODELS["h100-conn1"], name="h100-conn1-ctx", per_context_s=0.0052, context_ref=40.0
+)
+STARTUP_MODELS["h100-conn1-ctx-hi"] = dataclasses.replace(
+    STARTUP_MODELS["h100-conn1"], name="h100-conn1-ctx-hi", per_context_s=0.014, context_ref=40.0
+)
 
 
 @dataclass(frozen=True)
@@ -561,6 +589,9 @@ class Simulation:
                     w.work_left -= s.tick_s * min(1.0, s.start_parallelism / under_way[w.gpu])
             return
         running_on = self.running_on()
+        live_on: dict[str, int] = defaultdict(int)  # processes (CUDA contexts) on each GPU
+        for w in self.workers.values():
+            live_on[w.gpu] += 1
         for w in self.workers.values():
             if w.state != "starting":
                 continue
@@ -569,7 +600,8 @@ class Simulation:
                 w.running_sum += r
                 w.pre_ticks += 1
                 w.pre_s += s.tick_s
-                w.pre_left -= s.tick_s / s.startup.pre_runner_s(r, under_way[w.gpu] - 1)
+                others = under_way[w.gpu] - 1
+                w.pre_left -= s.tick_s / s.startup.pre_runner_s(r, others, live_on[w.gpu] - 1)
             else:
                 w.work_left -= s.tick_s
 
