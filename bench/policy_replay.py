@@ -39,12 +39,16 @@ stopped; its function's next request unparks it (the variants' 0.1 / 0.3 / 1.0 s
 re-capture graphs) instead of a fresh start. The variants 'parking' (= "after (defaults)", then parking at
 each unpark time, then parking also every worker idle 10 s) print parks, unparks, requests served by an
 unpark, the mean number of parked workers and the window's GPU memory in GPU-seconds beside the other
-columns. No worker can park yet: this is the simulated case for building it.
+columns. No worker could park then: this was the simulated case for building it. 'parking2' adds parked
+workers' own keep-alive (`PolicyConfig.parked_keep_alive_s` 120 s / 300 s / never; the driver does not run it
+yet) and parking at 50 s idle with parked workers never retired; `--startup-model h100-conn1-ctx` (or
+`-ctx-hi`) adds a fresh start's cost per other live CUDA context beyond the ~40 the fit saw.
 
     python bench/policy_replay.py [--functions 32] [--rate 4] [--duration 90] [--kv-mib 512]
                                   [--max-standby 4] [--start-parallelism 10] [--variants ...]
                                   [--warmup-s 90] [--sized] [--overhead-quantiles ...]
-                                  [--startup-model fixed|h100-conn1|h100-default] [--calibration]
+                                  [--startup-model fixed|h100-conn1|h100-default|h100-conn1-ctx[-hi]]
+                                  [--calibration]
 """
 
 from __future__ import annotations
