@@ -45,6 +45,7 @@ import contextlib
 import gc
 import importlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -242,6 +243,9 @@ class Worker:
         self._idle_work: Callable[[], bool] | None = getattr(engine, "capture_pending_graph", None)
         # parked (a `park` command): the engine holds no KV cache; no requests are read (docs/runtime.md)
         self.parked = False
+        # a park command's `keep_alive_s` (the controller's PolicyConfig.parked_keep_alive_s; inf: never):
+        # replaces `keep_alive_s` while parked; None: the function's (docs/runtime.md#parking)
+        self._parked_keep_alive_s: float | None = None
 
     # -- public ---------------------------------------------------------------------------------
     def drain(self, *_: Any) -> None:
@@ -322,15 +326,9 @@ class Worker:
                         return 0
                     if self.parked:  # no requests read: the queue is watched, demand recorded, control read
                         self._parked_wait()
-                        if (
-                            cfg.keep_alive_s is not None
-                            and self.clock() - self._last_busy >= cfg.keep_alive_s
-                        ):
-                            log.info(
-                                "worker %s: parked and idle for %.0f s, exiting",
-                                self.worker_id,
-                                cfg.keep_alive_s,
-                            )
+                        keep = self._keep_alive_s()
+                        if keep is not None and self.clock() - self._last_busy >= keep:
+                            log.info("worker %s: parked and idle for %.0f s, exiting", self.worker_id, keep)
                             self._flush()
                             return 0
                         continue
@@ -458,7 +456,7 @@ class Worker:
             if body.get("cmd") in ("stop", "drain"):
                 self.drain()
             elif body.get("cmd") == "park":
-                self._park()
+                self._park(body.get("keep_alive_s"))
             elif body.get("cmd") == "unpark":
                 self._unpark()
             elif body.get("cmd") == "bind" and body.get("function") == self.function:
@@ -485,10 +483,36 @@ class Worker:
             )
         )
 
-    def _park(self) -> None:
+    def _keep_alive_s(self) -> float | None:
+        """The keep-alive that applies now: parked, the park command's `keep_alive_s` when it named one
+        (inf: never), else the function's `ServingConfig.keep_alive_s` (None: serve until stopped)."""
+        if self.parked and self._parked_keep_alive_s is not None:
+            return self._parked_keep_alive_s
+        return self.config.keep_alive_s
+
+    def _parse_keep_alive(self, value: str | None) -> float | None:
+        """A park command's `keep_alive_s`: seconds >= 0 or "inf" (never); absent: None (the function's). A
+        bad value is logged and ignored (None): a parked worker then keeps its function's keep-alive."""
+        if value is None:
+            return None
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not seconds >= 0:  # NaN too
+            log.warning(
+                "worker %s: park command with a bad keep_alive_s %r (seconds >= 0 or inf); keeping the "
+                "function's keep-alive (%s s)", self.worker_id, value, self.config.keep_alive_s,
+            )  # fmt: skip
+            return None
+        return seconds
+
+    def _park(self, keep_alive_s: str | None = None) -> None:
         """A `park` command: release the engine's KV cache and decode graphs when idle, and answer `parked`
         (released_bytes) or `park_refused` (reason) on the lifecycle stream. A parked worker answers
-        `parked` again (the first park's bytes)."""
+        `parked` again (the first park's bytes). The command's `keep_alive_s` (seconds or "inf"; the
+        controller's parked keep-alive) replaces the function's keep-alive while parked (a park of a parked
+        worker updates it; `unpark` restores the function's)."""
         park = getattr(self.engine, "park", None)
         reason = ""
         if not callable(park):
@@ -508,12 +532,13 @@ class Worker:
             self._post(control.PARK_REFUSED, reason=reason)
             return
         ms = (time.perf_counter() - t0) * 1000
+        self._parked_keep_alive_s = self._parse_keep_alive(keep_alive_s)
         if not self.parked:
             self.parked = True
             self._counters["parks"] = self._counters.get("parks", 0) + 1
             log.info(
-                "worker %s parked: released %d bytes (%.1f MiB) in %.0f ms",
-                self.worker_id, released, released / 2**20, ms,
+                "worker %s parked: released %d bytes (%.1f MiB) in %.0f ms; keep-alive %s s",
+                self.worker_id, released, released / 2**20, ms, self._keep_alive_s(),
             )  # fmt: skip
         self._post(control.PARKED, released_bytes=released)
 
@@ -535,6 +560,7 @@ class Worker:
             return
         if self.parked:
             self.parked = False
+            self._parked_keep_alive_s = None  # the function's keep-alive again
             self._last_busy = self.clock()  # keep-alive counts from here: the unpark is for a request
             self._idle_work = getattr(self.engine, "capture_pending_graph", None)  # the graphs, lazily
             self._counters["unparks"] = self._counters.get("unparks", 0) + 1

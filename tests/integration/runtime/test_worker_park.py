@@ -8,7 +8,8 @@
 - The serving loop in a thread with a fake engine that can park: a park while a request runs is refused
   (`park_refused`, reason busy) and the request still finishes; a park once it is done succeeds; parking a
   parked worker and unparking an unparked one answer again; `stop` ends a parked worker, and so does
-  keep-alive.
+  keep-alive: the function's, or the park command's own `keep_alive_s` (the controller's parked keep-alive;
+  "inf": never) while parked, the function's again after unpark; a bad `keep_alive_s` keeps the function's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from lorafn.runtime.outputs import ParkRefused, StreamDelta
 from lorafn.runtime.worker import ServingConfig, Worker
@@ -308,6 +311,99 @@ def test_keep_alive_still_ends_a_parked_worker(redis_server: str) -> None:
         assert result.get("code") == 0 and worker.parked  # it exited parked, on its own
         assert _heartbeat(store, keys, worker.worker_id) == {}  # and deregistered
         assert engine.calls == ["park"]
+    finally:
+        worker.drain()
+        thread.join(timeout=10)
+
+
+class _Clock:
+    """The worker's clock: monotonic plus an offset a test moves forward (keep-alive without waiting)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+def _clocked_worker(redis_server: str, keep_alive_s: float) -> tuple[Store, Keys, Worker, _Clock, Any, dict]:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    store, keys = Store(redis_server), Keys(prefix)
+    register(store, keys, FN, [])
+    clock = _Clock()
+    config = ServingConfig(function=FN, heartbeat_s=0.2, keep_alive_s=keep_alive_s)
+    worker = Worker(Store(redis_server), keys, ParkableEngine(), config, clock=clock)
+    result: dict[str, int] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", worker.run()), daemon=True)
+    thread.start()
+    _until("the worker's first heartbeat", lambda: _heartbeat(store, keys, worker.worker_id))
+    return store, keys, worker, clock, thread, result
+
+
+def _alive_answer(events: _Events, kind: str, worker: Worker, thread: threading.Thread) -> dict[str, str]:
+    """The worker's next `kind` event; fails at once when the worker exited instead."""
+
+    def probe() -> dict[str, str] | None:
+        for entry_id, event in events.store.run(control.read_events(events.keys, events.cursor)):
+            events.cursor = entry_id
+            events.seen.append(event)
+        for i, event in enumerate(events.seen):
+            if event.get("kind") == kind and event.get("worker") == worker.worker_id:
+                return events.seen.pop(i)
+        assert thread.is_alive(), f"the worker exited before answering {kind}"
+        return None
+
+    return _until(f"a {kind} event of {worker.worker_id}", probe)
+
+
+def test_a_park_commands_keep_alive_replaces_the_functions_while_parked(redis_server: str) -> None:
+    """keep_alive_s "inf": a parked worker idle far beyond its function's keep-alive (3 s) stays; unparked,
+    the function's keep-alive applies again. A longer finite one (1000 s): it stays past 3 s and exits,
+    parked, past 1000 s."""
+    store, keys, worker, clock, thread, result = _clocked_worker(redis_server, keep_alive_s=3.0)
+    wid = worker.worker_id
+    try:
+        events = _Events(store, keys)
+        store.run(workers.send_control(keys, wid, "park", keep_alive_s="inf"))
+        events.next(control.PARKED, wid)
+        clock.offset += 1e9  # idle for 30 years
+        # a second park (answered again) and then an unpark: the loop went through its keep-alive check
+        # at least once after the jump between the two answers, and the worker is still there
+        store.run(workers.send_control(keys, wid, "park", keep_alive_s="inf"))
+        _alive_answer(events, control.PARKED, worker, thread)
+        store.run(workers.send_control(keys, wid, "unpark"))
+        _alive_answer(events, control.UNPARKED, worker, thread)
+        assert worker._keep_alive_s() == 3.0  # unparked: the function's again
+
+        store.run(workers.send_control(keys, wid, "park", keep_alive_s="1000"))
+        _alive_answer(events, control.PARKED, worker, thread)
+        clock.offset += 500.0  # past the function's 3 s, before the parked 1000 s
+        store.run(workers.send_control(keys, wid, "park", keep_alive_s="1000"))
+        _alive_answer(events, control.PARKED, worker, thread)
+        store.run(workers.send_control(keys, wid, "park", keep_alive_s="1000"))
+        _alive_answer(events, control.PARKED, worker, thread)
+        clock.offset += 600.0  # past 1000 s since the unpark
+        thread.join(timeout=WAIT_S)
+        assert result.get("code") == 0 and worker.parked  # it exited parked, at its parked keep-alive
+        assert _heartbeat(store, keys, wid) == {}
+    finally:
+        worker.drain()
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("bad", ["soon", "-5", "nan", ""])
+def test_a_bad_park_keep_alive_keeps_the_functions(redis_server: str, bad: str) -> None:
+    """A park command whose keep_alive_s is no number of seconds >= 0 parks all the same (no crash), and the
+    parked worker exits at its function's keep-alive."""
+    store, keys, worker, clock, thread, result = _clocked_worker(redis_server, keep_alive_s=3.0)
+    try:
+        events = _Events(store, keys)
+        store.run(workers.send_control(keys, worker.worker_id, "park", keep_alive_s=bad))
+        assert events.next(control.PARKED, worker.worker_id)["released_bytes"] == "1000"
+        assert worker._keep_alive_s() == 3.0
+        clock.offset += 10.0
+        thread.join(timeout=WAIT_S)
+        assert result.get("code") == 0 and worker.parked  # exited parked, at the function's keep-alive
     finally:
         worker.drain()
         thread.join(timeout=10)
