@@ -75,6 +75,12 @@ class ControllerSettings(SharedSettings):
         description="park idle bound workers under memory pressure (release their KV cache, keep the "
         "process) before stopping any; off until measured on a GPU (docs/architecture.md, Controller)",
     )
+    parked_keep_alive_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="a parked worker exits once idle this long (seconds, or inf: never: only offloading "
+        "stops it); unset: its function's keep-alive (PolicyConfig.parked_keep_alive_s)",
+    )
     park_timeout_s: float = Field(
         default=2.0,
         gt=0,
@@ -124,6 +130,7 @@ def build_controller(settings: ControllerSettings) -> Controller:
             warm_pool=settings.warm_pool,
             offloading=settings.offloading,
             park_idle=settings.park_idle,
+            parked_keep_alive_s=settings.parked_keep_alive_s,
             **burst_overrides(
                 settings.cold_prior_rps, settings.max_fresh_starts_per_gpu, settings.thrash_horizon_starts
             ),

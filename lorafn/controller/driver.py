@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import socket
 import statistics
@@ -160,14 +161,6 @@ class Controller:
     def __init__(
         self, store: Store, keys: Keys, executor: Executor, sizing: SizingConfig, config: ControllerConfig
     ) -> None:
-        if config.policy.parked_keep_alive_s is not None:
-            # simulated only (bench/policy_replay.py): a worker exits by itself at its function's keep-alive,
-            # parked or not, so the policy would plan parked workers that are already gone
-            raise ValueError(
-                "PolicyConfig.parked_keep_alive_s is not supported by the controller yet: a parked worker "
-                f"still exits at its function's keep-alive; got {config.policy.parked_keep_alive_s!r}, "
-                "leave it None (the default)"
-            )
         self.store, self.keys, self.executor, self.config = store, keys, executor, config
         self.reader = SnapshotReader(store, keys, sizing, config.heartbeat_ttl_s)
         self._binds: dict[str, _PendingBind] = {}
@@ -639,7 +632,13 @@ class Controller:
             self._events_cursor = self.store.run(control.last_event_id(self.keys))
         path = "fast" if fast else "round"
         t0 = time.monotonic()
-        ids = self.store.run(combine(*(workers.send_control(self.keys, p.worker_id, "park") for p in parks)))
+        # the worker's keep-alive while parked comes with the command (the policy's; "inf": never; none:
+        # the function's), so the worker exits when the policy would retire it
+        keep = self.config.policy.parked_keep_alive_s
+        extra = {} if keep is None else {"keep_alive_s": "inf" if math.isinf(keep) else repr(float(keep))}
+        ids = self.store.run(
+            combine(*(workers.send_control(self.keys, p.worker_id, "park", **extra) for p in parks))
+        )
         # an answer counts when it came after its command (both ids are on Redis's clock): an older one
         # (a park before, answered after its wait gave up) is not this one's
         sent = {p.worker_id: (p, entry_ms(entry_id)) for p, entry_id in zip(parks, ids, strict=True)}

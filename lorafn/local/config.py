@@ -87,6 +87,12 @@ class LocalConfig(SharedSettings):
         description="park idle bound workers under memory pressure (release their KV cache, keep the "
         "process) before stopping any (the controller's PolicyConfig.park_idle; off until measured on a GPU)",
     )
+    parked_keep_alive_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="a parked worker exits once idle this long (seconds, or inf: never: only offloading "
+        "stops it); unset: its function's keep-alive (the controller's PolicyConfig.parked_keep_alive_s)",
+    )
     # the warm pool's starts on this machine (PolicyConfig.max_pool_starts_per_node / pool_waits_for_demand)
     pool_starts_at_once: int | None = Field(
         default=None,

@@ -159,6 +159,7 @@ class LocalPlatform:
                     warm_pool=self.config.warm_pool,
                     offloading=self.config.offloading,
                     park_idle=self.config.park_idle,
+                    parked_keep_alive_s=self.config.parked_keep_alive_s,
                     **self.pool_starts,
                     **burst_overrides(
                         self.config.cold_prior_rps,

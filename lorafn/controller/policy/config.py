@@ -95,9 +95,9 @@ class PolicyConfig:
     - ``parked_keep_alive_s``: a parked worker is stopped ("keep_alive") once idle this long (since its last
       request, as the function's keep-alive counts), instead of at its function's ``keep_alive_s`` (None,
       the default: the function's, as an unparked worker); ``math.inf``: never (only offloading stops it).
-      A parked worker holds ~0.8 GiB instead of ~1.4, so keeping it longer may pay. Policy and simulator
-      only (`bench/policy_replay.py --variants parking2`): the worker still exits by itself at the
-      function's keep-alive, parked or not, so the controller's driver refuses a value other than None.
+      A parked worker holds ~0.8 GiB instead of ~1.4, so keeping it longer may pay (`bench/policy_replay.py
+      --variants parking2`). The driver sends it with each park command (`keep_alive_s`; "inf": never) and
+      the worker keeps it while parked (its function's again once unparked).
     """
 
     gpu_utilization: float = 0.92

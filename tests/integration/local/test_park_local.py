@@ -54,6 +54,7 @@ def test_a_third_function_parks_an_idle_worker_and_its_function_unparks_it(
     settings = {
         "device": "cpu", "devices": 1, "device_memory_mib": 406, "worker_overhead_mib": 16,
         "warm_pool": False,  # every cold start is a fresh start: no standby holds memory
+        "parked_keep_alive_s": "inf",  # up.yaml -> LocalConfig -> the controller's policy -> the park command
     }  # fmt: skip
     platform = ManagedPlatform(tmp_path / "up", settings, env={"LORAFN_PARK_IDLE": "true"})
     keys = new_keys(functions)
@@ -123,6 +124,8 @@ def test_a_third_function_parks_an_idle_worker_and_its_function_unparks_it(
         assert beat
         assert serving()[victim][:2] == (wid, pid) and _alive(pid)
         assert commands(wid) == ["park"]
+        (park,) = [c for _id, c in store.run(workers.read_control(platform.keys, wid, "0-0"))]
+        assert park.get("keep_alive_s") == "inf"  # the parked keep-alive travels in the command
         assert set(serving()) == {F1, F2, F3}
         shown = {w.id: w for w in collect(store, platform.keys).workers}  # what `lorafn status` shows
         assert shown[wid].parked and shown[wid].pid == str(pid)

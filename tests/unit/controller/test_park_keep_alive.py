@@ -1,8 +1,8 @@
 """A parked worker's own keep-alive (`PolicyConfig.parked_keep_alive_s`, issue 16): None keeps today's rule (a
 parked worker retires at its function's keep-alive, as an unparked one); a value retires parked workers at it
 instead, ``inf`` never (only offloading stops them); unparked workers keep their function's keep-alive either
-way. Policy and simulator only: the controller's driver refuses a value other than None, because a worker
-still exits by itself at its function's keep-alive."""
+way. The controller's driver tells the worker in each park command (`keep_alive_s`; "inf": never), and the
+worker keeps it while parked (tests/integration/runtime/test_worker_park.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 
 from lorafn.controller.driver import Controller, ControllerConfig
 from lorafn.controller.policy import PolicyConfig, Stop, decide
+from lorafn.controller.policy.actions import Park
 from lorafn.controller.policy.model import GPU
 from lorafn.controller.snapshot import SizingConfig
-from lorafn.store import Keys, Store
+from lorafn.store import Keys, Store, workers
 from tests.unit.controller.helpers import GiB, bound, fn, gpu, snap
 from tests.unit.controller.redis_world import RecordingExecutor
 
@@ -74,14 +75,39 @@ def test_an_impossible_parked_keep_alive_is_refused(bad):
         PolicyConfig(parked_keep_alive_s=bad)
 
 
-def test_the_controller_refuses_a_parked_keep_alive_the_worker_does_not_implement(redis_server: str):
+@pytest.mark.parametrize(("keep", "sent"), [(None, None), (300.0, "300.0"), (math.inf, "inf")])
+def test_the_controller_sends_the_parked_keep_alive_with_the_park(redis_server: str, keep, sent):
+    """The worker learns its parked keep-alive from the park command itself (`keep_alive_s`; none: its
+    function's), so it exits when the policy would retire it."""
     store = Store(redis_server)
     try:
+        keys = Keys(f"t-keep-{sent}")
         executor = RecordingExecutor([GPU("g0", "n", 1 << 40, {"tiny": 0})])
-        config = ControllerConfig(holder="me", policy=PolicyConfig(park_idle=True, parked_keep_alive_s=300.0))
-        with pytest.raises(ValueError, match="parked_keep_alive_s"):
-            Controller(store, Keys("t-keep"), executor, SIZING, config)
-        # the default is accepted
-        Controller(store, Keys("t-keep"), executor, SIZING, ControllerConfig(holder="me"))
+        policy = PolicyConfig(park_idle=True, parked_keep_alive_s=keep)
+        config = ControllerConfig(holder="me", park_timeout_s=0.1, policy=policy)
+        controller = Controller(store, keys, executor, SIZING, config)
+        # nobody answers: the park times out and its GPU is dropped for the round; the command was sent
+        failed = controller._apply_parks([Park("w0", "f0", "g0", GiB)], fast=False)
+        assert failed == {"g0"}
+        [(_, body)] = store.run(workers.read_control(keys, "w0", "0"))
+        assert body["cmd"] == "park" and body.get("keep_alive_s") == sent
     finally:
         store.close()
+
+
+def test_the_parked_keep_alive_is_a_controller_and_a_local_setting(monkeypatch) -> None:
+    from lorafn.controller.cli import ControllerSettings, build_controller
+    from lorafn.local.config import LocalConfig
+
+    assert ControllerSettings().parked_keep_alive_s is None and LocalConfig().parked_keep_alive_s is None
+    for value, expected in (("inf", math.inf), ("120", 120.0)):
+        monkeypatch.setenv("LORAFN_PARKED_KEEP_ALIVE_S", value)
+        settings = ControllerSettings(redis_url="redis://127.0.0.1:1")
+        assert build_controller(settings).config.policy.parked_keep_alive_s == expected
+        assert LocalConfig(parked_keep_alive_s=value).parked_keep_alive_s == expected
+    monkeypatch.delenv("LORAFN_PARKED_KEEP_ALIVE_S")
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(ValueError, match="parked_keep_alive_s"):
+            ControllerSettings(parked_keep_alive_s=bad)
+        with pytest.raises(ValueError, match="parked_keep_alive_s"):
+            LocalConfig(parked_keep_alive_s=bad)
