@@ -304,3 +304,31 @@ def test_graph_archive_values_reach_the_worker_settings(
         settings = WorkerSettings()
         assert settings.graph_archives is (volume is not None)
         assert settings.graph_archive_dir == (builders.GRAPH_ARCHIVE_MOUNT if volume else None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"), [([], None), (["--set-string", "x=inf"], "inf"), (["--set", "x=120"], "120")]
+)
+def test_the_parked_keep_alive_reaches_the_controller_settings(
+    monkeypatch: pytest.MonkeyPatch, extra: list[str], expected: str | None
+) -> None:
+    """controller.parkedKeepAliveSeconds -> LORAFN_PARKED_KEEP_ALIVE_S (absent when null) -> the controller's
+    parked_keep_alive_s; a negative number or another string is refused by the schema."""
+    from lorafn.controller.cli import ControllerSettings
+
+    extra = [a.replace("x=", "controller.parkedKeepAliveSeconds=") for a in extra]
+    controller = next(
+        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-controller"
+    )
+    env = {e["name"]: e.get("value") for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env.get("LORAFN_PARKED_KEEP_ALIVE_S") == expected
+    monkeypatch.delenv("LORAFN_PARKED_KEEP_ALIVE_S", raising=False)
+    if expected is not None:
+        monkeypatch.setenv("LORAFN_PARKED_KEEP_ALIVE_S", expected)
+    assert ControllerSettings().parked_keep_alive_s == (None if expected is None else float(expected))
+    for bad in (
+        ["--set", "controller.parkedKeepAliveSeconds=-3"],
+        ["--set-string", "controller.parkedKeepAliveSeconds=soon"],
+    ):
+        out = helm("template", "x", str(CHART), *bad, check=False)
+        assert out.returncode != 0 and "parkedKeepAliveSeconds" in out.stderr, out.stderr
