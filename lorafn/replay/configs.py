@@ -43,9 +43,9 @@ CONFIGS: dict[str, ReplayConfig] = {
         # that one replay compares the two (docs/benchmarks.md, "Parking idle bound workers, simulated")
         ReplayConfig(
             "parking",
-            "full, and idle bound workers release their KV cache instead of exiting when memory is short "
-            "(park_idle: true)",
-            {"gpu_admission": True, "park_idle": True},
+            "full, and idle bound workers release their KV cache instead of exiting when memory is short, "
+            "parked ones staying until memory is needed (park_idle: true, parked_keep_alive_s: inf)",
+            {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "inf"},
         ),
         ReplayConfig(
             "no-sharing",

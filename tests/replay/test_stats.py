@@ -231,7 +231,10 @@ def test_every_configuration_is_a_valid_platform_config_and_parking_turns_park_i
         LocalConfig(**local)  # each row's settings are accepted as they are
     local, _, _ = resolve(CONFIGS["parking"], fields)
     assert LocalConfig(**local).park_idle and LocalConfig(**local).gpu_admission
+    # parked workers stay until memory is needed (the simulator's better setting, docs/benchmarks.md)
+    assert LocalConfig(**local).parked_keep_alive_s == float("inf")
     assert not LocalConfig().park_idle  # off by default: "parking" is the only row with it
+    assert LocalConfig().parked_keep_alive_s is None
     assert "parking" not in DEFAULT_CONFIGS
 
 
