@@ -40,9 +40,10 @@ re-capture graphs) instead of a fresh start. The variants 'parking' (= "after (d
 each unpark time, then parking also every worker idle 10 s) print parks, unparks, requests served by an
 unpark, the mean number of parked workers and the window's GPU memory in GPU-seconds beside the other
 columns. No worker could park then: this was the simulated case for building it. 'parking2' adds parked
-workers' own keep-alive (`PolicyConfig.parked_keep_alive_s` 120 s / 300 s / never; the driver does not run it
-yet) and parking at 50 s idle with parked workers never retired; `--startup-model h100-conn1-ctx` (or
-`-ctx-hi`) adds a fresh start's cost per other live CUDA context beyond the ~40 the fit saw.
+workers' own keep-alive (`PolicyConfig.parked_keep_alive_s` 120 s / 300 s / never; the driver sends it in
+the park command since 914416c) and parking at 50 s idle with parked workers never retired;
+`--startup-model h100-conn1-ctx` (or `-ctx-hi`) adds a fresh start's cost per other live CUDA context beyond
+the ~40 the fit saw.
 
     python bench/policy_replay.py [--functions 32] [--rate 4] [--duration 90] [--kv-mib 512]
                                   [--max-standby 4] [--start-parallelism 10] [--variants ...]
