@@ -81,6 +81,12 @@ class ControllerSettings(SharedSettings):
         description="a parked worker exits once idle this long (seconds, or inf: never: only offloading "
         "stops it); unset: its function's keep-alive (PolicyConfig.parked_keep_alive_s)",
     )
+    park_after_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="also park a bound worker idle this long (seconds) without memory pressure, so that the "
+        "warm pool gets its memory; unset: only under pressure (PolicyConfig.park_after_s; needs park_idle)",
+    )
     park_timeout_s: float = Field(
         default=2.0,
         gt=0,
@@ -131,6 +137,7 @@ def build_controller(settings: ControllerSettings) -> Controller:
             offloading=settings.offloading,
             park_idle=settings.park_idle,
             parked_keep_alive_s=settings.parked_keep_alive_s,
+            park_after_s=settings.park_after_s,
             **burst_overrides(
                 settings.cold_prior_rps, settings.max_fresh_starts_per_gpu, settings.thrash_horizon_starts
             ),

@@ -93,6 +93,12 @@ class LocalConfig(SharedSettings):
         description="a parked worker exits once idle this long (seconds, or inf: never: only offloading "
         "stops it); unset: its function's keep-alive (the controller's PolicyConfig.parked_keep_alive_s)",
     )
+    park_after_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="also park a bound worker idle this long (seconds) without memory pressure, so that the "
+        "warm pool gets its memory; unset: only under pressure (the controller's PolicyConfig.park_after_s)",
+    )
     # the warm pool's starts on this machine (PolicyConfig.max_pool_starts_per_node / pool_waits_for_demand)
     pool_starts_at_once: int | None = Field(
         default=None,

@@ -160,6 +160,7 @@ class LocalPlatform:
                     offloading=self.config.offloading,
                     park_idle=self.config.park_idle,
                     parked_keep_alive_s=self.config.parked_keep_alive_s,
+                    park_after_s=self.config.park_after_s,
                     **self.pool_starts,
                     **burst_overrides(
                         self.config.cold_prior_rps,

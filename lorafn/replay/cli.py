@@ -124,10 +124,10 @@ def replay(
         "default",
         "--configs",
         help="Comma-separated configurations, each a platform of its own and a row: full, parking (full "
-        "+ idle workers park), no-sharing, no-warm-pool, no-offloading, no-slo-admission, always-on "
-        "(minReplicas 1, shared backbone), always-on-private (minReplicas 1, a weight copy per worker); "
-        "'default' = all but parking and always-on-private; 'all'. A switch this build's LocalConfig lacks "
-        "makes its row n/a.",
+        "+ idle workers park), parking-50 (parking + workers idle 50 s park without pressure), no-sharing, "
+        "no-warm-pool, no-offloading, no-slo-admission, always-on (minReplicas 1, shared backbone), "
+        "always-on-private (minReplicas 1, a weight copy per worker); 'default' = all but parking, "
+        "parking-50 and always-on-private; 'all'. A switch this build's LocalConfig lacks makes its row n/a.",
     ),
     device: str = typer.Option("auto", "--device", help="Started platform: auto | cpu | cuda."),
     model: Path = typer.Option(

@@ -47,6 +47,13 @@ CONFIGS: dict[str, ReplayConfig] = {
             "parked ones staying until memory is needed (park_idle: true, parked_keep_alive_s: inf)",
             {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "inf"},
         ),
+        # the simulator's best row, "park idle 50 s + never" (docs/benchmarks.md): an idle worker parks
+        # before its keep-alive instead of exiting
+        ReplayConfig(
+            "parking-50",
+            "parking, and bound workers idle 50 s are parked without memory pressure too (park_after_s: 50)",
+            {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "inf", "park_after_s": 50},
+        ),
         ReplayConfig(
             "no-sharing",
             "every worker loads its own copy of the backbone (LocalConfig share_backbone: false)",

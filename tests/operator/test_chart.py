@@ -332,3 +332,32 @@ def test_the_parked_keep_alive_reaches_the_controller_settings(
     ):
         out = helm("template", "x", str(CHART), *bad, check=False)
         assert out.returncode != 0 and "parkedKeepAliveSeconds" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"), [([], None), (["--set", "x=50"], "50"), (["--set-json", "x=2.5"], "2.5")]
+)
+def test_park_after_reaches_the_controller_settings(
+    monkeypatch: pytest.MonkeyPatch, extra: list[str], expected: str | None
+) -> None:
+    """controller.parkAfterSeconds -> LORAFN_PARK_AFTER_S (absent when null) -> the controller's park_after_s;
+    zero, a negative number or a string is refused by the schema."""
+    from lorafn.controller.cli import ControllerSettings
+
+    extra = [a.replace("x=", "controller.parkAfterSeconds=") for a in extra]
+    controller = next(
+        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-controller"
+    )
+    env = {e["name"]: e.get("value") for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env.get("LORAFN_PARK_AFTER_S") == expected
+    monkeypatch.delenv("LORAFN_PARK_AFTER_S", raising=False)
+    if expected is not None:
+        monkeypatch.setenv("LORAFN_PARK_AFTER_S", expected)
+    assert ControllerSettings().park_after_s == (None if expected is None else float(expected))
+    for bad in (
+        ["--set", "controller.parkAfterSeconds=0"],
+        ["--set", "controller.parkAfterSeconds=-3"],
+        ["--set-string", "controller.parkAfterSeconds=soon"],
+    ):
+        out = helm("template", "x", str(CHART), *bad, check=False)
+        assert out.returncode != 0 and "parkAfterSeconds" in out.stderr, out.stderr

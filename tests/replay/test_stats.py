@@ -233,9 +233,14 @@ def test_every_configuration_is_a_valid_platform_config_and_parking_turns_park_i
     assert LocalConfig(**local).park_idle and LocalConfig(**local).gpu_admission
     # parked workers stay until memory is needed (the simulator's better setting, docs/benchmarks.md)
     assert LocalConfig(**local).parked_keep_alive_s == float("inf")
-    assert not LocalConfig().park_idle  # off by default: "parking" is the only row with it
-    assert LocalConfig().parked_keep_alive_s is None
-    assert "parking" not in DEFAULT_CONFIGS
+    assert LocalConfig(**local).park_after_s is None  # "parking" parks under memory pressure only
+    # "parking-50": the same, and workers idle 50 s park without pressure (the simulator's best row)
+    local50, _, _ = resolve(CONFIGS["parking-50"], fields)
+    assert {k: v for k, v in local50.items() if k != "park_after_s"} == local
+    assert LocalConfig(**local50).park_after_s == 50.0 and LocalConfig(**local50).park_idle
+    assert not LocalConfig().park_idle  # off by default: only the parking rows set it
+    assert LocalConfig().parked_keep_alive_s is None and LocalConfig().park_after_s is None
+    assert "parking" not in DEFAULT_CONFIGS and "parking-50" not in DEFAULT_CONFIGS
 
 
 def test_a_warm_request_that_waited_for_an_unpark_takes_the_unparked_path() -> None:

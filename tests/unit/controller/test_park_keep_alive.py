@@ -111,3 +111,28 @@ def test_the_parked_keep_alive_is_a_controller_and_a_local_setting(monkeypatch) 
             ControllerSettings(parked_keep_alive_s=bad)
         with pytest.raises(ValueError, match="parked_keep_alive_s"):
             LocalConfig(parked_keep_alive_s=bad)
+
+
+def test_park_after_s_is_a_controller_and_a_local_setting(monkeypatch) -> None:
+    """PolicyConfig.park_after_s (park workers idle that long without pressure): LORAFN_PARK_AFTER_S on the
+    controller, LocalConfig.park_after_s for `lorafn up`; None (off) by default; a number of seconds > 0."""
+    from lorafn.controller.cli import ControllerSettings, build_controller
+    from lorafn.local.config import LocalConfig
+
+    monkeypatch.delenv("LORAFN_PARK_AFTER_S", raising=False)
+    assert ControllerSettings().park_after_s is None and LocalConfig().park_after_s is None
+    assert (
+        build_controller(ControllerSettings(redis_url="redis://127.0.0.1:1")).config.policy.park_after_s
+        is None
+    )
+    for value, expected in (("50", 50.0), ("2.5", 2.5)):
+        monkeypatch.setenv("LORAFN_PARK_AFTER_S", value)
+        settings = ControllerSettings(redis_url="redis://127.0.0.1:1")
+        assert build_controller(settings).config.policy.park_after_s == expected
+        assert LocalConfig(park_after_s=value).park_after_s == expected
+    monkeypatch.delenv("LORAFN_PARK_AFTER_S")
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(ValueError, match="park_after_s"):
+            ControllerSettings(park_after_s=bad)
+        with pytest.raises(ValueError, match="park_after_s"):
+            LocalConfig(park_after_s=bad)
