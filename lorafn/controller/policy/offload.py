@@ -194,18 +194,12 @@ def release_bytes(worker: Worker, fraction: float) -> int:
 
 
 @dataclass(frozen=True)
-class ParkCandidate:
-    """An idle bound worker that could be parked: ``release``: bytes it gives back; ``tier``: `IDLE_BOUND`,
-    or `GUARDED` when its function is expected back soon; ``density``: value lost per byte released."""
+class ParkCandidate(Victim):
+    """An idle bound worker that could be parked, ranked as a `Victim` (parking follows the offloading
+    order): ``tier`` `IDLE_BOUND`, or `GUARDED` when its function is expected back soon; ``density``: value
+    lost per byte released; ``release``: bytes it gives back."""
 
-    worker: Worker
-    tier: int
-    density: float
     release: int
-
-    @property
-    def rank(self) -> tuple[int, float, float, str]:
-        return (self.tier, self.density, -self.worker.idle_s, self.worker.id)
 
 
 def park_candidates(
