@@ -216,6 +216,18 @@ class _Round:
             self.park(c.worker, c.release, f"idle bound worker parked: makes room for {fn.name}", fn.name)
         return g
 
+    def try_unpark(self, fn: Function, parked: list[Worker]) -> tuple[Worker, int, bool]:
+        """Of ``fn``'s ``parked`` workers the one that fits best (most free on its GPU once its KV is back)
+        and the bytes it takes back; unparked (True) where they fit now or after parking idle workers on its
+        GPU, else nothing is done (False)."""
+        fraction = self.config.park_release_fraction
+        w = max(parked, key=lambda w: (self.ledger.free[w.gpu] - release_bytes(w, fraction), w.id))
+        need = release_bytes(w, fraction)
+        if self.ledger.fits(w.gpu, need) or self.park_for(fn, [w.gpu], need) is not None:
+            self.unpark(fn, w, need)
+            return w, need, True
+        return w, need, False
+
     def unpark(self, fn: Function, w: Worker, need: int) -> None:
         self.ledger.take(w.gpu, need)
         self.actions.append(Unpark(w.id, fn.name, w.gpu, need))
@@ -229,12 +241,8 @@ class _Round:
         parked = self.parked_of(fn.name)
         if not parked:
             return False
-        fraction = self.config.park_release_fraction
-        # the one that fits best (most free on its GPU after its KV is back)
-        w = max(parked, key=lambda w: (self.ledger.free[w.gpu] - release_bytes(w, fraction), w.id))
-        need = release_bytes(w, fraction)
-        if self.ledger.fits(w.gpu, need) or self.park_for(fn, [w.gpu], need) is not None:
-            self.unpark(fn, w, need)
+        w, need, unparked = self.try_unpark(fn, parked)
+        if unparked:
             return True
         self.unpark_tried.add(w.id)  # whatever happens below, not again this round
         if self.room_coming(fn, [w.gpu], need):
@@ -767,14 +775,10 @@ def fast_unparks(
     on its GPU are parked (those Parks first; none without ``park_idle``, but parked workers left from
     when it was on are still unparked). No stops or waits (the full round does those)."""
     r = _Round(snapshot, config or PolicyConfig())
-    fraction = r.config.park_release_fraction
     for name in sorted(set(functions)):
         fn = r.functions.get(name)
         parked = r.parked_of(name)
         if fn is None or not parked or r.active_count(name) > 0:
             continue
-        w = max(parked, key=lambda w: (r.ledger.free[w.gpu] - release_bytes(w, fraction), w.id))
-        need = release_bytes(w, fraction)
-        if r.ledger.fits(w.gpu, need) or r.park_for(fn, [w.gpu], need) is not None:
-            r.unpark(fn, w, need)
+        r.try_unpark(fn, parked)
     return [a for a in r.actions if isinstance(a, (Park, Unpark))]
