@@ -302,7 +302,9 @@ class Worker:
                 try:
                     now = self._progress_at = self.clock()
                     if now >= next_heartbeat:
-                        self._read_control()
+                        # busy: control is read here; idle or parked, every read below already reads it
+                        if self.running:
+                            self._read_control()
                         next_heartbeat = now + cfg.heartbeat_s
                     if outage_since is not None:
                         self._recover_after_outage()
