@@ -10,9 +10,10 @@ A round, in order:
 3. Snapshot (Redis + the executor's starting workers + binds sent but not yet confirmed), `decide`.
 4. Apply: Park first, synchronously (`PolicyConfig.park_idle`: a `park` control command to each idle
    bound worker the plan parks, then up to ``park_timeout_s`` for its `parked` or `park_refused` lifecycle
-   event: the plan counts that memory free for the actions after it; every other action of the plan on a
-   GPU where a park was refused or not answered is dropped this round, the next one re-plans from fresh
-   heartbeats); then Stop (a `stop` control command: the worker drains and exits), Start (the executor),
+   event: the plan counts that memory free for the actions after it; where a park was refused or not
+   answered, the Start or Unpark it made room for (`actions.unbacked`) is dropped this round and the next
+   one re-plans from fresh heartbeats, the plan's other actions go on); then Stop (a `stop` control
+   command: the worker drains and exits), Start (the executor),
    Bind (a `bind` control command to the standby), Unpark (an `unpark` control command: the parked worker
    takes its KV cache back; counted in the account at once, as a Bind, no wait), Preload (a `preload`
    control command: the standby loads that function's adapter and stays a standby), Wait (the reason into
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lorafn.controller.metrics import ControllerMetrics
-from lorafn.controller.policy.actions import Bind, Park, Plan, Preload, Start, Stop, Unpark, Wait
+from lorafn.controller.policy.actions import Bind, Park, Plan, Preload, Start, Stop, Unpark, Wait, unbacked
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide, fast_binds, fast_unparks
 from lorafn.controller.policy.model import GPU, Snapshot, Worker
@@ -312,8 +313,9 @@ class Controller:
         actions = fast_unparks(snapshot, functions, self.config.policy)
         if actions:
             failed = self._apply_parks([a for a in actions if isinstance(a, Park)], fast=True)
+            dropped = unbacked(actions, failed)
             for a in actions:
-                if isinstance(a, Unpark) and a.gpu not in failed:
+                if isinstance(a, Unpark) and not any(a is d for d in dropped):
                     self._send_unpark(a, fast=True)
                     answered.append(a)
         return answered
@@ -508,12 +510,13 @@ class Controller:
         by_id = {w.id: w for w in snapshot.workers} if snapshot is not None else {}
         # Parks first, synchronously: the plan counts their memory free for the actions after them
         failed = self._apply_parks([a for a in plan.actions if isinstance(a, Park)], fast=False)
+        # what counted on a park that did not happen waits for the next round; the rest goes on
+        dropped = unbacked(plan.actions, failed)
         for action in plan.actions:
             if isinstance(action, Park):
                 continue
-            gpu = getattr(action, "gpu", "")
-            if gpu and gpu in failed:  # a park there was refused or not answered: re-planned next round
-                log.info("controller: %r dropped this round: a park on %s did not happen", action, gpu)
+            if any(action is d for d in dropped):
+                log.info("controller: %r dropped this round: a park making its room did not happen", action)
                 continue
             if isinstance(action, Stop):
                 log.info("controller: stop %s (%s) %s", action.worker_id, action.reason, action.detail)
@@ -621,13 +624,13 @@ class Controller:
             ", adapter pre-loaded" if action.preloaded else "", waited,
         )  # fmt: skip
 
-    def _apply_parks(self, parks: list[Park], fast: bool) -> set[str]:
+    def _apply_parks(self, parks: list[Park], fast: bool) -> list[Park]:
         """Send each Park's `park` command and wait up to ``park_timeout_s`` (for all of them together) for
-        the workers' answers on the lifecycle stream; the GPUs where a park was refused or not answered
-        (their other actions wait for the next round). Other events read meanwhile go to the usual handling
-        (`_learn_event`): none is lost."""
+        the workers' answers on the lifecycle stream; the parks refused or not answered (what counted on
+        their memory, `unbacked`, waits for the next round). Other events read meanwhile go to the usual
+        handling (`_learn_event`): none is lost."""
         if not parks:
-            return set()
+            return []
         if self._events_cursor is None:
             self._events_cursor = self.store.run(control.last_event_id(self.keys))
         path = "fast" if fast else "round"
@@ -664,7 +667,7 @@ class Controller:
                     self._learn_event(entry_id, event)
         waited = time.monotonic() - t0
         self.metrics.park_wait_seconds.observe(waited)
-        failed: set[str] = set()
+        failed: list[Park] = []
         for wid, (park, _) in sent.items():
             event = answers.get(wid)
             if event is not None and event.get("kind") == control.PARKED:
@@ -678,13 +681,14 @@ class Controller:
                 continue
             reason = "refused" if event is not None else "timeout"
             self.metrics.park_refusals.labels(reason).inc()
-            failed.add(park.gpu)
+            failed.append(park)
             if event is None or not event.get("reason", "").startswith("busy"):  # not a passing state
                 self._park_held[wid] = time.monotonic() + self.config.park_retry_s
             log.warning(
-                "controller: park of %s (%s on %s) %s%s: the plan's other actions on %s wait a round",
+                "controller: park of %s (%s on %s) %s%s: %s waits a round",
                 wid, park.function, park.gpu, reason,
-                f" ({event.get('reason', '')})" if event is not None else f" after {waited:.1f} s", park.gpu,
+                f" ({event.get('reason', '')})" if event is not None else f" after {waited:.1f} s",
+                park.room_for or "what its memory was planned for",
             )  # fmt: skip
         return failed
 

@@ -66,7 +66,7 @@ class ControllerMetrics:
         self.park_refusals = Counter(
             "lorafn_controller_park_refusals",
             "Parks that did not happen, by reason (refused: the worker had requests; timeout: no answer "
-            "within park_timeout_s); the plan's other actions on that GPU wait for the next round",
+            "within park_timeout_s); what the park made room for waits for the next round",
             ["reason"], registry=r,
         )  # fmt: skip
         self.park_wait_seconds = Histogram(

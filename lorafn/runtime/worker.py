@@ -116,8 +116,8 @@ class ServingConfig:
     # torch.profiler over the first `profile_steps` engine steps, written under `profile_dir` (step_profile)
     profile_steps: int = 0
     profile_dir: str | None = None
-    # while idle or parked a control command (park, unpark, stop) is seen within this long: the idle read
-    # blocks at most this and reads the control stream in the same round trip (busy: every heartbeat_s)
+    # a control command (park, unpark, stop) is seen within this long: the idle read blocks at most this and
+    # reads the control stream in the same round trip; a busy worker reads it between steps this often
     control_poll_ms: int = 100
     # a parked worker that sees its function's requests queued records demand at most this often
     park_demand_guard_ms: int = 2000
@@ -293,7 +293,7 @@ class Worker:
         beater = threading.Thread(target=self._heartbeats, args=(beating,), name="heartbeat", daemon=True)
         beater.start()
         now = self.clock()
-        next_heartbeat = now + cfg.heartbeat_s
+        next_control = now + cfg.control_poll_ms / 1000
         next_claim = now + self.defer_first_claim_s
         self._last_busy = now
         outage_since: float | None = None
@@ -301,11 +301,12 @@ class Worker:
             while True:
                 try:
                     now = self._progress_at = self.clock()
-                    if now >= next_heartbeat:
-                        # busy: control is read here; idle or parked, every read below already reads it
-                        if self.running:
-                            self._read_control()
-                        next_heartbeat = now + cfg.heartbeat_s
+                    if self.running and now >= next_control:
+                        # busy: control is read here (a park is answered, refused, within a poll, not a
+                        # heartbeat: the controller waits for that answer before the GPU's other actions);
+                        # idle or parked, every read below already reads it
+                        self._read_control()
+                        next_control = now + cfg.control_poll_ms / 1000
                     if outage_since is not None:
                         self._recover_after_outage()
                         log.warning(

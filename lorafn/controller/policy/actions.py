@@ -132,3 +132,27 @@ class Plan:
     def of_type(self, kind: type) -> list:
         """The actions of one kind, in plan order (e.g. ``plan.of_type(Start)``)."""
         return [a for a in self.actions if isinstance(a, kind)]
+
+
+def unbacked(actions: list[Action], failed: list[Park]) -> list[Action]:
+    """The actions of a plan that counted on memory the ``failed`` parks (refused or not answered) did not
+    release: the Start or Unpark of each one's ``room_for`` function on its GPU; for parks made for no one
+    (`PolicyConfig.park_after_s`), Starts and Unparks on their GPU from the plan's end until their bytes are
+    covered. Everything else stands: Stops and the other parks only free memory, and another function's
+    action was planned with the memory that stays free (the account after the kept actions is at least as
+    free as the plan's)."""
+    rooms = {(p.gpu, p.room_for) for p in failed if p.room_for}
+    short: dict[str, int] = {}
+    for p in failed:
+        if not p.room_for:
+            short[p.gpu] = short.get(p.gpu, 0) + p.release_bytes
+    # by position: two standby Starts of one shape are equal dataclasses
+    takes: list[tuple[int, Start | Unpark]] = [
+        (i, a) for i, a in enumerate(actions) if isinstance(a, (Start, Unpark))
+    ]
+    dropped = {i for i, a in takes if (a.gpu, a.function or "") in rooms}
+    for i, a in reversed(takes):
+        if short.get(a.gpu, 0) > 0 and i not in dropped:
+            dropped.add(i)
+            short[a.gpu] -= a.mem_bytes
+    return [actions[i] for i in sorted(dropped)]

@@ -1,9 +1,10 @@
 """The driver applies parking (`PolicyConfig.park_idle`, docs/PARKING protocol) around a real redis-server: a
 plan's Park is sent first and waited for (the worker's `parked` / `park_refused` lifecycle event), the Start
-it made room for follows only once the worker said it parked; a refused or unanswered park drops that GPU's
-other actions for the round; events read while waiting are handled as usual; demand for a function whose
-workers are all parked is answered at once by an unpark (`fast_unparks`); the snapshot reads `parked` and
-`park_release_bytes` from the heartbeats and charges a parked worker what it still holds.
+it made room for follows only once the worker said it parked; a refused or unanswered park drops the action it
+made room for this round (`actions.unbacked`), not the GPU's others; events read while waiting are handled as
+usual; demand for a function whose workers are all parked is answered at once by an unpark (`fast_unparks`);
+the snapshot reads `parked` and `park_release_bytes` from the heartbeats and charges a parked worker what it
+still holds.
 
 The worker's side is a thread that reads the worker's real control stream and answers on the lifecycle stream
 with the fields the protocol names, as the worker process does."""
@@ -28,7 +29,7 @@ from lorafn.controller.snapshot import SizingConfig
 from lorafn.store import Keys, Store, control, streams, workers
 from tests.unit.controller.redis_world import RecordingExecutor, commands, queue_request, register_tiny
 
-NEW, IDLE, BUSY = "team/new", "team/idle", "team/busy"
+NEW, NEW2, IDLE, BUSY = "team/new", "team/new2", "team/idle", "team/busy"
 MiB = 1 << 20
 KV = 64 * MiB  # the default KV budget: most of a worker, what a park releases
 
@@ -37,7 +38,7 @@ KV = 64 * MiB  # the default KV budget: most of a worker, what a park releases
 def world(redis_server: str, tmp_path: Path) -> Iterator[tuple[Store, Keys, Controller, RecordingExecutor]]:
     store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
     long = {"scaling": {"keepAliveSeconds": 3600}}  # parked, not retired by its keep-alive
-    register_tiny(store, keys, tmp_path, {NEW: long, IDLE: long, BUSY: long}, warm_pool=(0, 0))
+    register_tiny(store, keys, tmp_path, {NEW: long, NEW2: long, IDLE: long, BUSY: long}, warm_pool=(0, 0))
     executor = RecordingExecutor([GPU("g0", "n", 1 << 40, {"tiny": 0})])
     controller = Controller(
         store, keys, executor, SizingConfig(worker_overhead_bytes=MiB, default_kv_bytes=KV),
@@ -205,6 +206,36 @@ def test_a_refused_park_drops_its_gpus_actions_and_the_next_round_plans_again(wo
     finally:
         worker.stop()
     assert worker.seen == ["park", "park"]
+    assert _sample(controller, "lorafn_controller_parks_total", {"path": "round"}) == 1
+
+
+def test_a_refused_park_drops_only_the_start_it_made_room_for(world) -> None:
+    # two idle workers on a GPU with room for half a worker more, two functions waiting: the plan parks one
+    # for each; w-idle refuses (a request reached it), w-busy (idle here) parks: the start its park made room
+    # for goes this round, the other waits for the next
+    store, keys, controller, executor = world
+    controller.round()
+    size = controller.reader.sizes[NEW].mem_bytes
+    executor._gpus = [GPU("g0", "n", int((2 * size + size // 2) / 0.92), {"tiny": 0})]
+    _beat(store, keys, "w-idle", IDLE)
+    _beat(store, keys, "w-busy", BUSY)
+    queue_request(store, keys, NEW, "r1")
+    queue_request(store, keys, NEW2, "r2")
+    busy = {"reason": "busy: 1 running"}
+    refuser = _Worker(store, keys, "w-idle", IDLE, lambda n: (control.PARK_REFUSED, busy))
+    parker = _Worker(store, keys, "w-busy", BUSY, lambda n: (control.PARKED, {"released_bytes": KV}))
+    refuser.start()
+    parker.start()
+    try:
+        plan = controller.round()
+    finally:
+        refuser.stop()
+        parker.stop()
+    room = {p.worker_id: p.room_for for p in plan.of_type(Park)}
+    assert set(room) == {"w-idle", "w-busy"} and set(room.values()) == {NEW, NEW2}
+    assert {s.function for s in plan.of_type(Start)} == {NEW, NEW2}  # planned both ...
+    assert [s.function for s in executor.started] == [room["w-busy"]]  # ... started the backed one
+    assert _sample(controller, "lorafn_controller_park_refusals_total", {"reason": "refused"}) == 1
     assert _sample(controller, "lorafn_controller_parks_total", {"path": "round"}) == 1
 
 
