@@ -560,7 +560,10 @@ def test_silu_mul_expand_matches_addmm_then_silu_mul(dtype, rows, ranks) -> None
             continue
         equal = (got == want).float().mean().item()
         assert equal >= 0.99, f"{equal:.4%} equal to the round-once reference"
-        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-7)
+        # the reference rounds SiLU(g) to bf16 before the product (as eager torch does); the kernels keep it
+        # in float32: at most half a step of SiLU(g) times |u| plus the product's rounding, under two steps
+        # (H100, 944e850: 1 of 5.6M outputs two steps apart, none more)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-6)
         _assert_within((got.float() - via_cublas.float()).abs(), silu_bound, "SiLU·up vs addmm_")
 
 
