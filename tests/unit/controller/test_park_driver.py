@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from lorafn.controller.driver import Controller, ControllerConfig
 from lorafn.controller.policy.actions import Park, Start, Stop, Unpark
@@ -26,7 +27,7 @@ from lorafn.controller.policy.charge import OVERHEAD_MARGIN_BYTES
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.model import GPU
 from lorafn.controller.snapshot import SizingConfig
-from lorafn.store import Keys, Store, control, streams, workers
+from lorafn.store import GROUP, Keys, Store, control, streams, workers
 from tests.unit.controller.redis_world import RecordingExecutor, commands, queue_request, register_tiny
 
 NEW, NEW2, IDLE, BUSY = "team/new", "team/new2", "team/idle", "team/busy"
@@ -237,6 +238,38 @@ def test_a_refused_park_drops_only_the_start_it_made_room_for(world) -> None:
     assert [s.function for s in executor.started] == [room["w-busy"]]  # ... started the backed one
     assert _sample(controller, "lorafn_controller_park_refusals_total", {"reason": "refused"}) == 1
     assert _sample(controller, "lorafn_controller_parks_total", {"path": "round"}) == 1
+
+
+def test_a_worker_that_took_a_request_since_its_heartbeat_is_not_parked(world) -> None:
+    # w-idle's heartbeat says idle, but its function has a request delivered and not acknowledged (the
+    # worker read it after beating): the snapshot counts it running, and the round plans no park of it
+    store, keys, controller, executor = world
+    _full_gpu(store, keys, controller, executor)
+    queue_request(store, keys, IDLE, "r-idle")
+    client = redis.Redis.from_url(store.url)
+    try:
+        client.xgroup_create(keys.requests(IDLE), GROUP, id="0", mkstream=True)  # as a worker does
+        assert client.xreadgroup(GROUP, "w-idle", {keys.requests(IDLE): ">"}, count=1)
+    finally:
+        client.close()
+    plan = controller.round()
+    seen = next(w for w in controller.last_snapshot.workers if w.id == "w-idle")
+    assert seen.running == 1 and seen.idle_s == 0.0
+    assert plan.of_type(Park) == []
+    assert commands(store, keys, "w-idle") == []
+    # acknowledged (and deleted, as a worker does): the heartbeat is right again and the round parks it for
+    # NEW (nobody answers here: the park times out; it was planned and sent)
+    client = redis.Redis.from_url(store.url)
+    try:
+        for entry_id, _ in client.xrange(keys.requests(IDLE)):
+            client.xack(keys.requests(IDLE), GROUP, entry_id)
+            client.xdel(keys.requests(IDLE), entry_id)
+    finally:
+        client.close()
+    controller.config.park_timeout_s = 0.2
+    plan = controller.round()
+    assert [p.worker_id for p in plan.of_type(Park)] == ["w-idle"]
+    assert commands(store, keys, "w-idle") == [{"cmd": "park"}]
 
 
 def test_an_unanswered_park_times_out_and_events_read_meanwhile_are_not_lost(world, caplog) -> None:
