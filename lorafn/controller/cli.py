@@ -71,9 +71,9 @@ class ControllerSettings(SharedSettings):
         default="long", description="arrival rate that ranks idle workers for offloading (60 s, 10 min, max)"
     )
     park_idle: bool = Field(
-        default=False,
+        default=True,
         description="park idle bound workers under memory pressure (release their KV cache, keep the "
-        "process) before stopping any; off until measured on a GPU (docs/architecture.md, Controller)",
+        "process) before stopping any; on since the H100 replay (docs/architecture.md, Controller)",
     )
     parked_keep_alive_s: float | None = Field(
         default=None,

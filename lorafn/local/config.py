@@ -83,9 +83,10 @@ class LocalConfig(SharedSettings):
         default=None, ge=0, description="offloading spares workers back within this many starts (0: off)"
     )
     park_idle: bool = Field(
-        default=False,
+        default=True,
         description="park idle bound workers under memory pressure (release their KV cache, keep the "
-        "process) before stopping any (the controller's PolicyConfig.park_idle; off until measured on a GPU)",
+        "process) before stopping any (the controller's PolicyConfig.park_idle; on since the H100 replay, "
+        "docs/benchmarks.md)",
     )
     parked_keep_alive_s: float | None = Field(
         default=None,

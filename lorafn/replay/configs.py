@@ -36,11 +36,18 @@ CONFIGS: dict[str, ReplayConfig] = {
         # switches it on explicitly, so that the ablation rows still each take one mechanism away
         ReplayConfig(
             "full",
-            "everything on: shared backbone, warm pool, offloading, SLO admission",
-            {"gpu_admission": True},
+            "everything on: shared backbone, warm pool, offloading with parking, SLO admission",
+            {"gpu_admission": True, "park_idle": True},
         ),
-        # parking (issue 16): off by default until measured on a GPU; a row of its own, beside "full", so
-        # that one replay compares the two (docs/benchmarks.md, "Parking idle bound workers, simulated")
+        # parking (issue 16) is on by default since the H100 replays (docs/benchmarks.md, "Parking on the
+        # H100"): this row takes it away (idle bound workers exit when memory is short, as before)
+        ReplayConfig(
+            "no-parking",
+            "full, but idle bound workers are stopped instead of parked when memory is short "
+            "(park_idle: false)",
+            {"gpu_admission": True, "park_idle": False},
+        ),
+        # the configuration measured on the H100: parked workers stay until memory is needed
         ReplayConfig(
             "parking",
             "full, and idle bound workers release their KV cache instead of exiting when memory is short, "
@@ -96,7 +103,9 @@ CONFIGS: dict[str, ReplayConfig] = {
         ),
     )
 }
-DEFAULT_CONFIGS = ("full", "no-sharing", "no-warm-pool", "no-offloading", "no-slo-admission", "always-on")
+DEFAULT_CONFIGS = (
+    "full", "no-sharing", "no-warm-pool", "no-offloading", "no-parking", "no-slo-admission", "always-on",
+)  # fmt: skip
 # The baseline of cost-effectiveness (the paper's vLLM = 1), in order of preference.
 BASELINES = ("always-on-private", "always-on")
 

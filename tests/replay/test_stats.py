@@ -238,9 +238,17 @@ def test_every_configuration_is_a_valid_platform_config_and_parking_turns_park_i
     local50, _, _ = resolve(CONFIGS["parking-50"], fields)
     assert {k: v for k, v in local50.items() if k != "park_after_s"} == local
     assert LocalConfig(**local50).park_after_s == 50.0 and LocalConfig(**local50).park_idle
-    assert not LocalConfig().park_idle  # off by default: only the parking rows set it
+    assert LocalConfig().park_idle  # on by default (the H100 replay); the parking rows say so explicitly
     assert LocalConfig().parked_keep_alive_s is None and LocalConfig().park_after_s is None
     assert "parking" not in DEFAULT_CONFIGS and "parking-50" not in DEFAULT_CONFIGS
+    # "full" parks (the default, said explicitly) and "no-parking" is its ablation row, by default
+    full, _, _ = resolve(CONFIGS["full"], fields)
+    off, _, _ = resolve(CONFIGS["no-parking"], fields)
+    assert LocalConfig(**full).park_idle and not LocalConfig(**off).park_idle
+    assert {k: v for k, v in off.items() if k != "park_idle"} == {
+        k: v for k, v in full.items() if k != "park_idle"
+    }
+    assert "no-parking" in DEFAULT_CONFIGS
 
 
 def test_a_warm_request_that_waited_for_an_unpark_takes_the_unparked_path() -> None:

@@ -422,7 +422,7 @@ def test_park_idle_and_its_timeout_are_controller_settings() -> None:
     from lorafn.controller.cli import ControllerSettings, build_controller
     from lorafn.local.config import LocalConfig
 
-    assert ControllerSettings().park_idle is False and LocalConfig().park_idle is False
+    assert ControllerSettings().park_idle is True and LocalConfig().park_idle is True  # on by default
     settings = ControllerSettings(park_idle=True, park_timeout_s=0.5, redis_url="redis://127.0.0.1:1")
     controller = build_controller(settings)
     assert controller.config.policy.park_idle is True and controller.config.park_timeout_s == 0.5
