@@ -484,9 +484,9 @@ def busy_since_heartbeat(workers: list[Worker], in_flight: dict[str, int]) -> li
     that look idle may hold them: counted running (idle 0), so that this round neither parks nor stops one
     that is busy (measured on the H100: a third of the parks planned from heartbeats alone were refused for
     a request that had just arrived). Which of several took it is not known: all of them, for one round."""
-    running: dict[str, int] = {}
+    running: dict[str, int] = {}  # draining workers' requests are in flight too
     for w in workers:
-        if w.state == "bound" and w.function:
+        if w.function:
             running[w.function] = running.get(w.function, 0) + w.running
     busy = {f for f, n in in_flight.items() if n > running.get(f, 0)}
     if not busy:
