@@ -82,9 +82,10 @@ class PolicyConfig:
       context, adapter and backbone mapping (`actions.Park`); its function's next request unparks it
       (`actions.Unpark`: the KV back, graphs re-captured lazily: ``unpark_s``) instead of a fresh start or a
       bind. Idle workers are parked in the offloading order (`offload.park_candidates`); workers are stopped
-      (parked ones included, charged their parked size) only when parking cannot free enough. Off by
-      default: no worker can park yet, and the controller's driver refuses to run with it on. Evaluated on
-      the policy simulator only (`bench/policy_replay.py`, docs/benchmarks.md).
+      (parked ones included, charged their parked size) only when parking cannot free enough. Off in this
+      pure default (the policy's tests and the simulator name it); on at the service edges (`lorafn up`,
+      the controller's settings, the chart) since the H100 trace replays (docs/benchmarks.md, "Parking on
+      the H100"; simulated: `bench/policy_replay.py --variants parking`).
     - ``park_release_fraction``: the share of a bound worker's charge a park releases where the snapshot
       does not say (`Worker.release_bytes` 0); the 7B at 512 MiB of KV: ~0.45 (KV 512 + graphs ~150 MiB of
       ~1.4 GiB).

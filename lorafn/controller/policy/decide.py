@@ -39,15 +39,15 @@ Order of work (each step sees the memory the previous ones granted or freed):
 4. **Warm pool** (planner.py) with the memory and the start slots left.
 5. **Pre-loading** (preload.py): which function's adapter each ready standby the plan keeps should hold.
 
-Parking (``PolicyConfig.park_idle``, off by default; offload.py's docstring): after step 2, bound workers idle
-``park_after_s`` or longer are parked (when set). In step 3, a function whose live workers are all parked
-(or too few unparked for its queue) gets an Unpark first: where its KV fits now, or after parking idle
-workers on its GPU; else once workers exiting for it are gone (b'); else a ready standby is bound; else
-workers are stopped (e) for the unpark's memory, not a whole fresh worker's. Where a fresh start does not fit
-(d), idle workers are parked on the GPU where it loses least before any worker is stopped (e). A Park's
-memory is free at once in the plan (the driver must apply it synchronously: the worker acknowledges the
-release), so the Start or Unpark it makes room for follows in the same plan; a Stop's is not (a process
-frees at its exit).
+Parking (``PolicyConfig.park_idle``: off here, on by default in the services; offload.py's docstring): after
+step 2, bound workers idle ``park_after_s`` or longer are parked (when set). In step 3, a function whose live
+workers are all parked (or too few unparked for its queue) gets an Unpark first: where its KV fits now, or
+after parking idle workers on its GPU; else once workers exiting for it are gone (b'); else a ready standby is
+bound; else workers are stopped (e) for the unpark's memory, not a whole fresh worker's. Where a fresh start
+does not fit (d), idle workers are parked on the GPU where it loses least before any worker is stopped (e). A
+Park's memory is free at once in the plan (the driver must apply it synchronously: the worker acknowledges the
+release), so the Start or Unpark it makes room for follows in the same plan; a Stop's is not (a process frees
+at its exit).
 
 `fast_binds(snapshot, functions)` is step 3a alone for functions whose demand just arrived: the driver
 binds from its last snapshot within milliseconds of a request, and the full round follows.
