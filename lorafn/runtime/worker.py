@@ -217,6 +217,8 @@ class Worker:
         self._counters: dict[str, int] = {}
         self._draining = False
         self._control_cursor: str | None = None  # read from where the stream ends at start (run)
+        # busy, the control stream rides on the read after a step once this (clock) has passed
+        self._next_control = 0.0
         self._started = time.time()
         self._last_busy = clock()
         self._progress_at = clock()  # the loop's last iteration: the heartbeat thread reads it
@@ -293,7 +295,6 @@ class Worker:
         beater = threading.Thread(target=self._heartbeats, args=(beating,), name="heartbeat", daemon=True)
         beater.start()
         now = self.clock()
-        next_control = now + cfg.control_poll_ms / 1000
         next_claim = now + self.defer_first_claim_s
         self._last_busy = now
         outage_since: float | None = None
@@ -301,12 +302,6 @@ class Worker:
             while True:
                 try:
                     now = self._progress_at = self.clock()
-                    if self.running and now >= next_control:
-                        # busy: control is read here (a park is answered, refused, within a poll, not a
-                        # heartbeat: the controller waits for that answer before the GPU's other actions);
-                        # idle or parked, every read below already reads it
-                        self._read_control()
-                        next_control = now + cfg.control_poll_ms / 1000
                     if outage_since is not None:
                         self._recover_after_outage()
                         log.warning(
@@ -447,13 +442,9 @@ class Worker:
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
         store.run(workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields))
 
-    def _read_control(self) -> None:
-        """Commands sent to this worker (`stop`, `drain`, `park`, `unpark`)."""
-        self._handle_control(
-            self.store.run(workers.read_control(self.keys, self.worker_id, self._control_cursor or "0"))
-        )
-
     def _handle_control(self, commands: list[tuple[str, dict[str, str]]]) -> None:
+        """Commands sent to this worker (`stop`, `drain`, `park`, `unpark`), read by `_read` or, parked,
+        `_parked_wait`."""
         for entry_id, body in commands:
             self._control_cursor = entry_id
             if body.get("cmd") in ("stop", "drain"):
@@ -655,12 +646,16 @@ class Worker:
         self._sent()
 
     def _read(self, block_ms: int | None) -> int:
-        """Send queued events and read new entries, in one round trip; returns how many arrived. With no
-        request running, the control stream is read in the same round trip (before the blocking read; see
-        `ServingConfig.control_poll_ms`) and its commands handled after the entries are admitted (a `park`
-        that comes with a request is refused)."""
+        """Send queued events and read new entries, in one round trip; returns how many arrived. The control
+        stream is read in the same round trip (before the blocking read; see `ServingConfig.control_poll_ms`)
+        with no request running, and busy every `control_poll_ms` (a park is answered, refused, within a poll:
+        the controller waits for that answer); its commands are handled after the entries are admitted (a
+        `park` that comes with a request is refused)."""
         self._reading.set()
-        control = not self.running
+        now = self.clock()
+        control = not self.running or now >= self._next_control
+        if control and self.running:
+            self._next_control = now + self.config.control_poll_ms / 1000
         free = self._free_slots()
         ops = self._pending_ops()
         at = len(ops)
