@@ -90,8 +90,8 @@ class ControllerSettings(SharedSettings):
     park_timeout_s: float = Field(
         default=2.0,
         gt=0,
-        description="how long a park waits for the worker's answer before its GPU's other "
-        "actions wait for the next round",
+        description="how long a park waits for the worker's answer before what it made room for waits "
+        "for the next round",
     )
     device: Literal["cuda", "cpu"] = Field(default="cuda", description="the workers' device kind (sizing)")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus /metrics port (0: off)")

@@ -105,12 +105,12 @@ class ControllerConfig:
     # registers as the function's worker while the function has none: no bind round through the
     # controller inside the cold start); off: it waits for the bind as before (the bench's "before" row)
     preload_claims: bool = True
-    # how long a Park waits for the worker's `parked` / `park_refused` event (an idle worker reads its
-    # control stream every ~0.1 s); unanswered by then: its GPU's other actions wait for the next round
+    # how long a Park waits for the worker's `parked` / `park_refused` event (a worker reads its control
+    # stream every ~0.1 s); unanswered by then: what it made room for waits for the next round
     park_timeout_s: float = 2.0
     # a worker that refused a park for another reason than being busy (graph archives, draining, an engine
     # that cannot park), or did not answer, is planned no park for this long (it may still be stopped): else
-    # every round under pressure would park it again and drop its GPU's actions again
+    # every round under pressure would park it again and drop what the park made room for again
     park_retry_s: float = 30.0
 
     def __post_init__(self) -> None:
