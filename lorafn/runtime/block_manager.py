@@ -92,6 +92,21 @@ class BlockManager:
             self._free.append(block)
         seq.block_table.clear()
 
+    def resize(self, num_blocks: int) -> None:
+        """Hand out ``0 .. num_blocks - 1`` from now on (`Engine.resize_kv`): a larger cache adds free
+        blocks; a smaller one drops free blocks from the top. Raises ValueError (and changes nothing) when a
+        block at or above ``num_blocks`` is in use."""
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        held = [b for b in self._owner if b >= num_blocks]
+        if held:
+            raise ValueError(
+                f"num_blocks: {num_blocks} would drop {len(held)} blocks in use (the highest is {max(held)})"
+            )
+        kept = [b for b in self._free if b < num_blocks]
+        self._free = sorted(kept + list(range(self.num_blocks, num_blocks)), reverse=True)
+        self.num_blocks = num_blocks
+
     def check_invariants(self, seqs: list[Sequence]) -> None:
         """Raise AssertionError when blocks leak or are shared. For tests and debugging."""
         seen: set[int] = set()

@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -157,6 +157,44 @@ class Engine:
     def park_release_bytes(self) -> int:
         """What `park` frees now; parked: what `unpark` takes back (`ModelRunner.park_release_bytes`)."""
         return self.runner.park_release_bytes()
+
+    # ------------------------------------------------------------------ KV size (docs/runtime.md)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return block_bytes(self.model_config, self.config.block_size, self.dtype)
+
+    def kv_blocks_for(self, kv_bytes: int) -> int:
+        """The usable blocks a KV budget of ``kv_bytes`` holds (one more is the scratch), as at start."""
+        return max(0, int(kv_bytes) // self.kv_block_bytes - 1)
+
+    def resize_kv(self, kv_bytes: int) -> int:
+        """Resize the KV cache to the budget ``kv_bytes`` while requests run (a grant of more KV for an
+        offline batch, or its return): the blocks in use keep their contents and ids; a larger cache adds
+        free blocks, a smaller one drops free ones. Returns the new KV bytes. Raises ParkRefused (the
+        message the reason) while parked, with graph archives, when a block in use is above the new size,
+        or when the longest sequence the scheduler admits would no longer fit alone."""
+        num_blocks = self.kv_blocks_for(kv_bytes)
+        longest = blocks_for_tokens(self.scheduler.max_model_len, self.config.block_size)
+        if num_blocks < longest:
+            raise ParkRefused(
+                f"kv_bytes: {kv_bytes} holds {num_blocks} blocks, less than one sequence of max_model_len "
+                f"{self.scheduler.max_model_len} needs ({longest})"
+            )
+        if self.runner.parked:
+            raise ParkRefused("parked")
+        manager = self.scheduler.block_manager
+        try:
+            manager.resize(num_blocks)
+        except ValueError as e:
+            raise ParkRefused(f"busy: {e}") from None
+        try:
+            nbytes = self.runner.resize_kv(num_blocks)
+        except BaseException:
+            manager.resize(self.runner.num_blocks)  # the cache is unchanged: so are the blocks handed out
+            raise
+        self.scheduler.config = replace(self.scheduler.config, num_blocks=num_blocks)
+        return nbytes
 
     def capture_pending_graph(self) -> bool:
         """Idle time of a lazily started engine (`EngineConfig.lazy_graphs`): capture one decode graph it

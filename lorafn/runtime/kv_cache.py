@@ -47,7 +47,7 @@ class KVCache:
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks: need at least 1 KV block, got {num_blocks}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         self.scratch_block = num_blocks
         self.data = torch.zeros(
             cfg.num_layers,
@@ -62,6 +62,15 @@ class KVCache:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)
         ]
+
+    def resized(self, num_blocks: int) -> KVCache:
+        """A cache of ``num_blocks`` blocks holding this one's blocks ``0 .. min(old, new) - 1`` (the rest
+        zeros): `ModelRunner.resize_kv`. The caller drops this one (both are held while copying)."""
+        cfg = self.cfg
+        new = KVCache(cfg, num_blocks, self.block_size, self.data.device, self.data.dtype)
+        keep = min(self.num_blocks, num_blocks)
+        new.data[:, :, :keep].copy_(self.data[:, :, :keep])
+        return new
 
     @property
     def scratch_slot(self) -> int:

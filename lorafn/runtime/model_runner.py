@@ -175,7 +175,7 @@ class ModelRunner:
         self.max_blocks_per_seq = 0
         # parking (park/unpark): what the last park released, and whether unparking re-creates graphs
         self.parked_kv_bytes = self.parked_release_bytes = 0
-        self.park_s = self.unpark_s = 0.0
+        self.park_s = self.unpark_s = self.resize_s = 0.0
         self._graphs_on_unpark = False
 
     def _buckets(self) -> list[int]:
@@ -410,6 +410,41 @@ class ModelRunner:
             graph_tensors = sum(t.numel() * t.element_size() for t in held if t is not None)
         unused = int(torch.cuda.memory_reserved(self.device)) - int(torch.cuda.memory_allocated(self.device))
         return max(kv, kv + graph_tensors + unused)
+
+    # ------------------------------------------------------------------ resizing the KV cache
+    # (docs/runtime.md#resizing-the-kv-cache): a grant of more KV for an offline batch, and its return.
+
+    def resize_kv(self, num_blocks: int) -> int:
+        """A KV cache of ``num_blocks`` blocks holding the current one's first blocks (the engine checks that
+        no block in use is dropped); the decode graphs (they name the old cache) are dropped and captured
+        again on need, as after an unpark. Returns the new KV bytes. Refused (ParkRefused) while parked and
+        with graph archives (the decode state lives in the arena at fixed addresses)."""
+        import time
+
+        if self.archives is not None:
+            raise ParkRefused("graph archives")
+        if self.kv_cache is None:
+            raise ParkRefused("parked")
+        if num_blocks == self.num_blocks:
+            return self.kv_cache.nbytes
+        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)  # nothing in flight reads the old cache
+        had_graphs = self.graphs is not None
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        self.kv_cache = self.kv_cache.resized(num_blocks)
+        self.num_blocks = num_blocks
+        if had_graphs:  # the buckets a cache of this size allows; the same block-table width
+            width = self.max_blocks_per_seq
+            self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self._buckets(), width)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the old cache and the graphs' pool go back to the driver
+        self.resize_s = time.perf_counter() - t0
+        return self.kv_cache.nbytes
 
     # ------------------------------------------------------------------ KV-cache size
 

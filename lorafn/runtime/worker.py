@@ -248,6 +248,7 @@ class Worker:
         # a park command's `keep_alive_s` (the controller's PolicyConfig.parked_keep_alive_s; inf: never):
         # replaces `keep_alive_s` while parked; None: the function's (docs/runtime.md#parking)
         self._parked_keep_alive_s: float | None = None
+        self._kv_grant: int | None = None  # a `kv_budget` command's bytes (None: the start's budget)
 
     # -- public ---------------------------------------------------------------------------------
     def drain(self, *_: Any) -> None:
@@ -438,13 +439,14 @@ class Worker:
             **self.config.heartbeat_fields,
             **(self.config.live_fields() if self.config.live_fields else {}),
             **self._park_fields(),
+            **({"kv_budget_bytes": self._kv_grant} if self._kv_grant is not None else {}),
         }
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
         store.run(workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields))
 
     def _handle_control(self, commands: list[tuple[str, dict[str, str]]]) -> None:
-        """Commands sent to this worker (`stop`, `drain`, `park`, `unpark`), read by `_read` or, parked,
-        `_parked_wait`."""
+        """Commands sent to this worker (`stop`, `drain`, `park`, `unpark`, `kv_budget`), read by `_read`
+        or, parked, `_parked_wait`."""
         for entry_id, body in commands:
             self._control_cursor = entry_id
             if body.get("cmd") in ("stop", "drain"):
@@ -453,6 +455,8 @@ class Worker:
                 self._park(body.get("keep_alive_s"))
             elif body.get("cmd") == "unpark":
                 self._unpark()
+            elif body.get("cmd") == "kv_budget":
+                self._resize_kv(body.get("bytes"))
             elif body.get("cmd") == "bind" and body.get("function") == self.function:
                 # the controller's bind for the request this worker (a pre-loaded standby) took itself
                 log.debug("worker %s: already serving %s", self.worker_id, self.function)
@@ -563,6 +567,47 @@ class Worker:
                 self.worker_id, kv_bytes, kv_bytes / 2**20, (time.perf_counter() - t0) * 1000,
             )  # fmt: skip
         self._post(control.UNPARKED, kv_bytes=kv_bytes)
+
+    def _resize_kv(self, value: str | None) -> None:
+        """A `kv_budget` command (the controller's grant of more KV for an offline batch, or its return;
+        docs/batch.md#kv-from-idle-memory): resize the engine's KV cache to `bytes` between steps, requests
+        running on (`Engine.resize_kv`), and answer `kv_resized` (kv_bytes, budget_bytes) or
+        `kv_resize_refused` (reason: parked, a block in use above the new size, a bad value). The heartbeat's
+        `kv_budget_bytes` names the grant from then on."""
+        resize = getattr(self.engine, "resize_kv", None)
+        try:
+            budget = int(str(value))
+        except (TypeError, ValueError):
+            budget = -1
+        reason = ""
+        if budget <= 0:
+            reason = f"bytes: {value!r} is not a positive integer"
+        elif not callable(resize):
+            reason = "the engine cannot resize its KV cache"
+        elif self._draining:
+            reason = "draining"
+        kv_bytes, t0 = 0, time.perf_counter()
+        if not reason:
+            try:
+                kv_bytes = int(resize(budget))  # type: ignore[misc]
+            except ParkRefused as e:
+                reason = str(e)
+            except Exception as e:  # the device had no room: the old cache is kept, the worker serves on
+                log.exception("worker %s: KV resize to %d bytes failed", self.worker_id, budget)
+                reason = f"failed: {type(e).__name__}: {e}"
+        if reason:
+            log.info("worker %s: KV resize to %s bytes refused (%s)", self.worker_id, value, reason)
+            self._post(control.KV_RESIZE_REFUSED, reason=reason, budget_bytes=max(0, budget))
+            return
+        self._kv_grant = budget
+        self._idle_work = getattr(self.engine, "capture_pending_graph", None)  # the graphs, lazily
+        self._counters["kv_resizes"] = self._counters.get("kv_resizes", 0) + 1
+        log.info(
+            "worker %s: KV cache resized to %d bytes (%.1f MiB; budget %.1f MiB) in %.0f ms, %d running",
+            self.worker_id, kv_bytes, kv_bytes / 2**20, budget / 2**20, (time.perf_counter() - t0) * 1000,
+            len(self.running),
+        )  # fmt: skip
+        self._post(control.KV_RESIZED, kv_bytes=kv_bytes, budget_bytes=budget)
 
     def _parked_wait(self) -> None:
         """One iteration of a parked worker, one round trip: send what is queued, wait up to

@@ -9,6 +9,8 @@
   worker exits. The controller turns them into function status and start-failure backoff. Parking
   (`PolicyConfig.park_idle`, docs/architecture.md): a worker answers a `park` command with `parked`
   (`released_bytes`) or `park_refused` (`reason`: it had requests), an `unpark` with `unparked` (`kv_bytes`).
+  A `kv_budget` command (more KV for an offline batch, or its return: docs/batch.md) is answered with
+  `kv_resized` (`kv_bytes`, `budget_bytes`) or `kv_resize_refused` (`reason`, `budget_bytes`).
 - Function status (`<p>:fn:<f>:status`): `wait_reason` (why no worker serves it right now; the gateway
   tells waiting clients), `last_cold_start_ms`, `last_cold_path` (standby | fresh),
   `last_cold_preloaded` (1: the standby had pre-loaded the adapter), `last_cold_claimed` (1: that standby
@@ -32,6 +34,7 @@ from lorafn.store.streams import stream_entries
 
 BOUND, BIND_FAILED, START_FAILED, POD_EXITED = "bound", "bind_failed", "start_failed", "pod_exited"
 PARKED, PARK_REFUSED, UNPARKED = "parked", "park_refused", "unparked"
+KV_RESIZED, KV_RESIZE_REFUSED = "kv_resized", "kv_resize_refused"
 PATH_STANDBY, PATH_FRESH = "standby", "fresh"
 
 _RENEW = """
