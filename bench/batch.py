@@ -247,6 +247,13 @@ def main() -> int:
         default=0.0,
         help="pack batch waves this fraction beyond the KV budget, the overflow swapped to host memory",
     )
+    ap.add_argument(
+        "--batch-kv-mib",
+        type=int,
+        default=0,
+        help="the controller's batch_kv_mib: a worker of a function with a batch backlog grows its KV cache "
+        "to this many MiB out of idle GPU memory (docs/batch.md#kv-from-idle-memory); 0: off",
+    )
     ap.add_argument("--data-dir", default=str(DATA))
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--workdir", default=None)
@@ -264,7 +271,7 @@ def main() -> int:
     prompts = [f"Question: {q}\nAnswer:" for q in questions[: args.limit or None]]
     functions = [f"{NAMESPACE}/gsm8k"] + ([f"{NAMESPACE}/online"] if args.other_rps > 0 else [])
     keys = new_keys(functions)
-    settings = {"device": args.device, "devices": 1, "warm_pool": False}
+    settings = {"device": args.device, "devices": 1, "warm_pool": False, "batch_kv_mib": args.batch_kv_mib}
     # no rate limit or queue cap: the online baseline must not be throttled by the gateway's defaults
     env = {
         "LORAFN_RATE_LIMIT_RPS": "0",

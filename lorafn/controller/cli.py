@@ -87,6 +87,13 @@ class ControllerSettings(SharedSettings):
         description="also park a bound worker idle this long (seconds) without memory pressure, so that the "
         "warm pool gets its memory; unset: only under pressure (PolicyConfig.park_after_s; needs park_idle)",
     )
+    batch_kv_mib: int = Field(
+        default=0,
+        ge=0,
+        description="the KV budget (MiB) a bound worker of a function with an offline batch backlog grows "
+        "to, out of GPU memory nothing else wants (keeping room for one more standby); back to its "
+        "function's budget once the batch is done; 0: off (PolicyConfig.batch_kv_bytes, docs/batch.md)",
+    )
     park_timeout_s: float = Field(
         default=2.0,
         gt=0,
@@ -138,6 +145,7 @@ def build_controller(settings: ControllerSettings) -> Controller:
             park_idle=settings.park_idle,
             parked_keep_alive_s=settings.parked_keep_alive_s,
             park_after_s=settings.park_after_s,
+            batch_kv_bytes=settings.batch_kv_mib << 20,
             **burst_overrides(
                 settings.cold_prior_rps, settings.max_fresh_starts_per_gpu, settings.thrash_horizon_starts
             ),

@@ -42,7 +42,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lorafn.controller.metrics import ControllerMetrics
-from lorafn.controller.policy.actions import Bind, Park, Plan, Preload, Start, Stop, Unpark, Wait, unbacked
+from lorafn.controller.policy.actions import (
+    Bind,
+    Park,
+    Plan,
+    Preload,
+    ResizeKV,
+    Start,
+    Stop,
+    Unpark,
+    Wait,
+    unbacked,
+)
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide, fast_binds, fast_unparks
 from lorafn.controller.policy.model import GPU, Snapshot, Worker
@@ -189,6 +200,8 @@ class Controller:
         # in between count them as done (its memory freed / taken back), and send neither again
         self._parks: dict[str, _PendingPark] = {}
         self._unparks: dict[str, _PendingPark] = {}
+        self._resizes: dict[str, ResizeKV] = {}  # KV budgets sent, not yet in the worker's heartbeat
+        self._resize_sent: dict[str, float] = {}
         self._park_held: dict[str, float] = {}  # worker -> until when no park is planned for it (monotonic)
         self._deferred_since: dict[str, float] = {}  # GPU -> since when its refill waits
         self.last_plan: Plan | None = None
@@ -430,6 +443,9 @@ class Controller:
             for wid, parking in list(pending_parks.items()):
                 if now - parking.sent_at > self.config.bind_timeout_s:  # never seen: its heartbeat decides
                     del pending_parks[wid]
+        for wid, sent_at in list(self._resize_sent.items()):
+            if now - sent_at > self.config.bind_timeout_s:  # refused or lost: its heartbeat decides
+                del self._resize_sent[wid], self._resizes[wid]
         if not (
             self._binds
             or self._preloads
@@ -437,6 +453,7 @@ class Controller:
             or self._parks
             or self._unparks
             or self._park_held
+            or self._resizes
         ):
             return snapshot
         patched = []
@@ -471,6 +488,7 @@ class Controller:
                 # `room_coming`) instead of the next rounds offloading more for it
                 w = dataclasses.replace(w, room_for=stopped.room_for)
             w = self._with_pending_park(w)
+            w = self._with_pending_resize(w)
             if w.id in self._park_held and w.parkable:
                 w = dataclasses.replace(w, parkable=False)
             preload = self._preloads.get(w.id)
@@ -503,6 +521,32 @@ class Controller:
                     running=max(1, w.running),
                 )  # fmt: skip
         return w
+
+    def _with_pending_resize(self, w: Worker) -> Worker:
+        """``w`` as a KV budget sent to it will leave it (its heartbeat may not show it yet): a grant is
+        charged at once (the next round must not give that memory away again); a return is counted free only
+        once the worker reports it (its memory is held until the cache is resized)."""
+        resize = self._resizes.get(w.id)
+        if resize is None:
+            return w
+        if w.kv_bytes == resize.kv_bytes or w.state != "bound" or w.parked:
+            del self._resizes[w.id], self._resize_sent[w.id]  # its heartbeat says so (or it moved on)
+            return w
+        if resize.delta_bytes > 0:
+            return dataclasses.replace(
+                w, mem_bytes=w.mem_bytes + resize.delta_bytes, kv_bytes=resize.kv_bytes, kv_grant=True
+            )
+        return dataclasses.replace(w, kv_bytes=resize.kv_bytes, kv_grant=False)
+
+    def _send_resize(self, action: ResizeKV) -> None:
+        """A ResizeKV: the `kv_budget` command; the worker resizes between steps and answers `kv_resized`
+        (or `kv_resize_refused`, e.g. a block in use above a smaller size: the next round asks again)."""
+        self.store.run(workers.send_control(self.keys, action.worker_id, "kv_budget", bytes=action.kv_bytes))
+        self._resizes[action.worker_id] = action
+        self._resize_sent[action.worker_id] = time.monotonic()
+        self.metrics.kv_resizes.labels("grow" if action.delta_bytes > 0 else "shrink").inc()
+        log.info("controller: KV budget of %s (%s on %s): %s", action.worker_id, action.function, action.gpu,
+                 action.detail)  # fmt: skip
 
     # -- carrying the plan out -------------------------------------------------------------------
     def _apply(self, plan: Plan, snapshot: Snapshot | None = None) -> None:
@@ -564,6 +608,8 @@ class Controller:
                 )
             elif isinstance(action, Unpark):
                 self._send_unpark(action, fast=False)
+            elif isinstance(action, ResizeKV):
+                self._send_resize(action)
             elif isinstance(action, Wait):
                 waiting.add(action.function)
                 self.store.run(control.set_status(self.keys, action.function, wait_reason=action.reason))

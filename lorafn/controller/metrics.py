@@ -79,6 +79,12 @@ class ControllerMetrics:
             "Unpark commands sent to parked workers, by path (fast: on demand from the last snapshot; round)",
             ["path"], registry=r,
         )  # fmt: skip
+        self.kv_resizes = Counter(
+            "lorafn_controller_kv_resizes",
+            "KV budget commands sent to bound workers for offline batches (grow: more KV out of idle GPU "
+            "memory; shrink: the function's own budget back)",
+            ["direction"], registry=r,
+        )  # fmt: skip
         self.start_failures = Counter(
             "lorafn_controller_start_failures", "Workers that failed to start or bind", registry=r
         )

@@ -247,6 +247,7 @@ class SnapshotReader:
                     last_failure=st.get("last_failure", ""),
                     lora_bytes=size.lora_bytes,
                     batch_backlog=backlogs.get(name, 0),
+                    kv_bytes=size.kv_bytes,
                 )
             )
         backbones = []
@@ -292,7 +293,8 @@ class SnapshotReader:
         for w in view.workers:
             size = self.sizes.get(w.function or "")
             if size is not None:
-                estimate = size.mem_bytes
+                # a worker granted more KV for an offline batch (`PolicyConfig.batch_kv_bytes`) holds it too
+                estimate = size.mem_bytes + (max(0, w.kv_bytes - size.kv_bytes) if w.kv_grant else 0)
                 hb_release = view.park_release.get(w.id, 0)
                 if w.state == "bound" and (w.parked or hb_release > 0):
                     # parking (`PolicyConfig.park_idle`): a parked worker is charged what it still holds, and
@@ -453,6 +455,8 @@ class SnapshotReader:
                     parked=parked,
                     # a runtime that can park says what a park frees (an older one would never answer)
                     parkable=h.get("park_release_bytes") not in (None, ""),
+                    kv_bytes=kv_reports.get(wid, 0),
+                    kv_grant=str(h.get("kv_grant", "")) == "1",
                 )
             )
         return LiveView(

@@ -100,6 +100,13 @@ class LocalConfig(SharedSettings):
         description="also park a bound worker idle this long (seconds) without memory pressure, so that the "
         "warm pool gets its memory; unset: only under pressure (the controller's PolicyConfig.park_after_s)",
     )
+    batch_kv_mib: int = Field(
+        default=0,
+        ge=0,
+        description="the KV budget (MiB) a bound worker of a function with an offline batch backlog grows "
+        "to, out of GPU memory nothing else wants (keeping room for one more standby); back to its "
+        "function's budget once the batch is done; 0: off (PolicyConfig.batch_kv_bytes, docs/batch.md)",
+    )
     # the warm pool's starts on this machine (PolicyConfig.max_pool_starts_per_node / pool_waits_for_demand)
     pool_starts_at_once: int | None = Field(
         default=None,

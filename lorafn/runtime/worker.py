@@ -249,6 +249,7 @@ class Worker:
         # replaces `keep_alive_s` while parked; None: the function's (docs/runtime.md#parking)
         self._parked_keep_alive_s: float | None = None
         self._kv_grant: int | None = None  # a `kv_budget` command's bytes (None: the start's budget)
+        self._kv_start_bytes = 0  # the KV cache's bytes before the first grant (what a park returns to)
 
     # -- public ---------------------------------------------------------------------------------
     def drain(self, *_: Any) -> None:
@@ -439,6 +440,8 @@ class Worker:
             **self.config.heartbeat_fields,
             **(self.config.live_fields() if self.config.live_fields else {}),
             **self._park_fields(),
+            # a heartbeat updates fields and never removes one: kv_grant is always written
+            "kv_grant": int(self._kv_grant is not None),
             **({"kv_budget_bytes": self._kv_grant} if self._kv_grant is not None else {}),
         }
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
@@ -520,6 +523,13 @@ class Worker:
         elif not self.parked and (self.running or self.engine.has_unfinished()):
             reason = f"busy: {len(self.running)} running"
         released, t0 = 0, time.perf_counter()
+        if not reason and self._kv_grant is not None and not self.parked:
+            # a KV grant for a batch ends with a park: unparked, the worker takes back its start's cache
+            try:
+                self.engine.resize_kv(self._kv_start_bytes)
+                self._kv_grant = None
+            except ParkRefused as e:
+                reason = str(e)
         if not reason:
             try:
                 released = int(park())  # type: ignore[misc]
@@ -588,6 +598,8 @@ class Worker:
             reason = "draining"
         kv_bytes, t0 = 0, time.perf_counter()
         if not reason:
+            if self._kv_grant is None:
+                self._kv_start_bytes = int(self.engine.runner.memory_parts()[0])
             try:
                 kv_bytes = int(resize(budget))  # type: ignore[misc]
             except ParkRefused as e:
@@ -599,7 +611,8 @@ class Worker:
             log.info("worker %s: KV resize to %s bytes refused (%s)", self.worker_id, value, reason)
             self._post(control.KV_RESIZE_REFUSED, reason=reason, budget_bytes=max(0, budget))
             return
-        self._kv_grant = budget
+        # at or below the start's cache: no grant held any more (the heartbeat names the start's budget again)
+        self._kv_grant = budget if kv_bytes > self._kv_start_bytes else None
         self._idle_work = getattr(self.engine, "capture_pending_graph", None)  # the graphs, lazily
         self._counters["kv_resizes"] = self._counters.get("kv_resizes", 0) + 1
         log.info(

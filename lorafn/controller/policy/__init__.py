@@ -22,7 +22,8 @@ Out (actions.py): `Plan(actions, pool, account)`:
   "offload" | "scale_down" | "pool_shrink" | "keep_alive", `Wait(function, reason)` (no worker this
   round; the reason is for the function's waiting clients and its status); with ``park_idle`` (off; the
   driver refuses it until workers can park), `Park(worker_id, function, gpu, release_bytes)` and
-  `Unpark(worker_id, function, gpu, mem_bytes)`.
+  `Unpark(worker_id, function, gpu, mem_bytes)`; with ``batch_kv_bytes`` (off), `ResizeKV(worker_id,
+  function, gpu, kv_bytes, delta_bytes)` (more KV for an offline batch, and its return).
 - `pool`: `PoolTarget(gpu, backbone, shape, count)` for every (gpu, backbone, shape) planned or
   present (count 0 = none wanted there any more).
 - `account`: gpu -> `MemoryAccount` (capacity, backbone/other/worker bytes, free now, free after).
@@ -36,7 +37,17 @@ warm pool), decide (one round), synthetic (seeded random snapshots for tests and
 """
 
 from lorafn.controller.policy.account import MemoryAccount
-from lorafn.controller.policy.actions import Bind, Park, Plan, PoolTarget, Start, Stop, Unpark, Wait
+from lorafn.controller.policy.actions import (
+    Bind,
+    Park,
+    Plan,
+    PoolTarget,
+    ResizeKV,
+    Start,
+    Stop,
+    Unpark,
+    Wait,
+)
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide
 from lorafn.controller.policy.model import GPU, Backbone, Costs, Function, Snapshot, Worker
@@ -52,6 +63,7 @@ __all__ = [
     "Plan",
     "PolicyConfig",
     "PoolTarget",
+    "ResizeKV",
     "Snapshot",
     "Start",
     "Stop",

@@ -101,6 +101,22 @@ class Unpark:
 
 
 @dataclass(frozen=True)
+class ResizeKV:
+    """Tell bound worker ``worker_id`` to resize its KV cache to ``kv_bytes`` while its requests run
+    (`PolicyConfig.batch_kv_bytes`, docs/batch.md#kv-from-idle-memory): more KV out of GPU memory nothing
+    else wants while ``function`` has an offline batch backlog (``delta_bytes`` > 0, taken from the account
+    in this plan), or the function's own budget back once the batch is done (``delta_bytes`` < 0; the
+    account sees it free once the worker reports it)."""
+
+    worker_id: str
+    function: str
+    gpu: str
+    kv_bytes: int
+    delta_bytes: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class Wait:
     """``function`` needs a worker and gets none this round; ``reason`` is for its waiting clients."""
 
@@ -118,7 +134,7 @@ class PoolTarget:
     count: int
 
 
-Action = Bind | Preload | Start | Stop | Park | Unpark | Wait
+Action = Bind | Preload | Start | Stop | Park | Unpark | ResizeKV | Wait
 
 
 @dataclass

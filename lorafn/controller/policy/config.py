@@ -99,6 +99,12 @@ class PolicyConfig:
       A parked worker holds ~0.8 GiB instead of ~1.4, so keeping it longer may pay (`bench/policy_replay.py
       --variants parking2`). The driver sends it with each park command (`keep_alive_s`; "inf": never) and
       the worker keeps it while parked (its function's again once unparked).
+    - ``batch_kv_bytes``: the KV budget a bound worker of a function with an offline batch backlog grows to
+      (`ResizeKV`, docs/batch.md#kv-from-idle-memory), out of GPU memory nothing else in the round wants:
+      granted after online demand, the warm pool and pre-loading, only where the GPU keeps room for one
+      more standby after it; given back when the backlog is gone and the worker idle (or when it parks).
+      0 = off. A batch's decode batch is bounded by its worker's KV: this is what makes a batch faster
+      than the same prompts sent as online requests to a worker of the function's own budget.
     """
 
     gpu_utilization: float = 0.92
@@ -123,8 +129,15 @@ class PolicyConfig:
     unpark_s: float = 0.3
     park_after_s: float | None = None
     parked_keep_alive_s: float | None = None
+    batch_kv_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.batch_kv_bytes, bool)
+            or not isinstance(self.batch_kv_bytes, int)
+            or (self.batch_kv_bytes < 0)
+        ):
+            raise ValueError(f"batch_kv_bytes must be an integer >= 0, got {self.batch_kv_bytes!r}")
         if not 0.0 < self.gpu_utilization <= 1.0:
             raise ValueError(f"gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}")
         if self.victim_rate not in VICTIM_RATES:

@@ -38,6 +38,10 @@ Order of work (each step sees the memory the previous ones granted or freed):
    keep-alive once the backlog is gone (step 2 keeps an idle one while a backlog is left).
 4. **Warm pool** (planner.py) with the memory and the start slots left.
 5. **Pre-loading** (preload.py): which function's adapter each ready standby the plan keeps should hold.
+6. **KV for offline batches** (``PolicyConfig.batch_kv_bytes``, off by default): a bound worker of a function
+   with a batch backlog grows its KV cache to that budget (`ResizeKV`) out of what steps 1-5 left free,
+   keeping room for one more standby; once the backlog is gone and the worker idle, it shrinks back to its
+   function's own budget.
 
 Parking (``PolicyConfig.park_idle``: off here, on by default in the services; offload.py's docstring): after
 step 2, bound workers idle ``park_after_s`` or longer are parked (when set). In step 3, a function whose live
@@ -60,7 +64,18 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from lorafn.controller.policy.account import Ledger, MemoryAccount, accounts, gib
-from lorafn.controller.policy.actions import Action, Bind, OffloadCause, Park, Plan, Start, Stop, Unpark, Wait
+from lorafn.controller.policy.actions import (
+    Action,
+    Bind,
+    OffloadCause,
+    Park,
+    Plan,
+    ResizeKV,
+    Start,
+    Stop,
+    Unpark,
+    Wait,
+)
 from lorafn.controller.policy.backoff import backoff_reason, backoff_remaining_s
 from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.model import Function, Snapshot, Worker
@@ -723,6 +738,43 @@ class _Round:
         )
         self.actions.extend(actions)
 
+    # -- step 6 ------------------------------------------------------------------------------
+    def batch_kv(self) -> None:
+        """More KV for the workers of functions with an offline batch backlog, out of what the round left
+        free (`PolicyConfig.batch_kv_bytes`), keeping room for one more standby; the function's own budget
+        back for granted workers once the backlog is gone and they are idle."""
+        target = self.config.batch_kv_bytes
+        if target <= 0:
+            return
+        reserve = self.costs.default_standby_bytes
+        for w in sorted(self.snapshot.workers, key=lambda w: w.id):
+            fn = self.functions.get(w.function or "")
+            if (
+                w.state != "bound" or w.parked or w.id in self.gone or fn is None or w.kv_bytes <= 0
+                or any(isinstance(a, Park) and a.worker_id == w.id for a in self.actions)
+            ):  # fmt: skip
+                continue
+            if fn.batch_backlog > 0 and w.kv_bytes < target:
+                delta = target - w.kv_bytes
+                if self.ledger.free[w.gpu] - delta < reserve:
+                    continue
+                self.ledger.take(w.gpu, delta)
+                self.protected.add(w.id)
+                self.actions.append(
+                    ResizeKV(
+                        w.id, fn.name, w.gpu, target, delta,
+                        f"offline batch backlog of {fn.batch_backlog}: "
+                        f"KV {_mib(w.kv_bytes)} -> {_mib(target)}",
+                    )
+                )  # fmt: skip
+            elif fn.batch_backlog == 0 and w.kv_grant and w.running == 0 and 0 < fn.kv_bytes < w.kv_bytes:
+                self.actions.append(
+                    ResizeKV(
+                        w.id, fn.name, w.gpu, fn.kv_bytes, fn.kv_bytes - w.kv_bytes,
+                        f"offline batch done: KV {_mib(w.kv_bytes)} -> {_mib(fn.kv_bytes)}",
+                    )
+                )  # fmt: skip
+
 
 def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
     """The plan of one round (see the module docstring)."""
@@ -732,6 +784,7 @@ def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
     r.demand()
     pool = r.warm_pool()
     r.preload()
+    r.batch_kv()
     account = {
         g: MemoryAccount(
             a.gpu,
@@ -782,3 +835,7 @@ def fast_unparks(
             continue
         r.try_unpark(fn, parked)
     return [a for a in r.actions if isinstance(a, (Park, Unpark))]
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB"

@@ -84,7 +84,9 @@ class Worker:
     bound worker, what parking it would give back to the account; for a parked one, what unparking it takes
     back (0: not known; `PolicyConfig.park_release_fraction` of its charge stands in). ``parkable``: False
     for a worker no Park may be planned for (its runtime cannot park, or it refused or did not answer a park
-    lately: the driver says so); it can still be stopped, and unparked when parked.
+    lately: the driver says so); it can still be stopped, and unparked when parked. ``kv_bytes``: its KV
+    budget as it reports it (0: not known); ``kv_grant``: True while it holds more KV than it started with,
+    granted for an offline batch (`PolicyConfig.batch_kv_bytes`).
     """
 
     id: str
@@ -103,9 +105,12 @@ class Worker:
     parked: bool = False
     release_bytes: int = 0
     parkable: bool = True
+    kv_bytes: int = 0
+    kv_grant: bool = False
 
     def __post_init__(self) -> None:
         owner = f"Worker {self.id}"
+        _check_bytes(owner, "kv_bytes", self.kv_bytes)
         if self.parked and self.state != "bound":
             raise ValueError(
                 f"{owner}.parked must be False on a {self.state} worker (only a bound one parks)"
@@ -148,7 +153,9 @@ class Function:
     occupies there; 0 = unknown). ``batch_backlog``: offline batch requests the batch runner holds but has
     not submitted yet (docs/batch.md): demand for more workers from the warm pool, never urgent.
     ``long_arrival_rate``: requests/s over a longer horizon than ``arrival_rate``'s (minutes; None: not
-    known): what ranks idle bound workers for offloading (`offload.victim_rate`).
+    known): what ranks idle bound workers for offloading (`offload.victim_rate`). ``kv_bytes``: the KV budget
+    its spec gives each worker (part of ``mem_bytes``; 0 = not known): what a worker granted more KV for a
+    batch returns to.
     """
 
     name: str
@@ -168,6 +175,7 @@ class Function:
     lora_bytes: int = 0
     batch_backlog: int = 0
     long_arrival_rate: float | None = None
+    kv_bytes: int = 0
 
     def __post_init__(self) -> None:
         owner = f"Function {self.name}"
@@ -175,6 +183,7 @@ class Function:
             raise ValueError("Function.name must be a non-empty string")
         _check_bytes(owner, "mem_bytes", self.mem_bytes)
         _check_bytes(owner, "lora_bytes", self.lora_bytes)
+        _check_bytes(owner, "kv_bytes", self.kv_bytes)
         for name in ("min_replicas", "queued", "start_failures", "batch_backlog"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:

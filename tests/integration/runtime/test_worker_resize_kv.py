@@ -53,7 +53,7 @@ def test_a_worker_resizes_its_kv_cache_while_requests_run(
             "a heartbeat with the grant",
             lambda: (h := _heartbeat(store, keys, wid)).get("kv_budget_bytes") == str(4 * MiB) and h,
         )
-        assert int(hb["kv_bytes"]) == grown
+        assert int(hb["kv_bytes"]) == grown and hb["kv_grant"] == "1"
 
         store.run(workers.send_control(keys, wid, "kv_budget", bytes="lots"))
         refused = events.next(control.KV_RESIZE_REFUSED, wid)
@@ -63,6 +63,18 @@ def test_a_worker_resizes_its_kv_cache_while_requests_run(
         assert int(events.next(control.KV_RESIZED, wid)["kv_bytes"]) == start_kv
         _send(store, keys, "after", prompts[0], max_tokens=48)
         assert _answer(store, keys, "after")[0] == before[0]
+        hb = _until(
+            "a heartbeat without a grant",
+            lambda: (h := _heartbeat(store, keys, wid)).get("kv_grant") == "0" and h,
+        )
+        assert hb["kv_budget_bytes"] == str(MiB)
+
+        store.run(workers.send_control(keys, wid, "kv_budget", bytes=4 * MiB))  # granted again, then parked:
+        assert int(events.next(control.KV_RESIZED, wid)["kv_bytes"]) == grown
+        store.run(workers.send_control(keys, wid, "park"))  # the park gives the grant back first
+        assert int(events.next(control.PARKED, wid)["released_bytes"]) == start_kv
+        store.run(workers.send_control(keys, wid, "unpark"))
+        assert int(events.next(control.UNPARKED, wid)["kv_bytes"]) == start_kv
         assert proc.poll() is None
     finally:
         code = stop_process(proc)

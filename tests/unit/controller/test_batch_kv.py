@@ -1,0 +1,93 @@
+"""More KV for offline batches (`PolicyConfig.batch_kv_bytes`, docs/batch.md#kv-from-idle-memory): a bound
+worker of a function with a batch backlog grows its KV cache out of GPU memory nothing else in the round
+wants, keeping room for one more standby; a GPU without that room grants nothing; the grant comes after
+online demand; a granted worker shrinks back to its function's budget once the backlog is gone and it is
+idle (not while it runs, not when it was never granted); off by default."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafn.controller.policy import PolicyConfig, ResizeKV, Start, decide
+from lorafn.controller.policy.account import accounts
+
+from .helpers import GiB, bound, fn, gpu, snap
+
+CONFIG = PolicyConfig(batch_kv_bytes=16 * GiB, warm_pool=False)
+
+
+def resizes(plan) -> list[tuple[str, int, int]]:
+    return [(a.worker_id, a.kv_bytes // GiB, a.delta_bytes // GiB) for a in plan.of_type(ResizeKV)]
+
+
+def test_a_worker_with_a_batch_backlog_grows_to_the_batch_budget() -> None:
+    functions = [fn("ns/b", batch_backlog=200, kv_bytes=4 * GiB, mem_gib=6)]
+    workers = [bound("w1", "g0", "ns/b", mem_gib=6, kv_bytes=4 * GiB, running=48)]
+    plan = decide(snap([gpu("g0")], functions, workers), CONFIG)
+    assert resizes(plan) == [("w1", 16, 12)]
+    assert "offline batch backlog of 200" in plan.of_type(ResizeKV)[0].detail
+    before = accounts(snap([gpu("g0")], functions, workers), CONFIG.gpu_utilization, CONFIG.driver_headroom)
+    assert plan.account["g0"].planned_free_bytes == before["g0"].free_bytes - 12 * GiB  # taken in this plan
+
+
+def test_no_grant_without_room_for_one_more_standby_after_it() -> None:
+    # 80 GiB x 0.92 = 73.6; backbone 13 and two 6 GiB workers leave 48.6 GiB; a 46 GiB grant would leave
+    # 2.6 GiB (one standby is 2 GiB: granted), a 48 GiB one 0.6 GiB (not)
+    functions = [fn("ns/b", batch_backlog=200, kv_bytes=4 * GiB, mem_gib=6), fn("ns/x", mem_gib=6)]
+    workers = [
+        bound("w1", "g0", "ns/b", mem_gib=6, kv_bytes=4 * GiB, running=8),
+        bound("w2", "g0", "ns/x", mem_gib=6, running=1),
+    ]
+    fits = decide(
+        snap([gpu("g0")], functions, workers), PolicyConfig(batch_kv_bytes=50 * GiB, warm_pool=False)
+    )
+    assert resizes(fits) == [("w1", 50, 46)]
+    tight = decide(
+        snap([gpu("g0")], functions, workers), PolicyConfig(batch_kv_bytes=52 * GiB, warm_pool=False)
+    )
+    assert resizes(tight) == []
+
+
+def test_online_demand_comes_first() -> None:
+    # a cold function's start takes the room first; what is left cannot hold the grant
+    functions = [
+        fn("ns/b", batch_backlog=200, kv_bytes=4 * GiB, mem_gib=6),
+        fn("ns/cold", mem_gib=30, queued=3),
+    ]
+    workers = [bound("w1", "g0", "ns/b", mem_gib=6, kv_bytes=4 * GiB, running=8)]
+    config = PolicyConfig(batch_kv_bytes=40 * GiB, warm_pool=False)
+    plan = decide(snap([gpu("g0")], functions, workers), config)
+    assert [a.function for a in plan.of_type(Start)] == ["ns/cold"]
+    assert resizes(plan) == []
+    alone = decide(snap([gpu("g0")], functions[:1], workers), config)
+    assert resizes(alone) == [("w1", 40, 36)]
+
+
+@pytest.mark.parametrize(
+    ("backlog", "running", "granted", "expected"),
+    [
+        (0, 0, True, [("w1", 4, -12)]),  # batch done, idle: back to the function's own budget
+        (0, 5, True, []),  # still running (the last wave, or online requests): later
+        (0, 0, False, []),  # never granted (e.g. a standby bound with a larger KV): left alone
+        (100, 0, True, []),  # a backlog left: keeps it
+    ],
+)
+def test_a_granted_worker_shrinks_back_once_the_batch_is_done(
+    backlog: int, running: int, granted: bool, expected: list
+) -> None:
+    functions = [fn("ns/b", batch_backlog=backlog, kv_bytes=4 * GiB, mem_gib=6)]
+    workers = [bound("w1", "g0", "ns/b", mem_gib=18, kv_bytes=16 * GiB, kv_grant=granted, running=running)]
+    assert resizes(decide(snap([gpu("g0")], functions, workers), CONFIG)) == expected
+
+
+def test_off_by_default_and_never_for_parked_workers() -> None:
+    functions = [fn("ns/b", batch_backlog=200, kv_bytes=4 * GiB, mem_gib=6)]
+    workers = [bound("w1", "g0", "ns/b", mem_gib=6, kv_bytes=4 * GiB, running=48)]
+    assert resizes(decide(snap([gpu("g0")], functions, workers), PolicyConfig(warm_pool=False))) == []
+    parked = [bound("w1", "g0", "ns/b", mem_gib=2, kv_bytes=4 * GiB, parked=True)]
+    assert resizes(decide(snap([gpu("g0")], functions, parked), CONFIG)) == []
+
+
+def test_the_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="batch_kv_bytes must be an integer >= 0, got -1"):
+        PolicyConfig(batch_kv_bytes=-1)
