@@ -161,7 +161,7 @@ class LocalPlatform:
                     park_idle=self.config.park_idle,
                     parked_keep_alive_s=self.config.parked_keep_alive_s,
                     park_after_s=self.config.park_after_s,
-                    batch_kv_bytes=self.config.batch_kv_mib << 20,
+                    batch_kv_bytes=self.config.batch_kv_bytes(self.device),
                     **self.pool_starts,
                     **burst_overrides(
                         self.config.cold_prior_rps,

@@ -30,3 +30,14 @@ def test_yaml_overrides_env_and_bad_values_name_the_field(
     path.write_text("heartbeat_ttl_s: 0\n")
     with pytest.raises(ValueError, match="heartbeat_ttl_s"):
         load_config(path)
+
+
+def test_batch_kv_is_lent_by_default_on_a_gpu_only() -> None:
+    """KV for offline batches (docs/batch.md#kv-from-idle-memory): 16 GiB by default on a GPU, none on CPU,
+    the setting wherever it is given (0: off)."""
+    from lorafn.local.config import LocalConfig
+
+    assert LocalConfig().batch_kv_bytes("cuda") == 16384 << 20
+    assert LocalConfig().batch_kv_bytes("cpu") == 0
+    assert LocalConfig(batch_kv_mib=8).batch_kv_bytes("cpu") == 8 << 20
+    assert LocalConfig(batch_kv_mib=0).batch_kv_bytes("cuda") == 0
