@@ -168,6 +168,10 @@ class Engine:
         """The usable blocks a KV budget of ``kv_bytes`` holds (one more is the scratch), as at start."""
         return max(0, int(kv_bytes) // self.kv_block_bytes - 1)
 
+    def kv_capacity_tokens(self) -> int:
+        """Token positions the KV cache holds (0 parked): what the worker bounds the requests it holds by."""
+        return 0 if self.runner.parked else self.scheduler.block_manager.capacity_tokens
+
     def resize_kv(self, kv_bytes: int) -> int:
         """Resize the KV cache to the budget ``kv_bytes`` while requests run (a grant of more KV for an
         offline batch, or its return): the blocks in use keep their contents and ids; a larger cache adds

@@ -62,6 +62,7 @@ from pydantic import Field
 from lorafn.api.settings import SharedSettings
 from lorafn.runtime.batching import Batching, BatchingConfig, gpu_model_name
 from lorafn.runtime.outputs import ParkRefused, StreamDelta
+from lorafn.runtime.read_cap import ExpectedTokens, held_cap
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.runtime.step_profile import StepProfiler
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, control, streams, workers
@@ -121,6 +122,11 @@ class ServingConfig:
     control_poll_ms: int = 100
     # a parked worker that sees its function's requests queued records demand at most this often
     park_demand_guard_ms: int = 2000
+    # hold no more requests than the KV cache is expected to serve at once (runtime.read_cap): the rest stay
+    # queued in the stream, where the controller sees them and other workers of the function can take them
+    kv_read_cap: bool = True
+    # the KV tokens a request is expected to hold before any of this worker's requests has finished
+    expected_tokens_prior: float = 256.0
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -250,6 +256,7 @@ class Worker:
         self._parked_keep_alive_s: float | None = None
         self._kv_grant: int | None = None  # a `kv_budget` command's bytes (None: the start's budget)
         self._kv_start_bytes = 0  # the KV cache's bytes before the first grant (what a park returns to)
+        self._expected_tokens = ExpectedTokens(config.expected_tokens_prior)  # runtime.read_cap
 
     # -- public ---------------------------------------------------------------------------------
     def drain(self, *_: Any) -> None:
@@ -652,6 +659,9 @@ class Worker:
 
     def _free_slots(self) -> int:
         limit = self.batching.max_running(self.config.max_running)  # the TPOT SLO's batch, if set
+        capacity = getattr(self.engine, "kv_capacity_tokens", None)
+        if self.config.kv_read_cap and callable(capacity):
+            limit = min(limit, held_cap(int(capacity()), self._expected_tokens.value))
         return 0 if self._draining or self.parked else max(0, limit - len(self.running))
 
     def _pending_ops(self) -> list[Op[Any]]:
@@ -817,6 +827,7 @@ class Worker:
                 self._counters["prompt_tokens"] = self._counters.get("prompt_tokens", 0) + delta.prompt_tokens
                 self._counters["completion_tokens"] = self._counters.get("completion_tokens", 0) + completion
                 self._done_out.append((run, delta.finish_reason or "stop", delta.prompt_tokens, completion))
+                self._expected_tokens.add(delta.prompt_tokens + completion)
                 del self.running[run.request_id]
                 self.served += 1
         self._read(block_ms=None)
@@ -1083,6 +1094,15 @@ class WorkerSettings(SharedSettings):
         default=200.0,
         gt=0,
         description="decode gating: the TPOT SLO that bounds a pause without spec.slo.tpotMs",
+    )
+    kv_read_cap: bool = Field(
+        default=True,
+        description="hold no more requests than the KV cache is expected to serve at once (KV tokens / the "
+        "moving average of a finished request's prompt + completion): the rest stay queued in the stream, "
+        "where the controller sees them and other workers of the function can read them (runtime.read_cap)",
+    )
+    expected_tokens_prior: float = Field(
+        default=256.0, gt=0, description="the KV tokens a request is expected to hold before one has finished"
     )
     gate_urgent_fraction: float = Field(
         default=0.5,
@@ -1363,6 +1383,8 @@ def serving_config(
             shape=fields.get("shape", ""),
         ),
         live_fields=lambda: placement_fields(settings, engine),
+        kv_read_cap=settings.kv_read_cap,
+        expected_tokens_prior=settings.expected_tokens_prior,
         request_log=settings.request_log,
         profile_steps=settings.profile_steps,
         profile_dir=settings.profile_dir,
