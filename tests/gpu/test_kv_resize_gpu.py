@@ -19,17 +19,11 @@ import pytest
 import torch
 
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
+from tests.gpu.test_park_gpu import MIB, PROMPTS, _free_bytes
 
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-PROMPTS = ["one two three four five six seven eight nine ten " * 6, "Hello", "The quick brown fox", "lorafn"]
-MIB = 1 << 20
-
-
-def _free_bytes() -> int:
-    torch.cuda.synchronize()
-    return int(torch.cuda.mem_get_info()[0])
 
 
 def _run(engine: Engine, grow_to: int | None = None) -> list[list[int]]:
