@@ -827,7 +827,7 @@ class Worker:
                 self._counters["prompt_tokens"] = self._counters.get("prompt_tokens", 0) + delta.prompt_tokens
                 self._counters["completion_tokens"] = self._counters.get("completion_tokens", 0) + completion
                 self._done_out.append((run, delta.finish_reason or "stop", delta.prompt_tokens, completion))
-                self._expected_tokens.add(delta.prompt_tokens + completion)
+                self._expected_tokens.add(delta.prompt_tokens, completion)
                 del self.running[run.request_id]
                 self.served += 1
         self._read(block_ms=None)
@@ -1098,11 +1098,12 @@ class WorkerSettings(SharedSettings):
     kv_read_cap: bool = Field(
         default=True,
         description="hold no more requests than the KV cache is expected to serve at once (KV tokens / the "
-        "moving average of a finished request's prompt + completion): the rest stay queued in the stream, "
-        "where the controller sees them and other workers of the function can read them (runtime.read_cap)",
+        "moving average of a finished request's prompt + half its completion): the rest stay queued in the "
+        "stream, where the controller sees them and other workers of the function can read them "
+        "(runtime.read_cap)",
     )
     expected_tokens_prior: float = Field(
-        default=256.0, gt=0, description="the KV tokens a request is expected to hold before one has finished"
+        default=256.0, gt=0, description="the KV tokens a request holds on average before one has finished"
     )
     gate_urgent_fraction: float = Field(
         default=0.5,

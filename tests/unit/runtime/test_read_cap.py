@@ -18,12 +18,12 @@ def test_held_cap(capacity: int, expected: float, cap: int) -> None:
 
 def test_expected_tokens_follow_finished_requests() -> None:
     e = ExpectedTokens(200.0, weight=0.1)
-    e.add(60)
+    e.add(40, 40)  # held 40 + 20 on average
     assert e.value == pytest.approx(186.0)
     for _ in range(100):
-        e.add(60)
+        e.add(40, 40)
     assert e.value == pytest.approx(60.0, abs=0.1)
-    e.add(0)  # nothing known: unchanged
+    e.add(0, 0)  # nothing known: unchanged
     assert e.value == pytest.approx(60.0, abs=0.1)
     with pytest.raises(ValueError, match="expected tokens must be > 0"):
         ExpectedTokens(0.0)
