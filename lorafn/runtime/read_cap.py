@@ -13,9 +13,9 @@ controller counts them and any worker of the function can read them.
 
 Why the average and not the final size: a first version divided by prompt + completion. On the H100's batch
 bench (7B, KV 4 GiB, 48 online requests in flight, docs/batch.md) it held ~23 requests where the cache serves
-~40 at once with preemption, and the online phase took 42.6 s instead of 34 s (1141 instead of ~1420
-tokens/s). The average holds ~46 there (the 48 the client sends), and about twice a small cache's runnable
-requests in the replay's case (8 on ~1000 tokens), still bounded.
+~36 at once on average (with preemption), and the online phase took 42.6 s instead of 34 s (1141 instead of
+~1420 tokens/s). The average holds ~36 there (8192 tokens / (~100 + 254 / 2)), and about twice a small
+cache's final-size count in the replay's case (8 on ~1000 tokens), still bounded.
 """
 
 from __future__ import annotations
