@@ -101,8 +101,9 @@ class PolicyConfig:
       the worker keeps it while parked (its function's again once unparked).
     - ``batch_kv_bytes``: the KV budget a bound worker of a function with an offline batch backlog grows to
       (`ResizeKV`, docs/batch.md#kv-from-idle-memory), out of GPU memory nothing else in the round wants:
-      granted after online demand, the warm pool and pre-loading, only where the GPU keeps room for one
-      more standby after it; given back when the backlog is gone and the worker idle (or when it parks).
+      granted after online demand, the warm pool and pre-loading, as much of it as leaves the GPU room for
+      one more standby (nothing when that is less than half the worker's own KV more); given back when the
+      backlog is gone and the worker idle (or when it parks).
       0 = off. A batch's decode batch is bounded by its worker's KV: this is what makes a batch faster
       than the same prompts sent as online requests to a worker of the function's own budget.
     """

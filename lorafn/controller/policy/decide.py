@@ -39,8 +39,9 @@ Order of work (each step sees the memory the previous ones granted or freed):
 4. **Warm pool** (planner.py) with the memory and the start slots left.
 5. **Pre-loading** (preload.py): which function's adapter each ready standby the plan keeps should hold.
 6. **KV for offline batches** (``PolicyConfig.batch_kv_bytes``, off by default): a bound worker of a function
-   with a batch backlog grows its KV cache to that budget (`ResizeKV`) out of what steps 1-5 left free,
-   keeping room for one more standby; once the backlog is gone and the worker idle, it shrinks back to its
+   with a batch backlog grows its KV cache towards that budget (`ResizeKV`) out of what steps 1-5 left free,
+   keeping room for one more standby (as much as there is, when at least half its own KV more); once the
+   backlog is gone and the worker idle, it shrinks back to its
    function's own budget.
 
 Parking (``PolicyConfig.park_idle``: off here, on by default in the services; offload.py's docstring): after
@@ -92,6 +93,8 @@ from lorafn.controller.policy.preload import plan_preload
 
 # demand urgency (step 3) -> why an offload for it needs room
 _CAUSES: tuple[OffloadCause, ...] = ("cold_start", "min_replicas", "scale_up")
+
+MIB = 1 << 20
 
 
 def _live(w: Worker) -> bool:
@@ -741,8 +744,9 @@ class _Round:
     # -- step 6 ------------------------------------------------------------------------------
     def batch_kv(self) -> None:
         """More KV for the workers of functions with an offline batch backlog, out of what the round left
-        free (`PolicyConfig.batch_kv_bytes`), keeping room for one more standby; the function's own budget
-        back for granted workers once the backlog is gone and they are idle."""
+        free (`PolicyConfig.batch_kv_bytes`: up to that budget, keeping room for one more standby, at least
+        half the worker's own KV more); the function's own budget back for granted workers once the backlog
+        is gone and they are idle."""
         target = self.config.batch_kv_bytes
         if target <= 0:
             return
@@ -755,16 +759,19 @@ class _Round:
             ):  # fmt: skip
                 continue
             if fn.batch_backlog > 0 and w.kv_bytes < target:
-                delta = target - w.kv_bytes
-                if self.ledger.free[w.gpu] - delta < reserve:
+                # up to the budget, as much as leaves room for one more standby (whole MiB); less than half
+                # the worker's own KV more is not worth its decode graphs' re-capture
+                room = (self.ledger.free[w.gpu] - reserve) // MIB * MIB
+                delta = min(target - w.kv_bytes, room)
+                if delta < max(MIB, w.kv_bytes // 2):
                     continue
                 self.ledger.take(w.gpu, delta)
                 self.protected.add(w.id)
                 self.actions.append(
                     ResizeKV(
-                        w.id, fn.name, w.gpu, target, delta,
+                        w.id, fn.name, w.gpu, w.kv_bytes + delta, delta,
                         f"offline batch backlog of {fn.batch_backlog}: "
-                        f"KV {_mib(w.kv_bytes)} -> {_mib(target)}",
+                        f"KV {_mib(w.kv_bytes)} -> {_mib(w.kv_bytes + delta)}",
                     )
                 )  # fmt: skip
             elif fn.batch_backlog == 0 and w.kv_grant and w.running == 0 and 0 < fn.kv_bytes < w.kv_bytes:
@@ -838,4 +845,4 @@ def fast_unparks(
 
 
 def _mib(size: int) -> str:
-    return f"{size / 2**20:.0f} MiB"
+    return f"{size / MIB:.0f} MiB"

@@ -1,7 +1,7 @@
 """More KV for offline batches (`PolicyConfig.batch_kv_bytes`, docs/batch.md#kv-from-idle-memory): a bound
 worker of a function with a batch backlog grows its KV cache out of GPU memory nothing else in the round
-wants, keeping room for one more standby; a GPU without that room grants nothing; the grant comes after
-online demand; a granted worker shrinks back to its function's budget once the backlog is gone and it is
+wants, as much as keeps room for one more standby (up to the budget); less than half the worker's own KV
+more is not granted; the grant comes after online demand and gets what it left; a granted worker shrinks back to its function's budget once the backlog is gone and it is
 idle (not while it runs, not when it was never granted); off by default."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from lorafn.controller.policy import PolicyConfig, ResizeKV, Start, decide
 from lorafn.controller.policy.account import accounts
 
 from .helpers import GiB, bound, fn, gpu, snap
+
+MiB = 1 << 20
 
 CONFIG = PolicyConfig(batch_kv_bytes=16 * GiB, warm_pool=False)
 
@@ -30,26 +32,43 @@ def test_a_worker_with_a_batch_backlog_grows_to_the_batch_budget() -> None:
     assert plan.account["g0"].planned_free_bytes == before["g0"].free_bytes - 12 * GiB  # taken in this plan
 
 
-def test_no_grant_without_room_for_one_more_standby_after_it() -> None:
-    # 80 GiB x 0.92 = 73.6; backbone 13 and two 6 GiB workers leave 48.6 GiB; a 46 GiB grant would leave
-    # 2.6 GiB (one standby is 2 GiB: granted), a 48 GiB one 0.6 GiB (not)
+def test_the_grant_leaves_room_for_one_more_standby() -> None:
+    # 80 GiB x 0.92 = 73.6; backbone 13 and two 6 GiB workers leave 48.6 GiB: a 46 GiB grant leaves 2.6 GiB
+    # (one standby is 2 GiB: all of it granted); a 52 GiB budget gets what leaves 2 GiB (whole MiB)
     functions = [fn("ns/b", batch_backlog=200, kv_bytes=4 * GiB, mem_gib=6), fn("ns/x", mem_gib=6)]
     workers = [
         bound("w1", "g0", "ns/b", mem_gib=6, kv_bytes=4 * GiB, running=8),
         bound("w2", "g0", "ns/x", mem_gib=6, running=1),
     ]
-    fits = decide(
-        snap([gpu("g0")], functions, workers), PolicyConfig(batch_kv_bytes=50 * GiB, warm_pool=False)
-    )
-    assert resizes(fits) == [("w1", 50, 46)]
+    config = PolicyConfig(batch_kv_bytes=50 * GiB, warm_pool=False)
+    assert resizes(decide(snap([gpu("g0")], functions, workers), config)) == [("w1", 50, 46)]
     tight = decide(
         snap([gpu("g0")], functions, workers), PolicyConfig(batch_kv_bytes=52 * GiB, warm_pool=False)
     )
-    assert resizes(tight) == []
+    (grant,) = tight.of_type(ResizeKV)
+    free = accounts(snap([gpu("g0")], functions, workers), 0.92, 0.03)["g0"].free_bytes
+    assert (
+        grant.delta_bytes == (free - 2 * GiB) // MiB * MiB and grant.kv_bytes == 4 * GiB + grant.delta_bytes
+    )
+    assert 2 * GiB <= tight.account["g0"].planned_free_bytes < 2 * GiB + MiB
+
+
+def test_no_grant_of_less_than_half_the_workers_own_kv() -> None:
+    # 32 GiB of KV: a grant must add 16 GiB at least. 60 GiB GPU: 55.2 - 13 - 34 - 6 = 2.2 GiB free, room 0.2
+    functions = [fn("ns/b", batch_backlog=200, kv_bytes=32 * GiB, mem_gib=34), fn("ns/x", mem_gib=6)]
+    workers = [
+        bound("w1", "g0", "ns/b", mem_gib=34, kv_bytes=32 * GiB, running=8),
+        bound("w2", "g0", "ns/x", mem_gib=6, running=1),
+    ]
+    config = PolicyConfig(batch_kv_bytes=64 * GiB, warm_pool=False)
+    assert resizes(decide(snap([gpu("g0", total_gib=60)], functions, workers), config)) == []
+    # 90 GiB: 82.8 - 53 = 29.8 free, room 27.8 GiB >= 16: granted (27 whole GiB and some MiB)
+    (grant,) = decide(snap([gpu("g0", total_gib=90)], functions, workers), config).of_type(ResizeKV)
+    assert 27 * GiB < grant.delta_bytes < 28 * GiB
 
 
 def test_online_demand_comes_first() -> None:
-    # a cold function's start takes the room first; what is left cannot hold the grant
+    # a cold function's start takes its room first; the grant gets what is left
     functions = [
         fn("ns/b", batch_backlog=200, kv_bytes=4 * GiB, mem_gib=6),
         fn("ns/cold", mem_gib=30, queued=3),
@@ -58,7 +77,8 @@ def test_online_demand_comes_first() -> None:
     config = PolicyConfig(batch_kv_bytes=40 * GiB, warm_pool=False)
     plan = decide(snap([gpu("g0")], functions, workers), config)
     assert [a.function for a in plan.of_type(Start)] == ["ns/cold"]
-    assert resizes(plan) == []
+    (grant,) = plan.of_type(ResizeKV)
+    assert grant.delta_bytes < 24 * GiB  # 73.6 - 13 - 6 - 30 - 2 = 22.6 GiB
     alone = decide(snap([gpu("g0")], functions[:1], workers), config)
     assert resizes(alone) == [("w1", 40, 36)]
 
