@@ -1,8 +1,9 @@
 """More KV for offline batches (`PolicyConfig.batch_kv_bytes`, docs/batch.md#kv-from-idle-memory): a bound
 worker of a function with a batch backlog grows its KV cache out of GPU memory nothing else in the round
 wants, as much as keeps room for one more standby (up to the budget); less than half the worker's own KV
-more is not granted; the grant comes after online demand and gets what it left; a granted worker shrinks back to its function's budget once the backlog is gone and it is
-idle (not while it runs, not when it was never granted); off by default."""
+more is not granted; the grant comes after online demand and gets what it left; a granted worker shrinks
+back to its function's budget once the backlog is gone and it is idle (not while it runs, not when it was
+never granted); off by default."""
 
 from __future__ import annotations
 
