@@ -200,8 +200,8 @@ class Controller:
         # in between count them as done (its memory freed / taken back), and send neither again
         self._parks: dict[str, _PendingPark] = {}
         self._unparks: dict[str, _PendingPark] = {}
-        self._resizes: dict[str, ResizeKV] = {}  # KV budgets sent, not yet in the worker's heartbeat
-        self._resize_sent: dict[str, float] = {}
+        # KV budgets sent, not yet in the worker's heartbeat: the action and when it was sent
+        self._resizes: dict[str, tuple[ResizeKV, float]] = {}
         self._park_held: dict[str, float] = {}  # worker -> until when no park is planned for it (monotonic)
         self._deferred_since: dict[str, float] = {}  # GPU -> since when its refill waits
         self.last_plan: Plan | None = None
@@ -443,9 +443,9 @@ class Controller:
             for wid, parking in list(pending_parks.items()):
                 if now - parking.sent_at > self.config.bind_timeout_s:  # never seen: its heartbeat decides
                     del pending_parks[wid]
-        for wid, sent_at in list(self._resize_sent.items()):
+        for wid, (_, sent_at) in list(self._resizes.items()):
             if now - sent_at > self.config.bind_timeout_s:  # refused or lost: its heartbeat decides
-                del self._resize_sent[wid], self._resizes[wid]
+                del self._resizes[wid]
         if not (
             self._binds
             or self._preloads
@@ -526,11 +526,12 @@ class Controller:
         """``w`` as a KV budget sent to it will leave it (its heartbeat may not show it yet): a grant is
         charged at once (the next round must not give that memory away again); a return is counted free only
         once the worker reports it (its memory is held until the cache is resized)."""
-        resize = self._resizes.get(w.id)
-        if resize is None:
+        pending = self._resizes.get(w.id)
+        if pending is None:
             return w
+        resize = pending[0]
         if w.kv_bytes == resize.kv_bytes or w.state != "bound" or w.parked:
-            del self._resizes[w.id], self._resize_sent[w.id]  # its heartbeat says so (or it moved on)
+            del self._resizes[w.id]  # its heartbeat says so (or it moved on)
             return w
         if resize.delta_bytes > 0:
             return dataclasses.replace(
@@ -542,8 +543,7 @@ class Controller:
         """A ResizeKV: the `kv_budget` command; the worker resizes between steps and answers `kv_resized`
         (or `kv_resize_refused`, e.g. a block in use above a smaller size: the next round asks again)."""
         self.store.run(workers.send_control(self.keys, action.worker_id, "kv_budget", bytes=action.kv_bytes))
-        self._resizes[action.worker_id] = action
-        self._resize_sent[action.worker_id] = time.monotonic()
+        self._resizes[action.worker_id] = (action, time.monotonic())
         self.metrics.kv_resizes.labels("grow" if action.delta_bytes > 0 else "shrink").inc()
         log.info("controller: KV budget of %s (%s on %s): %s", action.worker_id, action.function, action.gpu,
                  action.detail)  # fmt: skip

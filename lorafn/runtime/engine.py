@@ -35,7 +35,7 @@ from lorafn.api.tokenizer import TextTokenizer
 from lorafn.runtime.block_manager import blocks_for_tokens
 from lorafn.runtime.config import EngineConfig, ModelConfig
 from lorafn.runtime.detokenizer import IncrementalOutput
-from lorafn.runtime.kv_cache import block_bytes
+from lorafn.runtime.kv_cache import block_bytes, blocks_for_budget
 from lorafn.runtime.kv_offload import OffloadPolicy
 from lorafn.runtime.model_runner import ModelRunner, resolve_dtype
 from lorafn.runtime.outputs import ParkRefused, RequestOutput, StreamDelta
@@ -166,7 +166,7 @@ class Engine:
 
     def kv_blocks_for(self, kv_bytes: int) -> int:
         """The usable blocks a KV budget of ``kv_bytes`` holds (one more is the scratch), as at start."""
-        return max(0, int(kv_bytes) // self.kv_block_bytes - 1)
+        return max(0, blocks_for_budget(kv_bytes, self.kv_block_bytes) - 1)
 
     def kv_capacity_tokens(self) -> int:
         """Token positions the KV cache holds (0 parked): what the worker bounds the requests it holds by."""

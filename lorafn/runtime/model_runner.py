@@ -382,14 +382,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         cfg = self.config
         self.kv_cache = KVCache(self.model_config, self.num_blocks, cfg.block_size, self.device, self.dtype)
-        if self._graphs_on_unpark:  # the same buckets and block-table width as before, none captured yet
-            self.graphs = DecodeGraphRunner(
-                self.model, self.kv_cache, self._buckets(), self.max_blocks_per_seq
-            )
+        if self._graphs_on_unpark:
+            self.graphs = self._pending_graphs()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.unpark_s = time.perf_counter() - t0
         return self.kv_cache.nbytes
+
+    def _pending_graphs(self) -> DecodeGraphRunner:
+        """Decode graphs over the current KV cache, none captured yet (captured on need and in idle time, as
+        after a `lazy_graphs` start): the buckets a cache of this size allows, the same block-table width."""
+        return DecodeGraphRunner(self.model, self.kv_cache, self._buckets(), self.max_blocks_per_seq)
 
     def park_release_bytes(self) -> int:
         """What parking frees now, or (parked) what unparking takes back: the bytes the last park released
@@ -437,9 +440,8 @@ class ModelRunner:
             self.graphs = None
         self.kv_cache = self.kv_cache.resized(num_blocks)
         self.num_blocks = num_blocks
-        if had_graphs:  # the buckets a cache of this size allows; the same block-table width
-            width = self.max_blocks_per_seq
-            self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self._buckets(), width)
+        if had_graphs:
+            self.graphs = self._pending_graphs()
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the old cache and the graphs' pool go back to the driver
