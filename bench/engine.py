@@ -33,7 +33,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
-from lorafn.runtime.config import DEFAULT_LORA_EXPAND, LORA_EXPANDS, ModelConfig, expand_modes
+from lorafn.runtime.config import (
+    DEFAULT_LORA_EXPAND,
+    DEFAULT_SKINNY_GEMM_ROWS,
+    LORA_EXPANDS,
+    SKINNY_GEMM_MAX_ROWS,
+    ModelConfig,
+    expand_modes,
+)
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import write_random_adapter
 
@@ -62,7 +69,7 @@ class ResidentSource:
         return iter(self.tensors)
 
 
-LARGE_STEP_ROWS = 16  # fused_decode.MAX_TOKENS: steps of more rows take the cuBLAS path (lora_expand)
+LARGE_STEP_ROWS = 16  # fused_decode.MAX_TOKENS: steps of more rows add their expands as lora_expand says
 
 
 def sync(device: torch.device) -> None:
@@ -225,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         "''): names of EngineConfig.lora_expand, e.g. grouped, in_kernels, hybrid, per_projection/grouped",
     )
     ap.add_argument(
+        "--skinny-rows",
+        default=str(SKINNY_GEMM_MAX_ROWS),
+        help=f"EngineConfig.skinny_gemm_rows values measured beside the default {DEFAULT_SKINNY_GEMM_ROWS} "
+        "(comma-separated, or ''): base and every LoRA mode again at the batches above 16, where they differ",
+    )
+    ap.add_argument(
         "--profile-prefill",
         action="store_true",
         help="CUDA: a kernel table of one prefill per engine (torch.profiler, as bench/decode_profile.py)",
@@ -282,13 +295,28 @@ def main(argv: list[str] | None = None) -> int:
             expand_modes(mode)
         except ValueError as err:
             ap.error(f"--expand-modes: {err}")
+    skinny = [int(r) for r in args.skinny_rows.split(",") if r and int(r) != DEFAULT_SKINNY_GEMM_ROWS]
+    if any(not 1 <= r <= SKINNY_GEMM_MAX_ROWS for r in skinny):
+        ap.error(f"--skinny-rows: each in [1, {SKINNY_GEMM_MAX_ROWS}], got {args.skinny_rows}")
     figures["lora_expand"] = DEFAULT_LORA_EXPAND
     figures["expand_modes"] = modes
+    figures["skinny_gemm_rows"] = DEFAULT_SKINNY_GEMM_ROWS
+    figures["skinny_variants"] = skinny
     bandwidth = copy_bandwidth(device)
-    # (figures key, adapter, lora_expand, batches): the default mode in full, the others where they differ
-    runs = [("base", None, DEFAULT_LORA_EXPAND, batches), ("lora", adapter, DEFAULT_LORA_EXPAND, batches)]
-    runs += [(f"lora_{m}", adapter, m, [b for b in batches if b > LARGE_STEP_ROWS]) for m in modes]
-    for name, adapter_dir, mode, run_batches in runs:
+    large = [b for b in batches if b > LARGE_STEP_ROWS]
+    # (figures key, adapter, lora_expand, batches, skinny_gemm_rows): the defaults in full, the others where
+    # they differ
+    d_rows = DEFAULT_SKINNY_GEMM_ROWS
+    runs = [
+        ("base", None, DEFAULT_LORA_EXPAND, batches, d_rows),
+        ("lora", adapter, DEFAULT_LORA_EXPAND, batches, d_rows),
+    ]
+    runs += [(f"lora_{m}", adapter, m, large, d_rows) for m in modes]
+    for rows in skinny if device.type == "cuda" and large else []:
+        runs += [(f"base_s{rows}", None, DEFAULT_LORA_EXPAND, large, rows)]
+        runs += [(f"lora_s{rows}", adapter, DEFAULT_LORA_EXPAND, large, rows)]
+        runs += [(f"lora_{m}_s{rows}", adapter, m, large, rows) for m in modes]
+    for name, adapter_dir, mode, run_batches, rows in runs:
         t0 = time.perf_counter()
         engine = Engine(
             EngineConfig(
@@ -303,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_kv_blocks=blocks,
                 block_size=block_size,
                 lora_expand=mode,
+                skinny_gemm_rows=rows,
             )
         )
         figures[f"{name}_engine_start_s"] = time.perf_counter() - t0
@@ -327,10 +356,31 @@ def main(argv: list[str] | None = None) -> int:
     figures["hbm_floor_tpot_s"] = floor
 
     print_table(figures, batches, tiny)
+    print_skinny(figures, large)
     print_prefill_kernels(figures, [name for name, *_rest in runs])
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
     return 0
+
+
+def print_skinny(f: dict, large: list[int]) -> None:
+    """TPOT at the batches above 16 with each skinny_gemm_rows variant beside the default's."""
+    if not f["skinny_variants"] or not large:
+        return
+    ms = 1e3
+    modes = [DEFAULT_LORA_EXPAND, *f["expand_modes"]]
+    print(f"\nskinny_gemm_rows (default {f['skinny_gemm_rows']}): TPOT ms at batches above 16; LoRA overhead")
+    print("over the base of the same rows, and over the default base (the issue's figure) in brackets")
+    for b in large:
+        for rows in [f["skinny_gemm_rows"], *f["skinny_variants"]]:
+            suffix = "" if rows == f["skinny_gemm_rows"] else f"_s{rows}"
+            base = f[f"base{suffix}"]["tpot_s"][b]
+            line = f"  batch {b:>3} rows {rows:>2}: base {base * ms:6.2f}"
+            for m in modes:
+                r = f["lora" + suffix if m == DEFAULT_LORA_EXPAND else f"lora_{m}{suffix}"]["tpot_s"][b]
+                ref = f["base"]["tpot_s"][b]
+                line += f" | {m} {r * ms:6.2f} {100 * (r / base - 1):+5.1f}% ({100 * (r / ref - 1):+5.1f}%)"
+            print(line)
 
 
 def print_table(f: dict, batches: list[int], tiny: bool) -> None:

@@ -32,6 +32,12 @@ LORA_EXPAND_ALIASES = {"hybrid": ("per_projection", "in_kernels")}
 # hybrid, test_engine_gpu.py's mode tests); grouped is faster still but its bf16 all-linear fused forward is
 # further from float32 than the unfused one (test_fused_decode_gpu.py, xfail).
 DEFAULT_LORA_EXPAND = "hybrid"
+# Steps of at most this many rows run their GEMMs as fused_decode's segmented skinny GEMM (one launch per
+# projection group, the LoRA shrink as extra output rows) instead of cuBLAS (EngineConfig.skinny_gemm_rows).
+# H100, llama-2-7b groups (bench/gemv_probe.py --rows 16,32,64): the segmented GEMM took 0.77-0.92 of the time
+# cuBLAS took for the same group (its projections + the shrink) at 32 and 64 rows, 0.65-0.90 at 16.
+SKINNY_GEMM_MAX_ROWS = 64
+DEFAULT_SKINNY_GEMM_ROWS = 16
 
 
 def expand_modes(lora_expand: str) -> tuple[str, str]:
@@ -103,6 +109,11 @@ class EngineConfig:
     # step of at most 16 rows runs one skinny-GEMM launch per projection group with the LoRA shrink in it);
     # False keeps the cuBLAS + addmm path everywhere (the benchmarks' baseline)
     fused_decode: bool = True
+    # CUDA, fused path: steps of at most this many rows (decode batches, short prefill chunks) run each
+    # projection group as one segmented skinny-GEMM launch with the group's LoRA shrink in it; larger steps
+    # through cuBLAS + one shrink GEMM per group. 1..SKINNY_GEMM_MAX_ROWS; the per-row elementwise kernels
+    # (expands inside them) stay at 16 rows whatever this is (lora_expand decides above that).
+    skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS
     # CUDA, steps above 16 rows (prefill, decode batches > 16): how the LoRA expands y += t·Bᵀ are added
     # to the cuBLAS outputs. "grouped": on the tensor cores, per projection group: on the fused path inside
     # the kernel that reads the group's output anyway (RoPE + cache writes, SiLU·up, add + RMSNorm; no
@@ -136,6 +147,10 @@ class EngineConfig:
         if self.lora_shape is not None and self.adapter is not None:
             raise ValueError("lora_shape: only for an engine without an adapter (a standby); got both")
         expand_modes(self.lora_expand)  # ValueError naming the field
+        if not 1 <= self.skinny_gemm_rows <= SKINNY_GEMM_MAX_ROWS:
+            raise ValueError(
+                f"skinny_gemm_rows: must be in [1, {SKINNY_GEMM_MAX_ROWS}], got {self.skinny_gemm_rows}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):

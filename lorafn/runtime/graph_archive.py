@@ -60,6 +60,7 @@ KEY_FIELDS: tuple[str, ...] = (
     "adapter_shape",  # LoRAWeights.shape_key or None
     "fused_decode",
     "lora_expand",
+    "skinny_gemm_rows",
     "buckets",
     "max_blocks_per_seq",
     "block_size",

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from lorafn.runtime.arena import Arena, tensor_at
+from lorafn.runtime.config import DEFAULT_SKINNY_GEMM_ROWS
 from lorafn.runtime.graph_archive import (
     ATTR_VALUE_BYTES,
     FORMAT_VERSION,
@@ -134,6 +135,7 @@ class DecodeStateSpec:
     max_model_len: int = 1024
     fused_decode: bool = True
     lora_expand: str = "per_projection"
+    skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS
     # the backbone server's socket: weights are its read-only mapping W at its fixed address (the worker's
     # real set-up); None: weights loaded from model_dir into the arena's state pool
     backbone_socket: str | None = None
@@ -196,6 +198,7 @@ def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
                 use_triton_attention=True,
                 fused_decode=spec.fused_decode,
                 lora_expand=spec.lora_expand,
+                skinny_gemm_rows=spec.skinny_gemm_rows,
             )
             kv = KVCache(mc, spec.num_kv_blocks, spec.block_size, device, dtype)
             runner = DecodeGraphRunner(
@@ -227,6 +230,7 @@ def state_key(state: DecodeState, arena: Arena) -> dict[str, Any]:
         adapter_shape=state.lora.shape_key if state.lora is not None else None,
         fused_decode=spec.fused_decode,
         lora_expand=spec.lora_expand,
+        skinny_gemm_rows=spec.skinny_gemm_rows,
         buckets=state.runner.buckets,
         max_blocks_per_seq=state.runner.max_blocks,
         block_size=spec.block_size,
@@ -247,6 +251,7 @@ def current_key(
     fused_decode: bool,
     lora_expand: str,
     buckets: Sequence[int],
+    skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS,
     max_blocks_per_seq: int,
     block_size: int,
     num_kv_blocks: int,
@@ -273,6 +278,7 @@ def current_key(
         "adapter_shape": adapter_shape,
         "fused_decode": bool(fused_decode),
         "lora_expand": lora_expand,
+        "skinny_gemm_rows": int(skinny_gemm_rows),
         "buckets": sorted(int(b) for b in buckets),
         "max_blocks_per_seq": int(max_blocks_per_seq),
         "block_size": int(block_size),

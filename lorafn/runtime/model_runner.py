@@ -157,6 +157,7 @@ class ModelRunner:
                     use_triton_attention=use_triton,
                     fused_decode=use_triton and config.fused_decode,
                     lora_expand=config.lora_expand,
+                    skinny_gemm_rows=config.skinny_gemm_rows,
                 )
             clock.lap("backbone")  # the weight views (the shared backbone mapped, or loaded)
             self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
@@ -204,6 +205,7 @@ class ModelRunner:
                 adapter_shape=self.lora.shape_key if self.lora is not None else None,
                 fused_decode=use_triton and cfg.fused_decode,
                 lora_expand=cfg.lora_expand,
+                skinny_gemm_rows=cfg.skinny_gemm_rows,
                 buckets=self.graphs.buckets,
                 max_blocks_per_seq=max_blocks,
                 block_size=cfg.block_size,

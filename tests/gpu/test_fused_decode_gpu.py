@@ -33,7 +33,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 20, 32, 48, 64])
 def test_seg_linear_matches_linear(dtype, tol, rows) -> None:
     from lorafn.runtime.models import fused_decode as fd
 
@@ -136,13 +136,14 @@ def _run(
     dtype: torch.dtype,
     fused: bool,
     mode: str = "per_projection",
+    skinny: int = 16,
 ):
     """(logits of every step, the KV cache after them) of one model variant, all in float32."""
     dev = torch.device("cuda")
     lora = load_lora(adapter, cfg, dev, dtype) if adapter else None
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), dev, dtype, lora, max_position=512,
-        use_triton_attention=True, fused_decode=fused, lora_expand=mode,
+        use_triton_attention=True, fused_decode=fused, lora_expand=mode, skinny_gemm_rows=skinny,
     )  # fmt: skip
     assert (model.fused is not None) == fused
     kv = KVCache(cfg, 32, 16, dev, dtype)
@@ -167,14 +168,16 @@ def _run(
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("adapter", [None, "all-linear", "some"])
-def test_fused_forward_matches_unfused(tiny_setup, dtype, adapter, mode) -> None:
+@pytest.mark.parametrize("skinny", [16, 64])
+def test_fused_forward_matches_unfused(tiny_setup, dtype, adapter, mode, skinny) -> None:
     """float32: fused = unfused within 1e-4 (accumulation order only; 1.2e-5 seen on an H100).
     bf16: both are compared with the float32 forward, and the
     fused one may not be further from it than the unfused one (the roundings differ only in order).
-    Each `lora_expand` mode: the unfused forward adds its expands per projection (grouped: lora_expand)."""
+    Each `lora_expand` mode: the unfused forward adds its expands per projection (grouped: lora_expand).
+    skinny 64: every step here (up to 40 rows) runs its GEMMs in the segmented skinny GEMM."""
     model_dir, cfg, adapters = tiny_setup
     path = adapters[adapter] if adapter else None
-    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True, mode)
+    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True, mode, skinny)
     plain_logits, plain_kv = _run(model_dir, cfg, path, dtype, False, mode)
     if dtype == torch.float32:
         for i, (a, b) in enumerate(zip(fused_logits, plain_logits, strict=True)):

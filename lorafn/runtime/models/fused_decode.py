@@ -8,6 +8,9 @@ base's 6.66 ms replay, ~3 µs each whatever their size. Here a step of at most `
 - `seg_linear`: one skinny GEMM launch over several weight matrices that read the same input, e.g.
   [A_qkv, W_q, W_k, W_v]: the LoRA shrink t = x·A_catᵀ is just more output rows of the same launch
   (its programs first, they read the most per program). Tiles are read once at full width; no split-K.
+  It also serves steps of up to `MAX_GEMM_ROWS` rows (EngineConfig.skinny_gemm_rows: decode batches of
+  32-64), where it read the 7B's groups faster than cuBLAS (bench/gemv_probe.py --rows); the per-row
+  kernels below stay at `MAX_TOKENS` rows.
 - `rope_lora_kv`: the q/k/v expands (y += t·Bᵀ), RoPE on q and k, and the K/V cache writes, in one
   launch (replaces 3 expands, 2 RoPE kernels and 2 index_copy kernels).
 - `silu_mul_lora`: the gate/up expands fused into SiLU·up.
@@ -28,7 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_TOKENS = 16  # the skinny GEMM's tile height: rows of one step it handles
+from lorafn.runtime.config import SKINNY_GEMM_MAX_ROWS
+
+MAX_TOKENS = 16  # rows of a step whose LoRA expands the per-row kernels below add (a decode step)
+MAX_GEMM_ROWS = SKINNY_GEMM_MAX_ROWS  # rows `seg_linear` takes (its tile height: 16, 32 or 64)
 BLOCK_N = 32  # output rows (features) per program
 MAX_SEGMENTS = 4
 
@@ -113,15 +119,31 @@ def _seg_gemm_kernel(
     )
 
 
+def seg_config(m: int, k: int) -> tuple[int, int, int] | None:
+    """(BLOCK_M, BLOCK_K, num_stages) of `seg_linear` for M rows of width K (None: no reduction tile divides
+    K). The fastest of bench/gemv_probe.py --rows on the H100 for the 7B's groups, within ~1 µs per group:
+    tiles of 16 or 32 rows read 256 columns (the largest tile dividing K) in 4 stages; of 64 rows, 128
+    columns in 3 stages where the input is 4096 wide (q/k/v, o, gate/up, head), 256 in 4 for down_proj's
+    11008."""
+    bk = block_k(k)
+    if bk is None:
+        return None
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    if block_m == 64 and k <= 4096:
+        return block_m, min(bk, 128), 3
+    return block_m, bk, 4
+
+
 def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[x·W_iᵀ for each W_i] in one launch; x [M, K] (rows may be strided, M <= MAX_TOKENS), each W_i
+    """[x·W_iᵀ for each W_i] in one launch; x [M, K] (rows may be strided, M <= MAX_GEMM_ROWS), each W_i
     [N_i, K] contiguous. Returns contiguous [M, N_i] tensors."""
     m, k = x.shape
     if not 1 <= len(weights) <= MAX_SEGMENTS:
         raise ValueError(f"seg_linear: 1..{MAX_SEGMENTS} weights, got {len(weights)}")
-    bk = block_k(k)
-    if m > MAX_TOKENS or bk is None or x.stride(1) != 1:
+    config = seg_config(m, k)
+    if m > MAX_GEMM_ROWS or config is None or x.stride(1) != 1:
         raise ValueError(f"seg_linear: x {tuple(x.shape)} stride {x.stride()} is not a supported shape")
+    block_m, bk, stages = config
     outs = [torch.empty(m, w.shape[0], device=x.device, dtype=x.dtype) for w in weights]
     ws = list(weights) + [weights[0]] * (MAX_SEGMENTS - len(weights))
     ys = outs + [outs[0]] * (MAX_SEGMENTS - len(outs))
@@ -135,12 +157,12 @@ def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tenso
         m,
         k,
         x.stride(0),
-        BLOCK_M=MAX_TOKENS,
+        BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         BLOCK_K=bk,
         PRECISION=DOT_PRECISION[x.dtype],
         num_warps=4,
-        num_stages=4,
+        num_stages=stages,
     )
     return outs
 

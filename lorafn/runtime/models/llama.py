@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafn.runtime.attention import paged_decode_attention, prefill_attention, write_kv
-from lorafn.runtime.config import DEFAULT_LORA_EXPAND, ModelConfig, expand_modes
+from lorafn.runtime.config import DEFAULT_LORA_EXPAND, DEFAULT_SKINNY_GEMM_ROWS, ModelConfig, expand_modes
 from lorafn.runtime.lora import LoRAGroup, LoRAWeights
 from lorafn.runtime.weights import WeightSource
 
@@ -129,9 +129,11 @@ class LlamaModel:
         use_triton_attention: bool = False,
         fused_decode: bool = False,
         lora_expand: str = DEFAULT_LORA_EXPAND,
+        skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS,
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
         self.lora_expand = lora_expand  # EngineConfig.lora_expand
+        self.skinny_gemm_rows = skinny_gemm_rows  # EngineConfig.skinny_gemm_rows
         # the mode of a step with a prefill chunk, of a step of decodes only (config.expand_modes)
         self.prefill_expand, self.decode_expand = expand_modes(lora_expand)
         self.use_triton_attention = use_triton_attention
@@ -301,15 +303,15 @@ class LlamaModel:
         """`forward` in the fused kernels of models/fused_decode.py (same math, same roundings). Per layer:
         norm, q/k/v GEMMs + the group's LoRA shrink, RoPE + q/k/v expands + cache writes, attention, o GEMM +
         shrink, add + o expand + norm, gate/up GEMMs + shrink, SiLU·up + expands, down GEMM + shrink (its
-        expand joins the next layer's add + norm). A step of at most fused_decode.MAX_TOKENS rows (decode)
-        runs each GEMM group as one skinny-GEMM launch; a larger one (prefill, decode batches > 16) through
-        cuBLAS, and adds its expands as its `mode` (`expand_mode`, a LORA_EXPANDS name) says: grouped, on
-        the tensor cores over tiles of rows inside the kernel that reads the projection's output anyway
-        (q/k/v: RoPE + cache writes; gate/up: SiLU·up; o, down: add + RMSNorm from TILED_NORM_MIN_ROWS rows,
-        else one lora_expand launch each; triton_ops), so LoRA costs the 4 shrink GEMMs per layer and at
-        most 2 launches more; per_projection, one addmm_ per projection; or in_kernels, in the fused
-        kernels as a small step does (no launch either, but each of the kernel's programs is one row and
-        reads its rank rows of B again, rows x B bytes)."""
+        expand joins the next layer's add + norm). A step of at most `skinny_gemm_rows` rows runs each GEMM
+        group as one skinny-GEMM launch (its shrink inside), a larger one through cuBLAS; a step above
+        fused_decode.MAX_TOKENS rows (prefill, decode batches > 16) adds its expands as its `mode`
+        (`expand_mode`, a LORA_EXPANDS name) says: grouped, on the tensor cores over tiles of rows inside
+        the kernel that reads the projection's output anyway (q/k/v: RoPE + cache writes; gate/up: SiLU·up;
+        o, down: add + RMSNorm from TILED_NORM_MIN_ROWS rows, else one lora_expand launch each; triton_ops),
+        so LoRA costs the 4 shrink GEMMs per layer and at most 2 launches more; per_projection, one addmm_
+        per projection; or in_kernels, in the fused kernels as a small step does (no launch either, but each
+        of the kernel's programs is one row and reads its rank rows of B again, rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
         h = F.embedding(batch.input_ids, self.embed)
@@ -339,7 +341,7 @@ class LlamaModel:
                 x = ops.rms_norm(h, layer["input_layernorm"], eps)
             else:
                 h, x = add_norm(h, delta, layer["input_layernorm"], delta_lora)
-            (q, k, v), qkv_lora = _group_gemm(fd, x, layer, ("q_proj", "k_proj", "v_proj"), groups)
+            (q, k, v), qkv_lora = self._group_gemm(x, layer, ("q_proj", "k_proj", "v_proj"), groups)
             k_cache, v_cache = kv_caches[i]
             rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
             if settle and not tiled:
@@ -359,18 +361,18 @@ class LlamaModel:
                 batch.slot_mapping,
             )
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
-            (o,), o_lora = _group_gemm(fd, attn, layer, ("o_proj",), groups)
+            (o,), o_lora = self._group_gemm(attn, layer, ("o_proj",), groups)
             if settle and not tiled:
                 o_lora = _settle_expands((o,), o_lora, expand_ops)
             h, x = add_norm(h, o, layer["post_attention_layernorm"], o_lora and o_lora[0])
-            (gate, up), gu_lora = _group_gemm(fd, x, layer, ("gate_proj", "up_proj"), groups)
+            (gate, up), gu_lora = self._group_gemm(x, layer, ("gate_proj", "up_proj"), groups)
             if tiled and gu_lora is not None:
                 act = ops.silu_mul_expand(gate, up, gu_lora)
             else:
                 if settle:
                     gu_lora = _settle_expands((gate, up), gu_lora, expand_ops)
                 act = fd.silu_mul_lora(gate, up, gu_lora)
-            (delta,), d_lora = _group_gemm(fd, act, layer, ("down_proj",), groups)
+            (delta,), d_lora = self._group_gemm(act, layer, ("down_proj",), groups)
             if settle and not tiled:
                 d_lora = _settle_expands((delta,), d_lora, expand_ops)
             delta_lora = d_lora and d_lora[0]
@@ -378,20 +380,26 @@ class LlamaModel:
         _h, x = add_norm(h, delta, self.norm, delta_lora)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        return _linear_many(fd, x, [self.lm_head])[0].float()
+        return self._linear_many(x, [self.lm_head])[0].float()
 
+    def _group_gemm(self, x: torch.Tensor, layer: dict, projs: tuple[str, ...], groups: dict[str, LoRAGroup]):
+        """The projections `projs` of x and, when the adapter targets them, the group's shrink t = x·A_catᵀ
+        (one launch for a small step). Returns (outputs in `projs` order, one Expand or None per projection
+        / None)."""
+        group = groups.get(projs[0])
+        weights = [layer[p] for p in projs]
+        if group is None:
+            return self._linear_many(x, weights), None
+        t, *outs = self._linear_many(x, [group.a_cat, *weights])
+        by_proj = {p: self.fused.Expand(t, off, rank, b_t) for p, off, rank, b_t in group.targets}
+        return outs, tuple(by_proj.get(p) for p in projs)
 
-def _group_gemm(fd, x: torch.Tensor, layer: dict, projs: tuple[str, ...], groups: dict[str, LoRAGroup]):
-    """The projections `projs` of x and, when the adapter targets them, the group's shrink t = x·A_catᵀ
-    (one launch for a small step). Returns (outputs in `projs` order, one Expand or None per projection /
-    None)."""
-    group = groups.get(projs[0])
-    weights = [layer[p] for p in projs]
-    if group is None:
-        return _linear_many(fd, x, weights), None
-    t, *outs = _linear_many(fd, x, [group.a_cat, *weights])
-    by_proj = {p: fd.Expand(t, off, rank, b_t) for p, off, rank, b_t in group.targets}
-    return outs, tuple(by_proj.get(p) for p in projs)
+    def _linear_many(self, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """[x·Wᵀ for each W]: one segmented skinny-GEMM launch for at most `skinny_gemm_rows` rows, else
+        cuBLAS."""
+        if x.shape[0] <= self.skinny_gemm_rows:
+            return self.fused.seg_linear(x, weights)
+        return [F.linear(x, w) for w in weights]
 
 
 def _settle_expands(outs, expands, ops) -> None:
@@ -401,10 +409,3 @@ def _settle_expands(outs, expands, ops) -> None:
         targets = [(y, e.offset, e.rank, e.b_t) for y, e in zip(outs, expands, strict=True) if e is not None]
         add_expands(next(e for e in expands if e is not None).t, targets, ops)
     return None
-
-
-def _linear_many(fd, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[x·Wᵀ for each W]: one skinny-GEMM launch for at most fused_decode.MAX_TOKENS rows, else cuBLAS."""
-    if x.shape[0] <= fd.MAX_TOKENS:
-        return fd.seg_linear(x, weights)
-    return [F.linear(x, w) for w in weights]

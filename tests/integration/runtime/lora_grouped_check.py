@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lorafn.runtime.config import LORA_EXPANDS, ModelConfig, expand_modes
+from lorafn.runtime.config import DEFAULT_SKINNY_GEMM_ROWS, LORA_EXPANDS, ModelConfig, expand_modes
 from lorafn.runtime.kv_cache import KVCache
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import LoRAWeights, clear_lora, copy_lora, load_lora, zero_lora
@@ -87,14 +87,21 @@ def _steps(cfg: ModelConfig) -> list[ForwardBatch]:
 
 
 def _forward(
-    model_dir: Path, cfg: ModelConfig, lora: LoRAWeights | None, *, triton: bool, fused: bool, mode: str
+    model_dir: Path,
+    cfg: ModelConfig,
+    lora: LoRAWeights | None,
+    *,
+    triton: bool,
+    fused: bool,
+    mode: str,
+    skinny: int = DEFAULT_SKINNY_GEMM_ROWS,
 ) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
     """(logits of every step, the KV cache after them, grouped expand launches: lora_expand, and on the
     fused path the kernels with a group's expand inside; q/k/v expands of steps above 16 rows inside the
     per-row RoPE kernel: in_kernels) of one model variant."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
-        use_triton_attention=triton, fused_decode=fused, lora_expand=mode,
+        use_triton_attention=triton, fused_decode=fused, lora_expand=mode, skinny_gemm_rows=skinny,
     )  # fmt: skip
     assert (model.fused is not None) == fused, "the fused path did not turn on"
     kv = KVCache(cfg, 8, 16, DEV, torch.float32)
@@ -140,6 +147,28 @@ def _same(name: str, got, want) -> None:
     assert _rel(kv, ref_kv) < TOL, f"{name}: KV cache differs by {_rel(kv, ref_kv):.2e}"
 
 
+def _check_skinny(
+    model_dir: Path, cfg: ModelConfig, lora: LoRAWeights, ref, name: str, most_rows: int
+) -> None:
+    """skinny_gemm_rows = 64: every step's GEMMs (up to `most_rows` rows) in the segmented skinny GEMM, the
+    same output as the per-projection torch forward `ref`, with hybrid and with grouped expands."""
+    real_seg, seg_rows = fused_decode.seg_linear, []
+
+    def seg_counted(x, weights):
+        seg_rows.append(x.shape[0])
+        return real_seg(x, weights)
+
+    fused_decode.seg_linear = seg_counted
+    try:
+        for mode in ("hybrid", "grouped"):
+            got = _forward(model_dir, cfg, lora, triton=True, fused=True, mode=mode, skinny=64)
+            _same(f"{name} skinny_gemm_rows=64 {mode}", got, ref)
+    finally:
+        fused_decode.seg_linear = real_seg
+    assert max(seg_rows) == most_rows > fused_decode.MAX_TOKENS, seg_rows
+    print(f"{name} skinny_gemm_rows=64: as per-projection torch (segmented GEMMs up to {most_rows} rows)")
+
+
 def main(argv: list[str]) -> None:
     model_dir = Path(argv[0])
     adapters = {name: Path(path) for name, path in (a.split("=", 1) for a in argv[1:])}
@@ -176,6 +205,8 @@ def main(argv: list[str]) -> None:
                     f"{name} fused={fused} {mode}: same as per-projection torch ({got[2]} grouped launches,"
                     f" {got[3]} in-kernel large-step q/k/v expands)"
                 )
+        if n == 0:  # every step's GEMMs in the segmented skinny GEMM (EngineConfig.skinny_gemm_rows = 64)
+            _check_skinny(model_dir, cfg, lora, ref, name, max(s.input_ids.shape[0] for s in steps))
         if n == 0:  # o/down expands inside add + RMSNorm: only from TILED_NORM_MIN_ROWS rows (2048) otherwise
             floor, triton_ops.TILED_NORM_MIN_ROWS = triton_ops.TILED_NORM_MIN_ROWS, 1
             try:

@@ -27,6 +27,7 @@ def _key(**changes: object) -> dict:
         "adapter_shape": "q_proj:16,v_proj:16",
         "fused_decode": True,
         "lora_expand": "per_projection",
+        "skinny_gemm_rows": 16,
         "buckets": [1, 2, 4],
         "max_blocks_per_seq": 64,
         "block_size": 16,

@@ -1,0 +1,33 @@
+"""EngineConfig.skinny_gemm_rows and the segmented GEMM's tile choice (models/fused_decode.seg_config)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafn.runtime import EngineConfig
+from lorafn.runtime.config import DEFAULT_SKINNY_GEMM_ROWS, SKINNY_GEMM_MAX_ROWS
+
+
+@pytest.mark.parametrize("rows", [0, -1, SKINNY_GEMM_MAX_ROWS + 1])
+def test_rows_out_of_range_are_refused_naming_the_field(rows: int) -> None:
+    with pytest.raises(ValueError, match=r"skinny_gemm_rows: must be in \[1, 64\], got"):
+        EngineConfig(model="m", skinny_gemm_rows=rows)
+
+
+def test_default_and_bounds_are_accepted() -> None:
+    assert EngineConfig(model="m").skinny_gemm_rows == DEFAULT_SKINNY_GEMM_ROWS
+    assert EngineConfig(model="m", skinny_gemm_rows=SKINNY_GEMM_MAX_ROWS).skinny_gemm_rows == 64
+
+
+def test_seg_config_tiles() -> None:
+    fd = pytest.importorskip("lorafn.runtime.models.fused_decode")
+    assert fd.MAX_GEMM_ROWS == SKINNY_GEMM_MAX_ROWS
+    # (BLOCK_M, BLOCK_K, stages): 16 or 32 rows read 256 columns in 4 stages
+    assert fd.seg_config(1, 4096) == (16, 256, 4)
+    assert fd.seg_config(16, 11008) == (16, 256, 4)
+    assert fd.seg_config(17, 4096) == (32, 256, 4)
+    # 64 rows: 128 columns in 3 stages over a 4096-wide input, 256 in 4 over down_proj's 11008
+    assert fd.seg_config(33, 4096) == (64, 128, 3)
+    assert fd.seg_config(64, 11008) == (64, 256, 4)
+    assert fd.seg_config(64, 96) == (64, 32, 3)  # the tiny preset's width: its largest tile
+    assert fd.seg_config(8, 4100) is None  # no tile divides it: seg_linear refuses it
