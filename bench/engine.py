@@ -224,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes")
     ap.add_argument("--decode-tokens", type=int, default=None)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument(
+        "--targets",
+        default="all-linear",
+        help="the adapter's target_modules: all-linear or comma-separated projections, e.g. q_proj,v_proj",
+    )
     ap.add_argument("--skip-hf", action="store_true", help="do not run transformers + peft")
     ap.add_argument(
         "--expand-modes",
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--skinny-rows",
-        default=str(SKINNY_GEMM_MAX_ROWS),
+        default="16",
         help=f"EngineConfig.skinny_gemm_rows values measured beside the default {DEFAULT_SKINNY_GEMM_ROWS} "
         "(comma-separated, or ''): base and every LoRA mode again at the batches above 16, where they differ",
     )
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         work / "adapter",
         rank=args.rank,
         lora_alpha=2 * args.rank,
-        target_modules="all-linear",
+        target_modules=args.targets if args.targets == "all-linear" else args.targets.split(","),
         dtype=dtype,
     )
 
@@ -287,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": prompt_len,
         "decode_tokens": decode_tokens,
         "rank": args.rank,
+        "targets": args.targets,
         "backbone_load_s": load_s,
     }
     modes = [m for m in args.expand_modes.split(",") if m and m != DEFAULT_LORA_EXPAND]
@@ -388,7 +394,7 @@ def print_table(f: dict, batches: list[int], tiny: bool) -> None:
     print(f"\nlorafn engine benchmark — {f['device']}, {f['dtype']}, model {f['model']}")
     print(
         f"prompt {f['prompt_len']} tokens, {f['decode_tokens']} decode steps, "
-        f"LoRA rank {f['rank']} all-linear"
+        f"LoRA rank {f['rank']} {f.get('targets', 'all-linear')}"
     )
     print(
         f"weights {f['weight_bytes'] / 1e9:.2f} GB, copy bandwidth {f['copy_bandwidth_Bps'] / 1e9:.0f} GB/s, "

@@ -119,19 +119,33 @@ def _seg_gemm_kernel(
     )
 
 
-def seg_config(m: int, k: int) -> tuple[int, int, int] | None:
+# shared memory the segmented GEMM's pipelined tiles may take per program (the H100 allows 227 KiB): a float32
+# model's 64-row tiles at 4 stages of 256 columns did not fit (Triton OutOfResources)
+SEG_SMEM_BYTES = 192 << 10
+
+
+def seg_config(m: int, k: int, element_size: int = 2) -> tuple[int, int, int] | None:
     """(BLOCK_M, BLOCK_K, num_stages) of `seg_linear` for M rows of width K (None: no reduction tile divides
-    K). The fastest of bench/gemv_probe.py --rows on the H100 for the 7B's groups, within ~1 µs per group:
-    tiles of 16 or 32 rows read 256 columns (the largest tile dividing K) in 4 stages; of 64 rows, 128
+    K). The fastest of bench/gemv_probe.py --rows on the H100 for the 7B's groups in bf16, within ~1 µs per
+    group: tiles of 16 or 32 rows read 256 columns (the largest tile dividing K) in 4 stages; of 64 rows, 128
     columns in 3 stages where the input is 4096 wide (q/k/v, o, gate/up, head), 256 in 4 for down_proj's
-    11008."""
+    11008. Wider elements (float32) take narrower tiles, then fewer stages, until the pipelined tiles
+    ((stages - 1) x (BLOCK_M + BLOCK_N) x BLOCK_K elements) fit SEG_SMEM_BYTES."""
     bk = block_k(k)
     if bk is None:
         return None
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    stages = 4
     if block_m == 64 and k <= 4096:
-        return block_m, min(bk, 128), 3
-    return block_m, bk, 4
+        bk, stages = min(bk, 128), 3
+    while (stages - 1) * (block_m + BLOCK_N) * bk * element_size > SEG_SMEM_BYTES:
+        if bk > 32:
+            bk //= 2  # still divides K: bk was the largest power-of-two tile that does
+        elif stages > 2:
+            stages -= 1
+        else:
+            break
+    return block_m, bk, stages
 
 
 def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -140,7 +154,7 @@ def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tenso
     m, k = x.shape
     if not 1 <= len(weights) <= MAX_SEGMENTS:
         raise ValueError(f"seg_linear: 1..{MAX_SEGMENTS} weights, got {len(weights)}")
-    config = seg_config(m, k)
+    config = seg_config(m, k, x.element_size())
     if m > MAX_GEMM_ROWS or config is None or x.stride(1) != 1:
         raise ValueError(f"seg_linear: x {tuple(x.shape)} stride {x.stride()} is not a supported shape")
     block_m, bk, stages = config

@@ -31,3 +31,13 @@ def test_seg_config_tiles() -> None:
     assert fd.seg_config(64, 11008) == (64, 256, 4)
     assert fd.seg_config(64, 96) == (64, 32, 3)  # the tiny preset's width: its largest tile
     assert fd.seg_config(8, 4100) is None  # no tile divides it: seg_linear refuses it
+    # float32: narrower tiles until the pipelined tiles fit the shared memory (64 rows x 256 x 4 stages did
+    # not on the H100); the bf16 choices above fit as they are
+    assert fd.seg_config(16, 11008, 4) == (16, 256, 4)  # 3 x 48 x 256 x 4 B = 144 KiB: fits
+    assert fd.seg_config(48, 11008, 4) == (64, 128, 4)
+    assert fd.seg_config(32, 4096, 4) == (32, 256, 4)
+    for m in (1, 17, 33, 64):
+        for k in (4096, 11008):
+            bm, bk, stages = fd.seg_config(m, k, 4)
+            assert (stages - 1) * (bm + fd.BLOCK_N) * bk * 4 <= fd.SEG_SMEM_BYTES
+            assert k % bk == 0
