@@ -131,6 +131,17 @@ def measure_engine(
     return result
 
 
+def median_result(results: list[dict]) -> dict:
+    """The median of each figure over rounds of `measure_engine` (and every round's figures)."""
+    first = results[0]
+    out: dict = {"ttft_s": statistics.median(r["ttft_s"] for r in results), "tpot_s": {}, "tokens_per_s": {}}
+    for b in first["tpot_s"]:
+        out["tpot_s"][b] = statistics.median(r["tpot_s"][b] for r in results)
+        out["tokens_per_s"][b] = b / out["tpot_s"][b]
+    out["rounds"] = results
+    return out
+
+
 def profile_prefill(engine: Engine, prompt_len: int, vocab: int) -> dict[str, tuple[int, float]]:
     """{kernel family: (kernels, µs)} of one prefill of `prompt_len` tokens (mean of 3; CUPTI)."""
     from decode_profile import kernel_table  # (it imports this module: imported here, when needed)
@@ -247,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CUDA: a kernel table of one prefill per engine (torch.profiler, as bench/decode_profile.py)",
     )
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="rounds of every run (figures: the median over the rounds)"
+    )
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
 
@@ -322,33 +336,58 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(f"base_s{rows}", None, DEFAULT_LORA_EXPAND, large, rows)]
         runs += [(f"lora_s{rows}", adapter, DEFAULT_LORA_EXPAND, large, rows)]
         runs += [(f"lora_{m}_s{rows}", adapter, m, large, rows) for m in modes]
-    for name, adapter_dir, mode, run_batches, rows in runs:
-        t0 = time.perf_counter()
-        engine = Engine(
-            EngineConfig(
-                model=model_dir,
-                adapter=adapter_dir,
-                device=str(device),
-                dtype=str(dtype).removeprefix("torch."),
-                weight_source=source,
-                max_num_seqs=max_seqs,
-                max_num_batched_tokens=max(2048, prompt_len),
-                max_model_len=max_len,
-                num_kv_blocks=blocks,
-                block_size=block_size,
-                lora_expand=mode,
-                skinny_gemm_rows=rows,
+    # every run once per round, rounds one after another: each figure is the median over the rounds, so a
+    # drift of the machine during the run (the H100's figures moved ±5% between runs) reaches every run alike
+    figures["repeats"] = args.repeats
+    rounds: dict[str, list[dict]] = {name: [] for name, *_rest in runs}
+    for _round in range(args.repeats):
+        for name, adapter_dir, mode, run_batches, rows in runs:
+            t0 = time.perf_counter()
+            engine = Engine(
+                EngineConfig(
+                    model=model_dir,
+                    adapter=adapter_dir,
+                    device=str(device),
+                    dtype=str(dtype).removeprefix("torch."),
+                    weight_source=source,
+                    max_num_seqs=max_seqs,
+                    max_num_batched_tokens=max(2048, prompt_len),
+                    max_model_len=max_len,
+                    num_kv_blocks=blocks,
+                    block_size=block_size,
+                    lora_expand=mode,
+                    skinny_gemm_rows=rows,
+                )
             )
-        )
-        figures[f"{name}_engine_start_s"] = time.perf_counter() - t0
-        figures[f"{name}_graph_capture_s"] = engine.runner.graph_capture_s
-        figures["weight_bytes"] = engine.runner.model.weight_bytes()
-        figures[name] = measure_engine(engine, prompt_len, run_batches, decode_tokens, mc.vocab_size)
-        if args.profile_prefill and device.type == "cuda":
+            figures[f"{name}_engine_start_s"] = time.perf_counter() - t0
+            figures[f"{name}_graph_capture_s"] = engine.runner.graph_capture_s
+            figures["weight_bytes"] = engine.runner.model.weight_bytes()
+            rounds[name].append(measure_engine(engine, prompt_len, run_batches, decode_tokens, mc.vocab_size))
+            del engine
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for name, results in rounds.items():
+        figures[name] = median_result(results)
+    if args.profile_prefill and device.type == "cuda":  # after every timing: CUPTI slowed what ran after it
+        for name, adapter_dir, mode, _batches, rows in runs:
+            engine = Engine(
+                EngineConfig(
+                    model=model_dir,
+                    adapter=adapter_dir,
+                    device=str(device),
+                    dtype=str(dtype).removeprefix("torch."),
+                    weight_source=source,
+                    max_num_seqs=1,
+                    max_model_len=max_len,
+                    lora_expand=mode,
+                    skinny_gemm_rows=rows,
+                    use_cuda_graphs=False,
+                )
+            )
             figures[name]["prefill_kernels"] = profile_prefill(engine, prompt_len, mc.vocab_size)
-        del engine
-        gc.collect()
-        if device.type == "cuda":
+            del engine
+            gc.collect()
             torch.cuda.empty_cache()
     source.close()
     if device.type == "cuda":
