@@ -13,6 +13,10 @@ inside the elementwise kernels; `hybrid`, per_projection for steps with a prefil
 decode-only steps; or any "PREFILL/DECODE" pair): they differ only in TTFT and in decode batches above 16,
 so the modes other than the default measure those only (`--expand-modes` picks them).
 
+`--skinny-rows 16` measures the batches above 16 again with `EngineConfig.skinny_gemm_rows` = 16 (their GEMMs
+through cuBLAS + a shrink GEMM per group, the path before the default became 64); `--repeats N` runs every
+engine once per round, N rounds, and prints medians (single runs on the H100 moved ±5%).
+
 The backbone is loaded onto the device once and shared by every engine of the run (a resident
 WeightSource, as the backbone server shares it with workers); transformers loads its own copy.
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lorafn.runtime.config import DEFAULT_SKINNY_GEMM_ROWS, LORA_EXPANDS, ModelConfig, expand_modes
+from lorafn.runtime.config import LORA_EXPANDS, ModelConfig, expand_modes
 from lorafn.runtime.kv_cache import KVCache
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import LoRAWeights, clear_lora, copy_lora, load_lora, zero_lora
@@ -94,11 +94,13 @@ def _forward(
     triton: bool,
     fused: bool,
     mode: str,
-    skinny: int = DEFAULT_SKINNY_GEMM_ROWS,
+    skinny: int = 16,
 ) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
     """(logits of every step, the KV cache after them, grouped expand launches: lora_expand, and on the
     fused path the kernels with a group's expand inside; q/k/v expands of steps above 16 rows inside the
-    per-row RoPE kernel: in_kernels) of one model variant."""
+    per-row RoPE kernel: in_kernels) of one model variant. `skinny` is EngineConfig.skinny_gemm_rows: 16
+    here (not the default 64) so that the steps above 16 rows take cuBLAS + a shrink GEMM per group, the path
+    of every step above skinny_gemm_rows; `_check_skinny` runs them through the segmented GEMM."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
         use_triton_attention=triton, fused_decode=fused, lora_expand=mode, skinny_gemm_rows=skinny,

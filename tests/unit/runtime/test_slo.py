@@ -336,19 +336,38 @@ def test_budget_feasible_burst_finishes_within_deadline_plus_bound(
     jobs: list[SizedJob], active: int, budget: int
 ) -> None:
     """A burst that earliest-deadline-first could serve one at a time in time: with any budget every
-    prefill finishes by its deadline + M·T_max (a share never starts a prefill later than the single
-    slot would)."""
+    prefill finishes by its deadline + M·T_max. (A share may start a prefill later than the single slot
+    would: `test_a_share_can_start_a_short_prefill_later_than_the_single_slot`.)"""
     done = 0.0
     for j in sorted(jobs, key=lambda j: j.deadline):
         done += j.t
         if done > j.deadline:
             return  # infeasible load: nothing promised
     sched = simulate_budget(jobs, active, budget)
-    serial = simulate_budget(jobs, active, 1)
     t_max = max(j.t for j in jobs)
     for j in jobs:
-        assert sched[j.name][0] <= serial[j.name][0] + 1e-6
         assert sched[j.name][1] <= j.deadline + active * t_max + 1e-6
+
+
+def test_a_share_can_start_a_short_prefill_later_than_the_single_slot() -> None:
+    """Found by hypothesis (2026-11-24): this property was also asserted above and does not hold. M = 3;
+    w03 is long and loose (deadline 66, T 22) but its margin 66 − now − 3·22 is below 0 from the start, so
+    it is urgent and goes over the budget as soon as it is asked for. With a budget of 2 tokens it is granted
+    at t=1 (beside w00) and holds the budget until t=23; w02 (deadline 5, T 1) has margin 0 at t=2, not
+    below 0, so it is not urgent then, and nothing asks again before w03 ends: it starts at 23, where the
+    single slot started it at 3. The bound above (deadline + M·T_max) still holds. The real path has the
+    same gap (a waiter blocks on its wake list until a release; it does not re-ask when its margin crosses
+    zero): docs/scheduler.md, issue 13."""
+    jobs = [
+        SizedJob("w00", 0.0, 2.0, 2.0, 1),
+        SizedJob("w01", 0.0, 3.0, 1.0, 1),
+        SizedJob("w02", 0.0, 5.0, 1.0, 1),
+        SizedJob("w03", 0.0, 66.0, 22.0, 2),
+    ]
+    serial, shared = simulate_budget(jobs, 3, 1), simulate_budget(jobs, 3, 2)
+    assert serial["w02"] == (3.0, 4.0)
+    assert shared["w03"] == (1.0, 23.0) and shared["w02"] == (23.0, 24.0)
+    assert shared["w02"][1] <= 5.0 + 3 * 22.0
 
 
 # -- the scheduler's decode-only step -----------------------------------------------------------
