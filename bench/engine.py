@@ -343,26 +343,34 @@ def main(argv: list[str] | None = None) -> int:
     # every run once per round, rounds one after another: each figure is the median over the rounds, so a
     # drift of the machine during the run (the H100's figures moved ±5% between runs) reaches every run alike
     figures["repeats"] = args.repeats
+
+    def engine_for(adapter_dir: Path | None, mode: str, rows: int, **overrides) -> Engine:
+        settings = dict(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max(2048, prompt_len),
+            num_kv_blocks=blocks,
+            block_size=block_size,
+        )
+        settings.update(overrides)
+        return Engine(
+            EngineConfig(
+                model=model_dir,
+                adapter=adapter_dir,
+                device=str(device),
+                dtype=str(dtype).removeprefix("torch."),
+                weight_source=source,
+                max_model_len=max_len,
+                lora_expand=mode,
+                skinny_gemm_rows=rows,
+                **settings,
+            )
+        )
+
     rounds: dict[str, list[dict]] = {name: [] for name, *_rest in runs}
     for _round in range(args.repeats):
         for name, adapter_dir, mode, run_batches, rows in runs:
             t0 = time.perf_counter()
-            engine = Engine(
-                EngineConfig(
-                    model=model_dir,
-                    adapter=adapter_dir,
-                    device=str(device),
-                    dtype=str(dtype).removeprefix("torch."),
-                    weight_source=source,
-                    max_num_seqs=max_seqs,
-                    max_num_batched_tokens=max(2048, prompt_len),
-                    max_model_len=max_len,
-                    num_kv_blocks=blocks,
-                    block_size=block_size,
-                    lora_expand=mode,
-                    skinny_gemm_rows=rows,
-                )
-            )
+            engine = engine_for(adapter_dir, mode, rows)
             figures[f"{name}_engine_start_s"] = time.perf_counter() - t0
             figures[f"{name}_graph_capture_s"] = engine.runner.graph_capture_s
             figures["weight_bytes"] = engine.runner.model.weight_bytes()
@@ -375,20 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         figures[name] = median_result(results)
     if args.profile_prefill and device.type == "cuda":  # after every timing: CUPTI slowed what ran after it
         for name, adapter_dir, mode, _batches, rows in runs:
-            engine = Engine(
-                EngineConfig(
-                    model=model_dir,
-                    adapter=adapter_dir,
-                    device=str(device),
-                    dtype=str(dtype).removeprefix("torch."),
-                    weight_source=source,
-                    max_num_seqs=1,
-                    max_model_len=max_len,
-                    lora_expand=mode,
-                    skinny_gemm_rows=rows,
-                    use_cuda_graphs=False,
-                )
-            )
+            one = {"max_num_seqs": 1, "num_kv_blocks": None, "use_cuda_graphs": False}
+            engine = engine_for(adapter_dir, mode, rows, **one)
             figures[name]["prefill_kernels"] = profile_prefill(engine, prompt_len, mc.vocab_size)
             del engine
             gc.collect()
