@@ -108,7 +108,7 @@ class EngineConfig:
     # kernel that needs more grows it at launch, so it is the default.
     cuda_stack_bytes: int | None = 256
     # CUDA: the fused kernels of models/fused_decode.py (LoRA expands inside the elementwise kernels; a
-    # step of at most 16 rows runs one skinny-GEMM launch per projection group with the LoRA shrink in it);
+    # step of at most skinny_gemm_rows rows runs one skinny-GEMM launch per projection group, shrink in it);
     # False keeps the cuBLAS + addmm path everywhere (the benchmarks' baseline)
     fused_decode: bool = True
     # CUDA, fused path: steps of at most this many rows (decode batches, short prefill chunks) run each

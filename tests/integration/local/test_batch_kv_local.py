@@ -71,7 +71,12 @@ def test_a_batch_grows_its_workers_kv_and_gives_it_back(tiny_model_dir: Path, tm
         assert batch.request_counts.completed == 48 and batch.request_counts.failed == 0
         out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
         assert sorted(o["custom_id"] for o in out) == sorted(f"q{i}" for i in range(48))
-        assert all(o["response"]["body"]["usage"]["completion_tokens"] == 24 for o in out)
+        # greedy on random weights may reach EOS before 24 tokens (batch shapes move float32 near-ties: CI
+        # once saw it): each answer is whole, 24 tokens cut by length or fewer ended by a stop
+        for o in out:
+            body = o["response"]["body"]
+            n, reason = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
+            assert (n == 24 and reason == "length") or (1 <= n < 24 and reason == "stop"), (n, reason)
 
         def resized() -> list[dict[str, str]]:
             return [
