@@ -36,8 +36,8 @@ DEFAULT_LORA_EXPAND = "hybrid"
 # projection group, the LoRA shrink as extra output rows) instead of cuBLAS (EngineConfig.skinny_gemm_rows).
 # H100, llama-2-7b groups (bench/gemv_probe.py --rows 16,32,64): the segmented GEMM took 0.77-0.92 of the time
 # cuBLAS took for the same group (its projections + the shrink) at 32 and 64 rows, 0.65-0.90 at 16. The engine
-# (bench/engine.py --skinny-rows 32,64 at 581a98f, r16 all-linear, hybrid): TPOT at batch 32 base 13.51 ->
-# 12.91 ms, LoRA 14.08 -> 13.25 (+2.6% over its base); at 64 base 18.69 -> 18.54, LoRA 19.55 -> 18.90 (+1.9%).
+# (bench/engine.py --skinny-rows 16 --repeats 3 at 6fc939f, r16 all-linear, hybrid, medians): LoRA TPOT at
+# batch 32 14.22 -> 13.28 ms (+3.7% over its base, was +9.3%), at 64 19.88 -> 18.64 (+4.5%, was +8.3%).
 SKINNY_GEMM_MAX_ROWS = 64
 DEFAULT_SKINNY_GEMM_ROWS = 64
 
