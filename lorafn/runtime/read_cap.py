@@ -23,12 +23,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# the KV tokens a request is expected to hold before any of the worker's requests has finished
+DEFAULT_EXPECTED_TOKENS = 256.0
+
 
 @dataclass
 class ExpectedTokens:
     """A moving average of the KV tokens the function's finished requests held over their life (`add`)."""
 
-    value: float = 256.0
+    value: float = DEFAULT_EXPECTED_TOKENS
     weight: float = 0.1  # of each new request
 
     def __post_init__(self) -> None:

@@ -62,7 +62,7 @@ from pydantic import Field
 from lorafn.api.settings import SharedSettings
 from lorafn.runtime.batching import Batching, BatchingConfig, gpu_model_name
 from lorafn.runtime.outputs import ParkRefused, StreamDelta
-from lorafn.runtime.read_cap import ExpectedTokens, held_cap
+from lorafn.runtime.read_cap import DEFAULT_EXPECTED_TOKENS, ExpectedTokens, held_cap
 from lorafn.runtime.sampling_params import SamplingParams
 from lorafn.runtime.step_profile import StepProfiler
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Op, Store, cancel, combine, control, streams, workers
@@ -126,7 +126,7 @@ class ServingConfig:
     # queued in the stream, where the controller sees them and other workers of the function can take them
     kv_read_cap: bool = True
     # the KV tokens a request is expected to hold before any of this worker's requests has finished
-    expected_tokens_prior: float = 256.0
+    expected_tokens_prior: float = DEFAULT_EXPECTED_TOKENS
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -1103,7 +1103,9 @@ class WorkerSettings(SharedSettings):
         "(runtime.read_cap)",
     )
     expected_tokens_prior: float = Field(
-        default=256.0, gt=0, description="the KV tokens a request holds on average before one has finished"
+        default=DEFAULT_EXPECTED_TOKENS,
+        gt=0,
+        description="the KV tokens a request holds on average before one has finished",
     )
     gate_urgent_fraction: float = Field(
         default=0.5,

@@ -33,14 +33,21 @@ def test_a_worker_with_a_batch_backlog_grows_to_the_batch_budget() -> None:
     assert plan.account["g0"].planned_free_bytes == before["g0"].free_bytes - 12 * GiB  # taken in this plan
 
 
+def backlog_beside_busy(kv_gib: int, mem_gib: int) -> tuple[list, list]:
+    """(functions, workers): w1 of ns/b (a batch backlog of 200, KV `kv_gib`, `mem_gib` in all, 8 running)
+    beside w2 of ns/x (6 GiB, one running), both bound on g0."""
+    functions = [fn("ns/b", batch_backlog=200, kv_bytes=kv_gib * GiB, mem_gib=mem_gib), fn("ns/x", mem_gib=6)]
+    workers = [
+        bound("w1", "g0", "ns/b", mem_gib=mem_gib, kv_bytes=kv_gib * GiB, running=8),
+        bound("w2", "g0", "ns/x", mem_gib=6, running=1),
+    ]
+    return functions, workers
+
+
 def test_the_grant_leaves_room_for_one_more_standby() -> None:
     # 80 GiB x 0.92 = 73.6; backbone 13 and two 6 GiB workers leave 48.6 GiB: a 46 GiB grant leaves 2.6 GiB
     # (one standby is 2 GiB: all of it granted); a 52 GiB budget gets what leaves 2 GiB (whole MiB)
-    functions = [fn("ns/b", batch_backlog=200, kv_bytes=4 * GiB, mem_gib=6), fn("ns/x", mem_gib=6)]
-    workers = [
-        bound("w1", "g0", "ns/b", mem_gib=6, kv_bytes=4 * GiB, running=8),
-        bound("w2", "g0", "ns/x", mem_gib=6, running=1),
-    ]
+    functions, workers = backlog_beside_busy(kv_gib=4, mem_gib=6)
     config = PolicyConfig(batch_kv_bytes=50 * GiB, warm_pool=False)
     assert resizes(decide(snap([gpu("g0")], functions, workers), config)) == [("w1", 50, 46)]
     tight = decide(
@@ -56,11 +63,7 @@ def test_the_grant_leaves_room_for_one_more_standby() -> None:
 
 def test_no_grant_of_less_than_half_the_workers_own_kv() -> None:
     # 32 GiB of KV: a grant must add 16 GiB at least. 60 GiB GPU: 55.2 - 13 - 34 - 6 = 2.2 GiB free, room 0.2
-    functions = [fn("ns/b", batch_backlog=200, kv_bytes=32 * GiB, mem_gib=34), fn("ns/x", mem_gib=6)]
-    workers = [
-        bound("w1", "g0", "ns/b", mem_gib=34, kv_bytes=32 * GiB, running=8),
-        bound("w2", "g0", "ns/x", mem_gib=6, running=1),
-    ]
+    functions, workers = backlog_beside_busy(kv_gib=32, mem_gib=34)
     config = PolicyConfig(batch_kv_bytes=64 * GiB, warm_pool=False)
     assert resizes(decide(snap([gpu("g0", total_gib=60)], functions, workers), config)) == []
     # 90 GiB: 82.8 - 53 = 29.8 free, room 27.8 GiB >= 16: granted (27 whole GiB and some MiB)
