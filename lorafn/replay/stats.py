@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -216,6 +216,25 @@ def held_bytes(
     return held
 
 
+def _integrate(
+    samples: Sequence[Sample], end_s: float, start_s: float | None, gpus_at: Callable[[Sample], float]
+) -> float:
+    """∫ gpus_at(sample in force) dt over [first sample, end_s], or over [start_s, end_s] when given. Each
+    sample holds until the next (step function), so the sample in force at `start_s` counts from `start_s`
+    on and the samples before it count for nothing else."""
+    if not samples:
+        return 0.0
+    ordered = sorted(samples, key=lambda s: s.t_s)
+    total = 0.0
+    for s, nxt in zip(ordered, [*ordered[1:], None], strict=True):
+        since = s.t_s if start_s is None else max(s.t_s, start_s)
+        until = end_s if nxt is None else nxt.t_s
+        dt = max(0.0, until - since)
+        if dt > 0.0:
+            total += dt * gpus_at(s)
+    return total
+
+
 def gpu_seconds(
     samples: Sequence[Sample],
     end_s: float,
@@ -227,22 +246,44 @@ def gpu_seconds(
 ) -> float:
     """∫ Σ_devices min(1, held / device size) dt over [first sample, end_s], or over [start_s, end_s] when
     given (the measured window after a warm-up): a GPU held whole for a second is one GPU-second; half its
-    memory for a second, half of one (what a GPU shared by functions costs each). Each sample holds until
-    the next (step function), so the sample in force at `start_s` counts from `start_s` on and the
-    samples before it count for nothing else."""
-    if not samples:
-        return 0.0
-    ordered = sorted(samples, key=lambda s: s.t_s)
-    total = 0.0
-    for s, nxt in zip(ordered, [*ordered[1:], None], strict=True):
-        since = s.t_s if start_s is None else max(s.t_s, start_s)
-        until = end_s if nxt is None else nxt.t_s
-        dt = max(0.0, until - since)
-        if dt == 0.0:
-            continue
+    memory for a second, half of one (what a GPU shared by functions costs each)."""
+
+    def gpus_at(s: Sample) -> float:
         held = held_bytes(s, list(device_bytes), backbone_bytes, shared, worker_overhead_bytes)
-        total += dt * sum(min(1.0, held.get(d, 0) / size) for d, size in device_bytes.items() if size > 0)
-    return total
+        return sum(min(1.0, held.get(d, 0) / size) for d, size in device_bytes.items() if size > 0)
+
+    return _integrate(samples, end_s, start_s, gpus_at)
+
+
+def unshared_gpu_seconds(
+    samples: Sequence[Sample],
+    end_s: float,
+    device_bytes: dict[str, int],
+    backbone_bytes: dict[str, int],
+    worker_overhead_bytes: int = 0,
+    start_s: float | None = None,
+) -> float:
+    """What the same workers at the same times would have held without backbone sharing, in GPU-seconds:
+    every bound worker (anything not on standby) with its own copy of its backbone beside its own memory, a
+    standby worker only its own memory, and no shared copy. Not capped at one GPU per device: the workers
+    that one shared GPU holds at once would need several GPUs without sharing (GPU-equivalents = held /
+    device size). A computed lower bound for serving the same requests as promptly without sharing (such
+    a platform would also load its weights at every cold start and hold its GPUs longer), not a
+    measurement: the no-sharing ablation measures what one GPU's worth of private copies serves."""
+    size = sum(device_bytes.values())
+    if size <= 0:
+        return 0.0
+
+    def gpus_at(s: Sample) -> float:
+        held = 0
+        for w in s.workers:
+            held += w.mem_bytes + (0 if w.whole_process else worker_overhead_bytes)
+            if w.state != "standby":
+                held += backbone_bytes.get(w.backbone, 0)
+        # the devices are alike in a run (one GPU model); their mean size turns bytes into GPUs
+        return held / (size / len(device_bytes))
+
+    return _integrate(samples, end_s, start_s, gpus_at)
 
 
 def worker_series(samples: Sequence[Sample]) -> dict[str, list[float]]:

@@ -49,6 +49,8 @@ def test_figures_and_cost_effectiveness_against_always_on() -> None:
     render(report, Console(file=out, width=160))
     text = out.getvalue()
     assert "n/a: no gpu_admission" in text and "8.00×" in text and "ServerlessLoRA Table 3" in text
+    # full's workers without sharing (computed): 100 MiB + their own 100 MiB copy, as the shared run's 200
+    assert "without sharing (computed" in text and "2.0 GPU-s; full holds 0% less" in text
 
 
 def test_merge_reports_keeps_one_workload_and_the_first_run_of_each_config() -> None:

@@ -23,6 +23,7 @@ from lorafn.replay.stats import (
     slo_violated,
     summarize,
     summarize_all,
+    unshared_gpu_seconds,
     worker_series,
 )
 
@@ -126,6 +127,27 @@ def test_gpu_seconds_from_the_window_start_count_no_warmup_sample() -> None:
     assert gpu_seconds(samples, 3.0, dev, {}, True, start_s=2.0) == pytest.approx(0.25)
 
 
+def test_unshared_gpu_seconds_give_every_bound_worker_its_own_backbone_uncapped() -> None:
+    dev = {"g0": 1000 * MiB, "g1": 1000 * MiB}
+    bb = {"bb": 300 * MiB, "big": 900 * MiB}
+    samples = [
+        # 0-2 s: two bound workers on g0 (their own copies: 2 x (100 + 10 + 300)) and a standby (50 + 10,
+        # no copy): 880 MiB of a 1000 MiB GPU
+        _sample(
+            0.0, ("serving", "g0", 100 * MiB), ("draining", "g0", 100 * MiB), ("standby", "g0", 50 * MiB)
+        ),
+        # 2-4 s: one worker of the larger backbone on each device: 2 x (100 + 10 + 900) = 2.02 GPUs, more
+        # than the run's two: not capped (without sharing these workers would have needed a third GPU)
+        Sample(2.0, [WorkerSample(f"w{g}", "serving", "f", g, "big", 100 * MiB) for g in ("g0", "g1")]),
+    ]
+    got = unshared_gpu_seconds(samples, 4.0, dev, bb, 10 * MiB)
+    assert got == pytest.approx(2 * 0.88 + 2 * 2.02)
+    # from the window's start only, like gpu_seconds; no sample or no device: nothing
+    assert unshared_gpu_seconds(samples, 4.0, dev, bb, 10 * MiB, start_s=3.0) == pytest.approx(2.02)
+    assert unshared_gpu_seconds([], 4.0, dev, bb) == 0.0
+    assert unshared_gpu_seconds(samples, 4.0, {}, bb) == 0.0
+
+
 def test_config_figures_are_the_measured_window_s_and_the_warmup_is_summarized_apart() -> None:
     dev, bb = {"g0": 1000 * MiB}, {"bb": 100 * MiB}
     warm = [
@@ -149,6 +171,11 @@ def test_config_figures_are_the_measured_window_s_and_the_warmup_is_summarized_a
     assert f["gpu_seconds"] == pytest.approx(2 * 0.3 + 2 * 0.3)
     assert f["cost_usd"] == pytest.approx(1.2 / 3600 * 3.6)
     assert f["row"]["gpu_seconds"] == f["gpu_seconds"]
+    # without sharing, the same workers: (200 + 100) / 1000 from 0 to 2, (100 + 100 + 100) / 1000 from 2 to 4
+    assert f["gpu_seconds_unshared_same_workers"] == pytest.approx(2 * 0.3 + 2 * 0.3)
+    assert f["row"]["gpu_seconds_unshared_same_workers"] == f["gpu_seconds_unshared_same_workers"]
+    private = config_figures(warm + window, samples, 4.0, {"a/x": 2500.0}, dev, bb, False, 0, 3.6)
+    assert private["gpu_seconds_unshared_same_workers"] is None
     assert f["peak_held_mib"] == pytest.approx(300) and f["peak_workers"] == 2  # not the burst's 1900 / 2
     # the window's requests only (the warm-up's first one, open from -3 to 6.5 s, would make it 2)
     assert f["throughput"]["peak_in_flight"] == 1
@@ -200,6 +227,12 @@ def test_paper_ratios_and_targets() -> None:
     assert t["gpu_seconds_reduction"] == pytest.approx(0.95) and t["gpu_seconds_reduction_met"]
     assert t["slo_violation_rate_met"]
     assert paper.targets_check({"full": rows["full"]})["ttft_p50_reduction"] is None
+    assert t["gpu_seconds_reduction_same_workers"] is None  # no computed figure in these rows
+    same = paper.targets_check(
+        {"full": {**rows["full"], "gpu_seconds_unshared_same_workers": 40 * rows["full"]["gpu_seconds"]}}
+    )
+    assert same["gpu_seconds_reduction_same_workers"] == pytest.approx(0.975)
+    assert same["gpu_seconds_reduction_same_workers_met"] and same["gpu_seconds_reduction"] is None
 
 
 def test_configs_selection_and_missing_switches() -> None:
