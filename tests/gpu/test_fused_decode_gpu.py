@@ -156,6 +156,8 @@ def _run(
     [
         "per_projection",
         "hybrid",
+        "per_group",
+        "per_group/in_kernels",
         pytest.param(
             "grouped",
             marks=pytest.mark.xfail(
