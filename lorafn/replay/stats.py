@@ -204,13 +204,14 @@ def held_bytes(
     KV cache + LoRA, on GPU all torch reserved) plus `worker_overhead_bytes` (its context) unless the
     heartbeat carries the driver's count of the whole process (`mem_source: driver`), plus the
     backbone weights: with sharing one copy of each backbone per device (the backbone server holds it
-    whether or not a worker runs), without sharing one copy inside every worker."""
+    whether or not a worker runs), without sharing one copy inside every worker (already in a
+    whole-process count, which holds the private copy as it holds the context)."""
     held = dict.fromkeys(devices, 0)
     if shared:
         for d in devices:
             held[d] += sum(backbone_bytes.values())
     for w in sample.workers:
-        extra = 0 if shared else backbone_bytes.get(w.backbone, 0)
+        extra = 0 if shared or w.whole_process else backbone_bytes.get(w.backbone, 0)
         overhead = 0 if w.whole_process else worker_overhead_bytes
         held[w.gpu] = held.get(w.gpu, 0) + w.mem_bytes + overhead + extra
     return held

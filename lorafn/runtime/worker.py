@@ -1264,6 +1264,7 @@ def serve_worker(settings: WorkerSettings) -> int:
     keys = Keys(settings.key_prefix)
     store = Store(settings.redis_url)
     record = store.run(get_function(keys, function))
+    settings = with_registered_backbone(settings, record)
     keep_alive = settings.keep_alive_seconds
     if keep_alive is None and record is not None and record.spec:
         keep_alive = float(LoRAFunctionSpec.model_validate(record.spec).scaling.keep_alive_seconds)
@@ -1290,6 +1291,24 @@ def serve_worker(settings: WorkerSettings) -> int:
         )
     log.info("worker %s serving %s", worker.worker_id, function)
     return worker.run()
+
+
+def with_registered_backbone(settings: WorkerSettings, record: Any) -> WorkerSettings:
+    """The settings of a worker started for a function, its backbone named: the registration's where the
+    launcher named none (a fresh local worker gets `--function` only). Its heartbeat carries it
+    (`placement_fields`): the controller reads a worker's private weight bytes by it under no sharing, its
+    latency profile is kept under it (`BatchingConfig.backbone`), the replay counts memory by it; a worker
+    heartbeating no backbone was none of these. A launcher that names another backbone than the
+    registration is refused (ValueError naming both)."""
+    registered = str((record.spec or {}).get("backbone") or "") if record is not None else ""
+    if not registered or settings.backbone == registered:
+        return settings
+    if settings.backbone:
+        raise ValueError(
+            f"--backbone {settings.backbone!r}: function {settings.function!r} is registered on backbone "
+            f"{registered!r}"
+        )
+    return settings.model_copy(update={"backbone": registered})
 
 
 def log_startup(engine: Any, settings: WorkerSettings, built_at_ms: float) -> None:

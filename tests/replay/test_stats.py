@@ -105,6 +105,8 @@ def test_held_bytes_and_gpu_seconds() -> None:
     # a worker reporting its whole process (the driver's count) already includes its context
     whole = Sample(0.0, [WorkerSample("w", "serving", "f", "g0", "bb", 100 * MiB, whole_process=True)])
     assert held_bytes(whole, list(dev), bb, True, 10 * MiB) == {"g0": 400 * MiB, "g1": 300 * MiB}
+    # ... and, without sharing, its private copy: nothing is added to it
+    assert held_bytes(whole, list(dev), bb, False, 10 * MiB) == {"g0": 100 * MiB, "g1": 0}
     samples = [s, _sample(2.0), _sample(3.0, ("serving", "g1", 2000 * MiB))]
     # 0-2 s: g0 0.75 of a GPU; 2-3 s: nothing; 3-5 s: g1 full (capped at 1)
     assert gpu_seconds(samples, 5.0, dev, bb, False) == pytest.approx(2 * 0.75 + 0 + 2 * 1.0)

@@ -22,7 +22,7 @@ import pytest
 from lorafn.local.status import collect
 from lorafn.replay.configs import ReplayConfig
 from lorafn.replay.driver import DriveOptions, Target, drive
-from lorafn.replay.platform import FunctionSetup, ManagedPlatform, manifest, new_keys
+from lorafn.replay.platform import BACKBONE, FunctionSetup, ManagedPlatform, manifest, new_keys
 from lorafn.replay.stats import RequestResult
 from lorafn.replay.trace import PlannedRequest
 from lorafn.store import control, workers
@@ -111,6 +111,9 @@ def test_a_third_function_parks_an_idle_worker_and_its_function_unparks_it(
         call(F2)
         first = serving()
         assert set(first) == {F1, F2}
+        # fresh workers (no warm pool) started with --function only heartbeat their registration's backbone,
+        # the one the controller reads their private bytes and the replay their memory by
+        assert {h.get("backbone") for _w, _p, h in first.values()} == {BACKBONE}
         assert events(control.PARKED) == []  # two fit: nothing parked yet
 
         call(F3)  # its fresh start fits only once one of the two idle workers is parked

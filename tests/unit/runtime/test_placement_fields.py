@@ -63,3 +63,25 @@ def test_a_driver_counted_worker_says_whether_graphs_are_pending_and_the_devices
     )
     fields = placement_fields(settings, SimpleNamespace(lora_shape_key="r16", runner=runner))
     assert not {"mem_source", "graphs_pending", "device_free_bytes"} & set(fields)
+
+
+def test_a_worker_started_for_a_function_heartbeats_its_registered_backbone() -> None:
+    from lorafn.runtime.worker import with_registered_backbone
+    from lorafn.store.registry import FunctionRecord
+
+    record = FunctionRecord("ns/f", {"backbone": "llama-2-7b"})
+    fresh = with_registered_backbone(WorkerSettings(function="ns/f"), record)
+    assert fresh.backbone == "llama-2-7b"
+    assert (
+        placement_fields(fresh, SimpleNamespace(lora_shape_key=None), memory=False)["backbone"]
+        == "llama-2-7b"
+    )
+    named = WorkerSettings(function="ns/f", backbone="llama-2-7b")
+    assert with_registered_backbone(named, record) is named
+    # no registration (the worker then fails on its own terms) or none named in it: unchanged
+    assert with_registered_backbone(WorkerSettings(function="ns/f"), None).backbone is None
+    assert (
+        with_registered_backbone(WorkerSettings(function="ns/f"), FunctionRecord("ns/f", {})).backbone is None
+    )
+    with pytest.raises(ValueError, match="registered on backbone 'llama-2-7b'"):
+        with_registered_backbone(WorkerSettings(function="ns/f", backbone="other"), record)
