@@ -19,12 +19,7 @@ DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # (see EngineConfig.lora_expand). Measured on the H100 (bench/engine.py at 3351cf9, llama-2-7b r16
 # all-linear, prompt 512): TTFT base 23.1 ms, per_projection 25.4 (1.10x), grouped 29.6, in_kernels 43.0;
 # TPOT at batch 64 base 19.10, per_projection 21.06, grouped 20.09, in_kernels 19.94.
-# "per_group" (issue 12, fourteenth session): one triton_ops.lora_expand launch per projection group on the
-# fused path too, outside the fused kernels (3 fewer launches a layer than per_projection in a prefill, none
-# of grouped's tiled kernels, whose bf16 fused forward is further from float32: test_fused_decode_gpu.py).
-LORA_EXPANDS = ("per_projection", "grouped", "in_kernels", "per_group")
-# the modes that add a group's expands in one lora_expand launch where they are not inside a fused kernel
-GROUP_LAUNCH_EXPANDS = ("grouped", "per_group")
+LORA_EXPANDS = ("per_projection", "grouped", "in_kernels")
 # EngineConfig.lora_expand may also name one mode for the steps with a prefill chunk and one for the steps
 # of decodes only, as "PREFILL/DECODE" (e.g. "per_projection/grouped"); "hybrid" is the best pair of the
 # figures above: per_projection where a prompt is prefilled (TTFT), in_kernels for decode-only steps (above
@@ -125,10 +120,9 @@ class EngineConfig:
     # to the cuBLAS outputs. "grouped": on the tensor cores, per projection group: on the fused path inside
     # the kernel that reads the group's output anyway (RoPE + cache writes, SiLU·up, add + RMSNorm; no
     # launch of their own), else one triton_ops.lora_expand launch per group;
-    # "per_group": one triton_ops.lora_expand launch per group on every path (the fused one too);
     # "per_projection": one addmm_ per projection (the path before it);
     # "in_kernels": inside the elementwise kernels that follow (RoPE, SiLU·up, add + RMSNorm; fused path
-    # only, else per projection). The shrink is one GEMM per group in all of them. CPU: per projection.
+    # only, else per projection). The shrink is one GEMM per group in all three. CPU: per projection.
     # Chosen per step by its kind (`expand_modes`): "hybrid" is per_projection for a step with a prefill
     # chunk (a mixed step of chunked prefill + decodes too) and in_kernels for a step of decodes only (so
     # every decode CUDA graph: its mode is fixed when it is captured); "PREFILL/DECODE" names the two

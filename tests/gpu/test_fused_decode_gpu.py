@@ -156,8 +156,6 @@ def _run(
     [
         "per_projection",
         "hybrid",
-        "per_group",
-        "per_group/in_kernels",
         pytest.param(
             "grouped",
             marks=pytest.mark.xfail(

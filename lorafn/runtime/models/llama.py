@@ -17,13 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafn.runtime.attention import paged_decode_attention, prefill_attention, write_kv
-from lorafn.runtime.config import (
-    DEFAULT_LORA_EXPAND,
-    DEFAULT_SKINNY_GEMM_ROWS,
-    GROUP_LAUNCH_EXPANDS,
-    ModelConfig,
-    expand_modes,
-)
+from lorafn.runtime.config import DEFAULT_LORA_EXPAND, DEFAULT_SKINNY_GEMM_ROWS, ModelConfig, expand_modes
 from lorafn.runtime.lora import LoRAGroup, LoRAWeights
 from lorafn.runtime.weights import WeightSource
 
@@ -261,7 +255,7 @@ class LlamaModel:
         if self.fused is not None:
             return self._forward_fused(batch, kv_caches, mode)
         # the ops that add a group's expands in one launch (add_expands), or None: one addmm_ each
-        expand_ops = self.ops if mode in GROUP_LAUNCH_EXPANDS else None
+        expand_ops = self.ops if mode == "grouped" else None
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lora_layers = self.lora.layers if self.lora is not None else None
         ops, eps = self.ops, cfg.rms_norm_eps
@@ -315,21 +309,20 @@ class LlamaModel:
         (`expand_mode`, a LORA_EXPANDS name) says: grouped, on the tensor cores over tiles of rows inside
         the kernel that reads the projection's output anyway (q/k/v: RoPE + cache writes; gate/up: SiLU·up;
         o, down: add + RMSNorm from TILED_NORM_MIN_ROWS rows, else one lora_expand launch each; triton_ops),
-        so LoRA costs the 4 shrink GEMMs per layer and at most 2 launches more; per_group, one lora_expand
-        launch per group (4 a layer) before those kernels; per_projection, one addmm_ per projection; or
-        in_kernels, in the fused kernels as a small step does (no launch either, but each of the kernel's
-        programs is one row and reads its rank rows of B again, rows x B bytes)."""
+        so LoRA costs the 4 shrink GEMMs per layer and at most 2 launches more; per_projection, one addmm_
+        per projection; or in_kernels, in the fused kernels as a small step does (no launch either, but each
+        of the kernel's programs is one row and reads its rank rows of B again, rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
         h = F.embedding(batch.input_ids, self.embed)
         # a large step keeps its expands out of the per-row decode kernels (each of their programs reads its
         # rank rows of B again: B's bytes x rows) unless the mode is in_kernels
         settle = batch.input_ids.shape[0] > fd.MAX_TOKENS and mode != "in_kernels"
-        expand_ops = ops if mode in GROUP_LAUNCH_EXPANDS else None
+        expand_ops = ops if mode == "grouped" else None
         # grouped, large step: every expand inside the kernel that reads its projection's output anyway, on
         # the tensor cores over tiles of rows (q/k/v: RoPE + cache writes; o, down: add + RMSNorm; gate/up:
-        # SiLU·up); per_group: one lora_expand launch per group before those kernels
-        tiled = settle and mode == "grouped"
+        # SiLU·up)
+        tiled = settle and expand_ops is not None
 
         def add_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, lora) -> tuple:
             """(h + delta + its expand, the norm of it): o and down's expands (see TILED_NORM_MIN_ROWS)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lorafn.runtime.config import GROUP_LAUNCH_EXPANDS, LORA_EXPANDS, ModelConfig, expand_modes
+from lorafn.runtime.config import LORA_EXPANDS, ModelConfig, expand_modes
 from lorafn.runtime.kv_cache import KVCache
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import LoRAWeights, clear_lora, copy_lora, load_lora, zero_lora
@@ -197,8 +197,7 @@ def main(argv: list[str]) -> None:
                 # expand inside the kernel that follows its GEMM); in_kernels (fused, large steps) has the
                 # q/k/v expands in the per-row RoPE kernel
                 kinds = list(zip([expand_modes(mode)[0 if p else 1] for p in prefill], large, strict=True))
-                # (per_group: the same launches as grouped, each a lora_expand outside the fused kernels)
-                want = groups * sum(m in GROUP_LAUNCH_EXPANDS and (lg or not fused) for m, lg in kinds)
+                want = groups * sum(m == "grouped" and (lg or not fused) for m, lg in kinds)
                 want_in = fused * q_groups * sum(m == "in_kernels" and lg for m, lg in kinds)
                 assert got[2:] == (want, want_in), (
                     f"{name} fused={fused} {mode}: {got[2]} grouped launches, want {want}; "
