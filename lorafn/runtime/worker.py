@@ -1296,10 +1296,9 @@ def serve_worker(settings: WorkerSettings) -> int:
 def with_registered_backbone(settings: WorkerSettings, record: Any) -> WorkerSettings:
     """The settings of a worker started for a function, its backbone named: the registration's where the
     launcher named none (a fresh local worker gets `--function` only). Its heartbeat carries it
-    (`placement_fields`): the controller reads a worker's private weight bytes by it under no sharing, its
-    latency profile is kept under it (`BatchingConfig.backbone`), the replay counts memory by it; a worker
-    heartbeating no backbone was none of these. A launcher that names another backbone than the
-    registration is refused (ValueError naming both)."""
+    (`placement_fields`): the controller reads a worker's private weight bytes by it under no sharing and
+    the replay counts memory by it; a worker heartbeating no backbone had neither. A launcher that names
+    another backbone than the registration is refused (ValueError naming both)."""
     registered = str((record.spec or {}).get("backbone") or "") if record is not None else ""
     if not registered or settings.backbone == registered:
         return settings
