@@ -280,11 +280,14 @@ class ManagedPlatform:
             time.sleep(0.5)
 
     def stop(self, timeout_s: float = 120.0) -> None:
-        """Stop `lorafn up` (SIGINT: workers drain first), keep its logs under the workdir, drop its state."""
+        """Stop `lorafn up` (SIGTERM, as `lorafn down` does: workers drain first), keep its logs under the
+        workdir, drop its state. Not SIGINT: a process started from a background job of a shell without job
+        control inherits SIGINT ignored, and `up` then never heard it (each stop waited `timeout_s`, then
+        killed `up` and left its children running: seen as a CI run launched that way)."""
         if self.store is not None:
             self.store.close()
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
