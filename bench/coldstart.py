@@ -299,7 +299,9 @@ class Platform:
         return out
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
+        # SIGTERM, as `lorafn down` (and the replay's ManagedPlatform.stop) send: a bench started from a
+        # background job of a shell without job control runs `up` with SIGINT ignored
+        self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
