@@ -193,6 +193,12 @@ def summarize_all(results: Sequence[RequestResult], slo_ms: dict[str, float]) ->
     return {"overall": overall, "functions": per_function}
 
 
+def own_bytes(w: WorkerSample, worker_overhead_bytes: int) -> int:
+    """What a worker holds of its own: its reservation, plus `worker_overhead_bytes` (its context) unless the
+    heartbeat carries the driver's count of the whole process, which holds the context already."""
+    return w.mem_bytes + (0 if w.whole_process else worker_overhead_bytes)
+
+
 def held_bytes(
     sample: Sample,
     devices: Sequence[str],
@@ -212,8 +218,7 @@ def held_bytes(
             held[d] += sum(backbone_bytes.values())
     for w in sample.workers:
         extra = 0 if shared or w.whole_process else backbone_bytes.get(w.backbone, 0)
-        overhead = 0 if w.whole_process else worker_overhead_bytes
-        held[w.gpu] = held.get(w.gpu, 0) + w.mem_bytes + overhead + extra
+        held[w.gpu] = held.get(w.gpu, 0) + own_bytes(w, worker_overhead_bytes) + extra
     return held
 
 
@@ -278,7 +283,7 @@ def unshared_gpu_seconds(
     def gpus_at(s: Sample) -> float:
         held = 0
         for w in s.workers:
-            held += w.mem_bytes + (0 if w.whole_process else worker_overhead_bytes)
+            held += own_bytes(w, worker_overhead_bytes)
             if w.state != "standby":
                 held += backbone_bytes.get(w.backbone, 0)
         # the devices are alike in a run (one GPU model); their mean size turns bytes into GPUs
