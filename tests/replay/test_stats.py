@@ -234,6 +234,7 @@ def test_paper_ratios_and_targets() -> None:
         {"full": {**rows["full"], "gpu_seconds_unshared_same_workers": 40 * rows["full"]["gpu_seconds"]}}
     )
     assert same["gpu_seconds_reduction_same_workers"] == pytest.approx(0.975)
+    assert same["gpu_seconds_unshared_same_workers"] == 40 * rows["full"]["gpu_seconds"]
     assert same["gpu_seconds_reduction_same_workers_met"] and same["gpu_seconds_reduction"] is None
 
 
