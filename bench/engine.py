@@ -263,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         help="CUDA: a kernel table of one prefill per engine (torch.profiler, as bench/decode_profile.py)",
     )
     ap.add_argument(
+        "--prefill-graphs",
+        default="",
+        help="CUDA: token buckets of prefill CUDA graphs (EngineConfig.prefill_graph_tokens, comma-separated,"
+        " e.g. 128,512): base and LoRA again with them, TTFT side by side with the eager prefill",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=1, help="rounds of every run (figures: the median over the rounds)"
     )
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -331,15 +337,24 @@ def main(argv: list[str] | None = None) -> int:
     # (figures key, adapter, lora_expand, batches, skinny_gemm_rows): the defaults in full, the others where
     # they differ
     d_rows = DEFAULT_SKINNY_GEMM_ROWS
-    runs = [
-        ("base", None, DEFAULT_LORA_EXPAND, batches, d_rows),
-        ("lora", adapter, DEFAULT_LORA_EXPAND, batches, d_rows),
+    runs: list[tuple[str, Path | None, str, list[int], int, dict]] = [
+        ("base", None, DEFAULT_LORA_EXPAND, batches, d_rows, {}),
+        ("lora", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, {}),
     ]
-    runs += [(f"lora_{m}", adapter, m, large, d_rows) for m in modes]
+    runs += [(f"lora_{m}", adapter, m, large, d_rows, {}) for m in modes]
     for rows in skinny if device.type == "cuda" and large else []:
-        runs += [(f"base_s{rows}", None, DEFAULT_LORA_EXPAND, large, rows)]
-        runs += [(f"lora_s{rows}", adapter, DEFAULT_LORA_EXPAND, large, rows)]
-        runs += [(f"lora_{m}_s{rows}", adapter, m, large, rows) for m in modes]
+        runs += [(f"base_s{rows}", None, DEFAULT_LORA_EXPAND, large, rows, {})]
+        runs += [(f"lora_s{rows}", adapter, DEFAULT_LORA_EXPAND, large, rows, {})]
+        runs += [(f"lora_{m}_s{rows}", adapter, m, large, rows, {}) for m in modes]
+    try:
+        prefill_buckets = tuple(int(t) for t in args.prefill_graphs.split(",") if t)
+    except ValueError:
+        ap.error(f"--prefill-graphs: comma-separated token counts, got {args.prefill_graphs!r}")
+    figures["prefill_graph_tokens"] = list(prefill_buckets)
+    if prefill_buckets and device.type == "cuda":  # TTFT only: decode steps are the same graphs as without
+        pg = {"prefill_graph_tokens": prefill_buckets}
+        runs += [("base_pg", None, DEFAULT_LORA_EXPAND, [], d_rows, pg)]
+        runs += [("lora_pg", adapter, DEFAULT_LORA_EXPAND, [], d_rows, pg)]
     # every run once per round, rounds one after another: each figure is the median over the rounds, so a
     # drift of the machine during the run (the H100's figures moved ±5% between runs) reaches every run alike
     figures["repeats"] = args.repeats
@@ -368,13 +383,20 @@ def main(argv: list[str] | None = None) -> int:
 
     rounds: dict[str, list[dict]] = {name: [] for name, *_rest in runs}
     for _round in range(args.repeats):
-        for name, adapter_dir, mode, run_batches, rows in runs:
+        for name, adapter_dir, mode, run_batches, rows, overrides in runs:
             t0 = time.perf_counter()
-            engine = engine_for(adapter_dir, mode, rows)
+            engine = engine_for(adapter_dir, mode, rows, **overrides)
             figures[f"{name}_engine_start_s"] = time.perf_counter() - t0
             figures[f"{name}_graph_capture_s"] = engine.runner.graph_capture_s
+            pgr = engine.runner.prefill_graphs
+            if pgr is not None:
+                figures[f"{name}_prefill_capture_s"] = pgr.capture_s
+            if device.type == "cuda":  # what the engine holds besides the backbone (graph pools included)
+                figures[f"{name}_reserved_bytes"] = int(torch.cuda.memory_reserved(device))
             figures["weight_bytes"] = engine.runner.model.weight_bytes()
             rounds[name].append(measure_engine(engine, prompt_len, run_batches, decode_tokens, mc.vocab_size))
+            if pgr is not None:
+                figures[f"{name}_prefill_replays"] = pgr.replays  # > 0: the TTFT above is the graph's
             del engine
             gc.collect()
             if device.type == "cuda":
@@ -382,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, results in rounds.items():
         figures[name] = median_result(results)
     if args.profile_prefill and device.type == "cuda":  # after every timing: CUPTI slowed what ran after it
-        for name, adapter_dir, mode, _batches, rows in runs:
+        for name, adapter_dir, mode, _batches, rows, overrides in runs:
+            if overrides:  # the prefill-graph runs: one replay, nothing for the profiler to split
+                continue
             one = {"max_num_seqs": 1, "num_kv_blocks": None, "use_cuda_graphs": False}
             engine = engine_for(adapter_dir, mode, rows, **one)
             figures[name]["prefill_kernels"] = profile_prefill(engine, prompt_len, mc.vocab_size)
@@ -402,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print_table(figures, batches, tiny)
     print_skinny(figures, large)
+    print_prefill_graphs(figures)
     print_prefill_kernels(figures, [name for name, *_rest in runs])
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
@@ -426,6 +451,25 @@ def print_skinny(f: dict, large: list[int]) -> None:
                 ref = f["base"]["tpot_s"][b]
                 line += f" | {m} {r * ms:6.2f} {100 * (r / base - 1):+5.1f}% ({100 * (r / ref - 1):+5.1f}%)"
             print(line)
+
+
+def print_prefill_graphs(f: dict) -> None:
+    """TTFT with prefill CUDA graphs beside the eager prefill, base and LoRA, and what the graphs cost."""
+    if "lora_pg" not in f:
+        return
+    ms = 1e3
+    base, lora, base_pg, lora_pg = (f[n]["ttft_s"] for n in ("base", "lora", "base_pg", "lora_pg"))
+    buckets, n = f["prefill_graph_tokens"], f["prompt_len"]
+    print(f"\nprefill CUDA graphs (buckets {buckets} tokens), TTFT of a {n}-token prompt:")
+    print(f"  eager: base {base * ms:.1f} ms, lora {lora * ms:.1f} ms (lora/base {lora / base:.3f})")
+    print(
+        f"  graph: base {base_pg * ms:.1f} ms, lora {lora_pg * ms:.1f} ms (lora/base "
+        f"{lora_pg / base_pg:.3f}; lora graph / base eager {lora_pg / base:.3f}; "
+        f"replays {f.get('lora_pg_prefill_replays', 0)})"
+    )
+    capture = f.get("lora_pg_prefill_capture_s", 0.0)
+    extra = f.get("lora_pg_reserved_bytes", 0) - f.get("lora_reserved_bytes", 0)
+    print(f"  capture {capture:.2f} s (lora); reserved at start {extra / 2**20:+.0f} MiB against lora eager")
 
 
 def print_table(f: dict, batches: list[int], tiny: bool) -> None:

@@ -97,6 +97,13 @@ class EngineConfig:
     # start (it waits anyway).
     lazy_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
+    # CUDA: token buckets of prefill graphs (cuda_graphs.PrefillGraphRunner): a step that is one prompt's
+    # first chunk alone (no decodes in it, from position 0) replays the graph of the smallest bucket that
+    # holds it, padded (causal attention: no real row sees the padding) instead of ~30 launches per layer
+    # from Python. Captured with the decode graphs (a standby's start) or one per idle moment (lazy_graphs),
+    # never on a request's path; not archived; buckets above max_num_batched_tokens or max_model_len are
+    # left out. Each costs a capture and the pool holds the largest bucket's activations. Empty: none.
+    prefill_graph_tokens: tuple[int, ...] = ()
     # CUDA: decode state in a fixed-address arena, and decode graphs restored from an archive written by the
     # first worker of the same key instead of captured (graph_cache.py; a standby's start, a lazy worker's
     # first decode step); archives under `graph_archive_dir` (default: cache_dir) /graphs/
@@ -177,6 +184,13 @@ class EngineConfig:
                 f"cuda_graph_batch_sizes: positive sizes needed, got {self.cuda_graph_batch_sizes}"
             )
         self.cuda_graph_batch_sizes = sizes
+        tokens = tuple(sorted(set(self.prefill_graph_tokens)))
+        if tokens and (tokens[0] < 2 or tokens[-1] > self.max_num_batched_tokens):
+            raise ValueError(
+                f"prefill_graph_tokens: token buckets in [2, max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}] needed, got {self.prefill_graph_tokens}"
+            )
+        self.prefill_graph_tokens = tokens
 
     @property
     def resolved_cache_dir(self) -> Path:

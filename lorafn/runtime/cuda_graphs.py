@@ -7,6 +7,12 @@ a context length of 1, so they compute garbage that nobody reads and touch no re
 
 The graph materialization issue builds on `DecodeGraphRunner`: what it captures depends only on the
 model, the adapter shape, the buckets and `max_blocks_per_seq` (never on context lengths).
+
+Prefill graphs (`PrefillGraphRunner`, `EngineConfig.prefill_graph_tokens`) take the other common step: one
+prompt's first chunk alone (no decodes, from position 0), padded to a token bucket. Padding rows come after
+the real ones, and attention is causal, so no real row attends to them; their K/V go to the scratch slot.
+A prefill of the 7B is host-bound in eager mode (~940 launches for 512 tokens, 13 ms of GPU work in a
+25 ms TTFT on the H100): one replay launches it all.
 """
 
 from __future__ import annotations
@@ -73,6 +79,45 @@ def pad_decode_inputs(
     return DecodeInputs(ids, pos, slot, tables, ctx)
 
 
+def pad_prefill_inputs(
+    token_ids: Sequence[int], slots: Sequence[int], bucket: int, scratch_slot: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """[bucket] int64 token ids and KV slots of one prompt's first chunk of n <= bucket tokens: the padding
+    rows read token 0 and write their K/V to the scratch slot (a previous replay's real slots must not be
+    left in the tail: its rows would overwrite that sequence's cache)."""
+    n = len(token_ids)
+    if n > bucket:
+        raise ValueError(f"a chunk of {n} tokens does not fit in prefill bucket {bucket}")
+    if len(slots) != n:
+        raise ValueError(f"{len(slots)} KV slots for {n} tokens")
+    ids = np.zeros(bucket, dtype=np.int64)
+    slot = np.full(bucket, scratch_slot, dtype=np.int64)
+    ids[:n], slot[:n] = token_ids, slots
+    return ids, slot
+
+
+def capture_forward(model, kv_cache, batch, pool, stream, warmup_pool=None, keep_graph: bool = False):
+    """(graph, its output): model.forward(batch) captured on ``stream`` into ``pool``, after two warm-up
+    forwards on that stream (lazy module loads, Triton compiles, cuBLAS workspaces; in ``warmup_pool`` when
+    given). With ``keep_graph`` the cudaGraph_t is kept for walking (graph_restore.py), instantiated here."""
+    import contextlib
+
+    import torch
+
+    stream.wait_stream(torch.cuda.current_stream())
+    routed = contextlib.nullcontext() if warmup_pool is None else torch.cuda.use_mem_pool(warmup_pool)
+    with torch.cuda.stream(stream), routed:
+        for _ in range(2):
+            model.forward(batch, kv_cache.layers)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        output = model.forward(batch, kv_cache.layers)
+    if keep_graph:
+        graph.instantiate()
+    return graph, output
+
+
 class DecodeGraphRunner:
     """Captures model.forward for decode batches of each bucket size and replays them."""
 
@@ -127,7 +172,6 @@ class DecodeGraphRunner:
         instead of a new one, `warmup_pool` (a MemPool) for the warm-ups' allocations (the capture
         stream's cuBLAS workspace is made there and named by the graphs), `keep_graph` to keep each
         cudaGraph_t for walking (then instantiated here, as without it)."""
-        import contextlib
         import time
 
         import torch
@@ -143,19 +187,9 @@ class DecodeGraphRunner:
             raise ValueError(f"buckets {unknown} are not among this runner's {list(self.buckets)}")
         stream = torch.cuda.Stream()
         for bucket in reversed(todo):
-            batch = self._batch(bucket)
-            stream.wait_stream(torch.cuda.current_stream())
-            routed = contextlib.nullcontext() if warmup_pool is None else torch.cuda.use_mem_pool(warmup_pool)
-            with torch.cuda.stream(stream), routed:  # warm-up: lazy module loads, Triton compiles, cuBLAS
-                for _ in range(2):
-                    self.model.forward(batch, self.kv_cache.layers)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self.outputs[bucket] = self.model.forward(batch, self.kv_cache.layers)
-            if keep_graph:
-                graph.instantiate()
-            self.graphs[bucket] = graph
+            self.graphs[bucket], self.outputs[bucket] = capture_forward(
+                self.model, self.kv_cache, self._batch(bucket), self.pool, stream, warmup_pool, keep_graph
+            )
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -212,3 +246,116 @@ class DecodeGraphRunner:
             static[:bucket].copy_(torch.from_numpy(host), non_blocking=True)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
+
+
+class PrefillGraphRunner:
+    """Captures model.forward for one prompt's first chunk (no decodes, from position 0) at each token
+    bucket, and replays it (see the module docstring for the padding). Its own memory pool: the graphs of
+    all buckets share it (captured largest first), the decode graphs do not (theirs may be an arena's)."""
+
+    def __init__(self, model, kv_cache, buckets: Sequence[int]) -> None:
+        import torch
+
+        from lorafn.runtime.models.llama import PrefillSpan
+
+        self.model, self.kv_cache = model, kv_cache
+        self.buckets = tuple(sorted(set(buckets)))
+        if not self.buckets or self.buckets[0] < 2:
+            raise ValueError(f"prefill graph buckets must be >= 2 tokens, got {list(buckets)}")
+        device = model.device
+        largest = self.buckets[-1]
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.arange(largest, dtype=torch.int64, device=device)  # every chunk starts at 0
+        self.slot_mapping = torch.full((largest,), kv_cache.scratch_slot, dtype=torch.int64, device=device)
+        self.logits_index = torch.zeros(1, dtype=torch.int64, device=device)  # the chunk's last real row
+        self._span = PrefillSpan
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_s = 0.0
+        self.replays = 0  # steps served by a replay (tests, the worker's log)
+
+    def _batch(self, bucket: int):
+        from lorafn.runtime.models.llama import ForwardBatch
+
+        return ForwardBatch(
+            input_ids=self.input_ids[:bucket],
+            positions=self.positions[:bucket],
+            slot_mapping=self.slot_mapping[:bucket],
+            num_decodes=0,
+            block_tables=None,
+            context_lens=None,
+            prefills=[self._span(0, bucket, 0, None)],
+            logits_indices=self.logits_index,
+        )
+
+    @property
+    def pending(self) -> list[int]:
+        """Buckets not captured yet, ascending."""
+        return [b for b in self.buckets if b not in self.graphs]
+
+    def capture(self, buckets: Sequence[int] | None = None) -> float:
+        """Capture ``buckets`` (default: every pending one), largest first; seconds taken."""
+        import time
+
+        import torch
+
+        t0 = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        todo = self.pending if buckets is None else sorted({b for b in buckets if b not in self.graphs})
+        unknown = [b for b in todo if b not in self.buckets]
+        if unknown:
+            raise ValueError(f"prefill buckets {unknown} are not among this runner's {list(self.buckets)}")
+        stream = torch.cuda.Stream()
+        for bucket in reversed(todo):
+            # the warm-ups and the capture run over whatever the static inputs hold: their K/V go to the
+            # scratch slot (the tail of slot_mapping is kept at it between replays, see `run`)
+            self.slot_mapping.fill_(self.kv_cache.scratch_slot)
+            self.logits_index.fill_(bucket - 1)
+            self.graphs[bucket], self.outputs[bucket] = capture_forward(
+                self.model, self.kv_cache, self._batch(bucket), self.pool, stream
+            )
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        self.capture_s += seconds
+        return seconds
+
+    def release(self) -> None:
+        """Drop every graph, its output and the static inputs (as `DecodeGraphRunner.release`); unusable
+        afterwards."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.input_ids = self.positions = self.slot_mapping = self.logits_index = None
+        self.pool = None
+        self.kv_cache = None
+
+    def held_tensors(self) -> list:
+        """The runner's tensors outside its pool's scratch: static inputs and the graphs' outputs."""
+        held = [self.input_ids, self.positions, self.slot_mapping, self.logits_index]
+        return [t for t in held + list(self.outputs.values()) if t is not None]
+
+    def can_run(self, num_tokens: int) -> bool:
+        """Whether a captured bucket takes a first chunk of ``num_tokens`` tokens (one-token chunks go the
+        decode path, `ModelRunner._ordered`)."""
+        return num_tokens > 1 and bucket_for(num_tokens, list(self.graphs)) is not None
+
+    def run(self, token_ids: Sequence[int], slots: Sequence[int], samples: bool):
+        """Logits [1, vocab] (float32, a view of the graph's output) of the chunk's last token, or [0, vocab]
+        when the chunk does not sample (a long prompt's first chunk)."""
+        import torch
+
+        n = len(token_ids)
+        bucket = bucket_for(n, list(self.graphs))
+        if bucket is None or n < 2:
+            raise ValueError(f"no captured prefill graph takes {n} tokens (captured: {sorted(self.graphs)})")
+        ids, slot = pad_prefill_inputs(token_ids, slots, bucket, self.kv_cache.scratch_slot)
+        self.input_ids[:bucket].copy_(torch.from_numpy(ids), non_blocking=True)
+        self.slot_mapping[:bucket].copy_(torch.from_numpy(slot), non_blocking=True)
+        self.logits_index.fill_(n - 1)
+        self.graphs[bucket].replay()
+        self.replays += 1
+        out = self.outputs[bucket]
+        return out if samples else out[:0]

@@ -202,7 +202,8 @@ class Engine:
 
     def capture_pending_graph(self) -> bool:
         """Idle time of a lazily started engine (`EngineConfig.lazy_graphs`): capture one decode graph it
-        has not captured yet; False when none is left (then there is nothing for idle time)."""
+        has not captured yet, then one prefill graph (`EngineConfig.prefill_graph_tokens`); False when none
+        is left (then there is nothing for idle time)."""
         return self.runner.capture_pending_graph()
 
     def add_request(

@@ -9,7 +9,9 @@ detokenization, and never touches a tensor of the model.
 Batch layout: single-token chunks first (paged decode attention: the scheduler's decodes, plus any
 other one-token chunk, e.g. a one-token prompt), then multi-token chunks (SDPA over cached prefix +
 chunk). A step of the scheduler's decodes only (`SchedulerOutput.num_decodes` == every chunk) replays
-the CUDA graph of its batch bucket instead, on CUDA.
+the CUDA graph of its batch bucket instead, on CUDA; a step of one prompt's first chunk alone replays a
+prefill graph of its token bucket when `EngineConfig.prefill_graph_tokens` asks for them (captured with the
+decode graphs, or in idle time by a lazy worker; never on a request's path).
 
 What the graphs capture depends on the model, the adapter's shape, the buckets and
 `max_blocks_per_seq`, so an adapter bound later means new LoRA weights in `self.lora`/`self.model.lora`
@@ -29,7 +31,7 @@ import torch
 
 from lorafn.runtime.block_manager import blocks_for_tokens, slot_mapping
 from lorafn.runtime.config import EngineConfig, ModelConfig
-from lorafn.runtime.cuda_graphs import DecodeGraphRunner, bucket_for, graph_buckets
+from lorafn.runtime.cuda_graphs import DecodeGraphRunner, PrefillGraphRunner, bucket_for, graph_buckets
 from lorafn.runtime.kv_cache import (
     KVCache,
     block_bytes,
@@ -165,6 +167,7 @@ class ModelRunner:
             with in_state():
                 self.kv_cache = KVCache(model_config, self.num_blocks, config.block_size, device, dtype)
             self.graphs: DecodeGraphRunner | None = None
+            self.prefill_graphs: PrefillGraphRunner | None = None
             if self.archives is not None:
                 self._archived_state(use_triton)
         except BaseException:
@@ -237,6 +240,7 @@ class ModelRunner:
                 else:
                     archives.outcome = "lazy"
                 self.startup_s.setdefault("graphs", self.graph_capture_s)
+                self._new_prefill_graphs()
                 return
             archives.abandon(
                 f"decode graphs recaptured outside the arena (max_blocks_per_seq {max_blocks_per_seq}, "
@@ -245,6 +249,30 @@ class ModelRunner:
         self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self._buckets(), max_blocks_per_seq)
         self.graph_capture_s = 0.0 if cfg.lazy_graphs else self.graphs.capture()
         self.startup_s.setdefault("graphs", self.graph_capture_s)  # the first capture (a start's)
+        self._new_prefill_graphs()
+
+    def _prefill_buckets(self) -> list[int]:
+        """The configured prefill buckets a first chunk can fill: at most max_num_batched_tokens (a chunk's
+        size) and max_model_len (the RoPE tables' length)."""
+        cap = min(self.config.max_num_batched_tokens, self.max_model_len)
+        return [b for b in self.config.prefill_graph_tokens if b <= cap]
+
+    def _new_prefill_graphs(self, capture: bool | None = None) -> None:
+        """Prefill graphs over the current model, adapter buffers and KV cache (the old ones released):
+        captured now (`capture`, default: unless `lazy_graphs`) or left pending for idle time."""
+        self._drop_prefill_graphs()
+        buckets = self._prefill_buckets()
+        if self.device.type != "cuda" or not self.config.use_cuda_graphs or not buckets:
+            return
+        self.prefill_graphs = PrefillGraphRunner(self.model, self.kv_cache, buckets)
+        if capture if capture is not None else not self.config.lazy_graphs:
+            seconds = self.prefill_graphs.capture()
+            self.startup_s.setdefault("prefill_graphs", seconds)
+
+    def _drop_prefill_graphs(self) -> None:
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+            self.prefill_graphs = None
 
     def _capture_bucket(self, bucket: int) -> tuple[float, str]:
         """One pending bucket's graph (a lazy worker's), or every bucket from the archive when one of this
@@ -277,7 +305,7 @@ class ModelRunner:
         none is left."""
         g = self.graphs
         if g is None or not g.pending:
-            return False
+            return self._capture_pending_prefill_graph()
         bucket = g.pending[-1]
         seconds, how = self._capture_bucket(bucket)
         self.graph_capture_s += seconds
@@ -287,9 +315,23 @@ class ModelRunner:
         )  # fmt: skip
         return True
 
+    def _capture_pending_prefill_graph(self) -> bool:
+        """One pending prefill graph, the largest (after every decode graph); False when none is left."""
+        pg = self.prefill_graphs
+        if pg is None or not pg.pending:
+            return False
+        bucket = pg.pending[-1]
+        seconds = pg.capture([bucket])
+        log.info(
+            "prefill graph for %d tokens captured while idle in %.0f ms (%d left)",
+            bucket, seconds * 1000, len(pg.pending),
+        )  # fmt: skip
+        return True
+
     @property
     def graphs_pending(self) -> bool:
-        return self.graphs is not None and bool(self.graphs.pending)
+        pending = self.graphs is not None and bool(self.graphs.pending)
+        return pending or (self.prefill_graphs is not None and bool(self.prefill_graphs.pending))
 
     def bind_adapter(self, adapter_dir: str | Path) -> str:
         """Load an adapter into a standby's runner; how it went, for the log.
@@ -358,6 +400,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()  # graphs reset, outputs (in the pool) and static inputs dropped
             self.graphs = None
+        self._drop_prefill_graphs()  # they name the cache too; back pending on unpark
         self.kv_cache = None
         if cuda:
             # cuBLAS workspaces (one per stream that ran a GEMM: each lazy capture's side stream made one)
@@ -386,6 +429,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.model_config, self.num_blocks, cfg.block_size, self.device, self.dtype)
         if self._graphs_on_unpark:
             self.graphs = self._pending_graphs()
+            self._new_prefill_graphs(capture=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.unpark_s = time.perf_counter() - t0
@@ -402,7 +446,7 @@ class ModelRunner:
         Unparked on CUDA: the KV cache, the graphs' tensors and everything the allocator holds unused (the
         graph pool, cached activations), which `empty_cache` returns; on CPU the KV bytes."""
         # each attribute read once: the heartbeat thread asks while the serving loop may be parking
-        cache, g = self.kv_cache, self.graphs
+        cache, g, pg = self.kv_cache, self.graphs, self.prefill_graphs
         if cache is None:
             return self.parked_release_bytes
         kv = cache.nbytes
@@ -413,6 +457,8 @@ class ModelRunner:
             held = [g.input_ids, g.positions, g.slot_mapping, g.block_tables, g.context_lens]
             held += list(g.outputs.values())
             graph_tensors = sum(t.numel() * t.element_size() for t in held if t is not None)
+        if pg is not None:
+            graph_tensors += sum(t.numel() * t.element_size() for t in pg.held_tensors())
         unused = int(torch.cuda.memory_reserved(self.device)) - int(torch.cuda.memory_allocated(self.device))
         return max(kv, kv + graph_tensors + unused)
 
@@ -440,10 +486,12 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        self._drop_prefill_graphs()
         self.kv_cache = self.kv_cache.resized(num_blocks)
         self.num_blocks = num_blocks
         if had_graphs:
             self.graphs = self._pending_graphs()
+            self._new_prefill_graphs(capture=False)
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the old cache and the graphs' pool go back to the driver
@@ -565,6 +613,11 @@ class ModelRunner:
                 [c.seq.block_table for c in chunks],
             )
             return sampling, logits  # every decode samples
+        pg = self.prefill_graphs
+        if pg is not None and len(chunks) == 1 and chunks[0].start == 0 and pg.can_run(chunks[0].num_tokens):
+            c = chunks[0]
+            slots = slot_mapping(c.seq.block_table, 0, c.num_tokens, self.config.block_size)
+            return sampling, pg.run(c.seq.token_ids_range(0, c.end), slots, c.samples)
         return sampling, self.model.forward(self._build_batch(chunks), self.kv_cache.layers)
 
     @staticmethod

@@ -57,7 +57,7 @@ from typing import Any, Literal, Protocol
 
 import redis
 import typer
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lorafn.api.settings import SharedSettings
 from lorafn.runtime.batching import Batching, BatchingConfig, gpu_model_name
@@ -982,6 +982,14 @@ class Worker:
 app = typer.Typer(help="Run a worker: the serving loop of one function.", no_args_is_help=True)
 
 
+def token_buckets(text: str) -> tuple[int, ...]:
+    """ "128, 512" -> (128, 512); "" -> (). ValueError naming the setting for anything else."""
+    try:
+        return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise ValueError(f"prefill_graph_tokens: comma-separated token counts, got {text!r}") from None
+
+
 class WorkerSettings(SharedSettings):
     """A worker's configuration (env prefix `LORAFN_`, e.g. `LORAFN_FUNCTION`); Redis URL, key prefix and
     heartbeat TTL come from `SharedSettings`, so they match the gateway's and the operator's."""
@@ -1033,6 +1041,21 @@ class WorkerSettings(SharedSettings):
         "captured when a decode step first needs it, the rest while idle (its first token waits for none; "
         "~1.2-1.6 s of a 7B's start on an H100)",
     )
+    prefill_graph_tokens: str = Field(
+        default="",
+        description="CUDA: token buckets of prefill CUDA graphs, comma-separated (e.g. 128,512): a prompt's "
+        "first chunk alone replays the graph of the smallest bucket that holds it instead of launching each "
+        "kernel from Python (EngineConfig.prefill_graph_tokens); empty: none",
+    )
+
+    @field_validator("prefill_graph_tokens")
+    @classmethod
+    def _buckets(cls, value: str) -> str:
+        buckets = token_buckets(value)  # the engine bounds them by its chunk size
+        if any(b < 2 for b in buckets):
+            raise ValueError(f"prefill_graph_tokens: buckets of at least 2 tokens, got {value!r}")
+        return ",".join(map(str, sorted(set(buckets))))
+
     graph_archives: bool = Field(
         default=False,
         description="CUDA: build the decode state in a fixed-address arena and restore decode graphs from "
@@ -1191,6 +1214,7 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
         EngineConfig(
             model=model,
             adapter=adapter,
+            prefill_graph_tokens=token_buckets(settings.prefill_graph_tokens),
             device=settings.device,
             dtype=settings.dtype,
             max_num_seqs=settings.max_running,

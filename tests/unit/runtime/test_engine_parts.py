@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from lorafn.runtime.config import EngineConfig, ModelConfig
-from lorafn.runtime.cuda_graphs import bucket_for, graph_buckets, pad_decode_inputs
+from lorafn.runtime.cuda_graphs import bucket_for, graph_buckets, pad_decode_inputs, pad_prefill_inputs
 from lorafn.runtime.kv_cache import (
     KVCache,
     block_bytes,
@@ -80,6 +80,23 @@ def test_pad_decode_inputs_pads_with_scratch() -> None:
         pad_decode_inputs(
             [1] * 5, [0] * 5, [0] * 5, [[0]] * 5, bucket=4, max_blocks=4, scratch_block=9, block_size=16
         )
+
+
+def test_pad_prefill_inputs_sends_the_padding_to_scratch() -> None:
+    # a previous, longer replay's slots must not stay in the tail: its rows would write over that cache
+    ids, slots = pad_prefill_inputs([5, 6, 7], [32, 33, 34], bucket=5, scratch_slot=144)
+    assert ids.tolist() == [5, 6, 7, 0, 0] and ids.dtype == np.int64
+    assert slots.tolist() == [32, 33, 34, 144, 144] and slots.dtype == np.int64
+    with pytest.raises(ValueError, match="bucket 4"):
+        pad_prefill_inputs([1] * 5, [0] * 5, bucket=4, scratch_slot=0)
+    with pytest.raises(ValueError, match="2 KV slots for 3 tokens"):
+        pad_prefill_inputs([1, 2, 3], [0, 1], bucket=4, scratch_slot=0)
+
+
+def test_prefill_graph_tokens_sorted_and_bounded_by_the_chunk_size() -> None:
+    cfg = EngineConfig(model="/m", prefill_graph_tokens=(512, 64, 512), max_num_batched_tokens=512)
+    assert cfg.prefill_graph_tokens == (64, 512)
+    assert EngineConfig(model="/m").prefill_graph_tokens == ()  # off unless asked for
 
 
 def test_kv_sizing() -> None:
@@ -189,6 +206,8 @@ def test_model_config_parsing() -> None:
         (dict(block_size=0), "block_size"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(cuda_graph_batch_sizes=(0,)), "cuda_graph_batch_sizes"),
+        (dict(prefill_graph_tokens=(1, 64)), "prefill_graph_tokens"),
+        (dict(prefill_graph_tokens=(4096,), max_num_batched_tokens=2048), "prefill_graph_tokens"),
     ],
 )
 def test_engine_config_validation(kwargs: dict, field: str) -> None:

@@ -79,3 +79,17 @@ def test_a_gpu_worker_asks_for_one_cuda_connection_unless_configured(monkeypatch
     monkeypatch.setenv("LORAFN_CUDA_MAX_CONNECTIONS", "0")
     with pytest.raises(ValueError, match="cuda_max_connections"):
         WorkerSettings()
+
+
+def test_prefill_graph_buckets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorafn.runtime import EngineConfig
+
+    monkeypatch.setenv("LORAFN_PREFILL_GRAPH_TOKENS", "512, 128")
+    s = WorkerSettings()
+    assert s.prefill_graph_tokens == "128,512"
+    # what make_engine hands the engine, which bounds the buckets by its chunk size
+    assert EngineConfig(model="/m", prefill_graph_tokens=worker.token_buckets(s.prefill_graph_tokens))
+    assert WorkerSettings(prefill_graph_tokens="").prefill_graph_tokens == ""
+    for bad in ("128,x", "1,64"):
+        with pytest.raises(ValueError, match="prefill_graph_tokens"):
+            WorkerSettings(prefill_graph_tokens=bad)
