@@ -54,6 +54,7 @@ def child(cfg: dict) -> dict:
             kv_cache_memory_bytes=cfg.get("kv_mib", 8) << 20,
             max_num_seqs=cfg.get("max_num_seqs", 16),
             weight_source=source,
+            prefill_graph_tokens=tuple(cfg.get("prefill_tokens", ())),
         )
     )
     t_engine = time.perf_counter()
@@ -91,6 +92,7 @@ def child(cfg: dict) -> dict:
         "tokens": tokens,
         "single": single,
         "per_batch": per_batch,
+        "prefill_replays": runner.prefill_graphs.replays if runner.prefill_graphs is not None else 0,
     }
 
 

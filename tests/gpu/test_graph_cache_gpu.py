@@ -106,6 +106,15 @@ def test_archived_graphs_restore_in_standbys_and_lazy_workers(
     assert damaged["at_start"].startswith("refused"), damaged["log"]
     assert "not used" in damaged["log"]
     assert damaged["tokens"] == reference["tokens"]
+    # 7. prefill graphs beside archived decode graphs (float32: a padded prefill must give the eager tokens):
+    # the standby restores its decode graphs, captures its prefill ones outside the arena; the prompts run
+    # alone (the two "single" ones, 5 and 19 tokens, and the batch of one, 5) replay buckets 8, 32 and 8
+    f32 = {**common, "dtype": "float32"}
+    ref32 = _child({**f32, "adapter": a1, "archives": False})
+    for expected in ("captured", "restored"):
+        pg = _child({**f32, "lora_shape": shape, "bind": a1, "prefill_tokens": [8, 32]})
+        assert pg["at_start"] == expected, pg["log"]
+        assert (pg["tokens"], pg["single"], pg["prefill_replays"]) == (ref32["tokens"], ref32["single"], 3)
 
 
 def test_archived_graphs_over_the_shared_backbone(
