@@ -45,3 +45,9 @@ class SharedSettings(BaseSettings):
 def env_name(field: str) -> str:
     """The environment variable of a settings field (`redis_url` -> `LORAFN_REDIS_URL`)."""
     return f"{ENV_PREFIX}{field.upper()}"
+
+
+def parked_keep_alive(value: object) -> object:
+    """The parked keep-alive setting before validation (`lorafn up`'s and the controller's): "function" is
+    None, its function's keep-alive; seconds and "inf" pass on to the float field."""
+    return None if value == "function" else value

@@ -54,6 +54,13 @@ CONFIGS: dict[str, ReplayConfig] = {
             "parked ones staying until memory is needed (park_idle: true, parked_keep_alive_s: inf)",
             {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "inf"},
         ),
+        # the shipped parked keep-alive before the 10-minute H100 replay (now 300 s, LocalConfig)
+        ReplayConfig(
+            "parked-function",
+            "full, but parked workers exit at their function's keep-alive instead of after 300 s idle "
+            "(parked_keep_alive_s: function)",
+            {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "function"},
+        ),
         # the simulator's best row, "park idle 50 s + never" (docs/benchmarks.md): an idle worker parks
         # before its keep-alive instead of exiting
         ReplayConfig(

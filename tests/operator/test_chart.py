@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import os
 import shutil
 import subprocess
@@ -307,10 +309,17 @@ def test_graph_archive_values_reach_the_worker_settings(
 
 
 @pytest.mark.parametrize(
-    ("extra", "expected"), [([], None), (["--set-string", "x=inf"], "inf"), (["--set", "x=120"], "120")]
+    ("extra", "expected", "seconds"),
+    [
+        ([], "300", 300.0),  # the chart's default
+        (["--set", "x=null"], None, 300.0),  # absent: the controller's default
+        (["--set-string", "x=inf"], "inf", math.inf),
+        (["--set", "x=120"], "120", 120.0),
+        (["--set-string", "x=function"], "function", None),  # the function's keep-alive
+    ],
 )
 def test_the_parked_keep_alive_reaches_the_controller_settings(
-    monkeypatch: pytest.MonkeyPatch, extra: list[str], expected: str | None
+    monkeypatch: pytest.MonkeyPatch, extra: list[str], expected: str | None, seconds: float | None
 ) -> None:
     """controller.parkedKeepAliveSeconds -> LORAFN_PARKED_KEEP_ALIVE_S (absent when null) -> the controller's
     parked_keep_alive_s; a negative number or another string is refused by the schema."""
@@ -325,7 +334,7 @@ def test_the_parked_keep_alive_reaches_the_controller_settings(
     monkeypatch.delenv("LORAFN_PARKED_KEEP_ALIVE_S", raising=False)
     if expected is not None:
         monkeypatch.setenv("LORAFN_PARKED_KEEP_ALIVE_S", expected)
-    assert ControllerSettings().parked_keep_alive_s == (None if expected is None else float(expected))
+    assert ControllerSettings().parked_keep_alive_s == seconds
     for bad in (
         ["--set", "controller.parkedKeepAliveSeconds=-3"],
         ["--set-string", "controller.parkedKeepAliveSeconds=soon"],

@@ -275,8 +275,13 @@ def test_every_configuration_is_a_valid_platform_config_and_parking_turns_park_i
     assert {k: v for k, v in local50.items() if k != "park_after_s"} == local
     assert LocalConfig(**local50).park_after_s == 50.0 and LocalConfig(**local50).park_idle
     assert LocalConfig().park_idle  # on by default (the H100 replay); the parking rows say so explicitly
-    assert LocalConfig().parked_keep_alive_s is None and LocalConfig().park_after_s is None
+    # parked workers kept 300 s by default (the 10-minute H100 replay): "full" has it, "parked-function"
+    # keeps the function's keep-alive (the default before)
+    assert LocalConfig().parked_keep_alive_s == 300.0 and LocalConfig().park_after_s is None
+    pf, _, _ = resolve(CONFIGS["parked-function"], fields)
+    assert LocalConfig(**pf).parked_keep_alive_s is None and LocalConfig(**pf).park_idle
     assert "parking" not in DEFAULT_CONFIGS and "parking-50" not in DEFAULT_CONFIGS
+    assert "parked-function" not in DEFAULT_CONFIGS
     # "full" parks (the default, said explicitly) and "no-parking" is its ablation row, by default
     full, _, _ = resolve(CONFIGS["full"], fields)
     off, _, _ = resolve(CONFIGS["no-parking"], fields)

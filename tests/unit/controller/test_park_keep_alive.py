@@ -99,8 +99,10 @@ def test_the_parked_keep_alive_is_a_controller_and_a_local_setting(monkeypatch) 
     from lorafn.controller.cli import ControllerSettings, build_controller
     from lorafn.local.config import LocalConfig
 
-    assert ControllerSettings().parked_keep_alive_s is None and LocalConfig().parked_keep_alive_s is None
-    for value, expected in (("inf", math.inf), ("120", 120.0)):
+    # shipped: 300 s (the 10-minute H100 replay); "function" (or null in up.yaml): the function's keep-alive
+    assert ControllerSettings().parked_keep_alive_s == 300.0 and LocalConfig().parked_keep_alive_s == 300.0
+    assert LocalConfig(parked_keep_alive_s=None).parked_keep_alive_s is None
+    for value, expected in (("inf", math.inf), ("120", 120.0), ("function", None)):
         monkeypatch.setenv("LORAFN_PARKED_KEEP_ALIVE_S", value)
         settings = ControllerSettings(redis_url="redis://127.0.0.1:1")
         assert build_controller(settings).config.policy.parked_keep_alive_s == expected
