@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         pg = {"prefill_graph_tokens": prefill_buckets}
         runs += [("base_pg", None, DEFAULT_LORA_EXPAND, [], d_rows, pg)]
         runs += [("lora_pg", adapter, DEFAULT_LORA_EXPAND, [], d_rows, pg)]
+        runs += [(f"lora_pg_{m}", adapter, m, [], d_rows, pg) for m in modes]
     # every run once per round, rounds one after another: each figure is the median over the rounds, so a
     # drift of the machine during the run (the H100's figures moved ±5% between runs) reaches every run alike
     figures["repeats"] = args.repeats
@@ -397,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds[name].append(measure_engine(engine, prompt_len, run_batches, decode_tokens, mc.vocab_size))
             if pgr is not None:
                 figures[f"{name}_prefill_replays"] = pgr.replays  # > 0: the TTFT above is the graph's
+            if device.type == "cuda":  # after prefills and decodes: the eager runs' cached activations too
+                figures[f"{name}_reserved_after_bytes"] = int(torch.cuda.memory_reserved(device))
             del engine
             gc.collect()
             if device.type == "cuda":
@@ -467,9 +470,19 @@ def print_prefill_graphs(f: dict) -> None:
         f"{lora_pg / base_pg:.3f}; lora graph / base eager {lora_pg / base:.3f}; "
         f"replays {f.get('lora_pg_prefill_replays', 0)})"
     )
+    for m in f["expand_modes"]:
+        eager_m, graph_m = f[f"lora_{m}"]["ttft_s"], f[f"lora_pg_{m}"]["ttft_s"]
+        print(
+            f"  lora_expand {m}: eager {eager_m * ms:.1f} ms, graph {graph_m * ms:.1f} ms (graph lora/base "
+            f"{graph_m / base_pg:.3f}; replays {f.get(f'lora_pg_{m}_prefill_replays', 0)})"
+        )
     capture = f.get("lora_pg_prefill_capture_s", 0.0)
-    extra = f.get("lora_pg_reserved_bytes", 0) - f.get("lora_reserved_bytes", 0)
-    print(f"  capture {capture:.2f} s (lora); reserved at start {extra / 2**20:+.0f} MiB against lora eager")
+    start = f.get("lora_pg_reserved_bytes", 0) - f.get("lora_reserved_bytes", 0)
+    after = f.get("lora_pg_reserved_after_bytes", 0) - f.get("lora_reserved_after_bytes", 0)
+    print(
+        f"  capture {capture:.2f} s (lora); torch reserved against lora eager: {start / 2**20:+.0f} MiB at "
+        f"start, {after / 2**20:+.0f} MiB after the TTFT prefills (eager: their cached activations)"
+    )
 
 
 def print_table(f: dict, batches: list[int], tiny: bool) -> None:

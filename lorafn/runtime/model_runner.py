@@ -155,7 +155,9 @@ class ModelRunner:
                     device,
                     dtype,
                     self.lora,
-                    max_position=max_model_len,
+                    # a prefill graph's padding rows run at positions up to its bucket, past the
+                    # longest sequence maybe: their RoPE rows must exist (their outputs are never read)
+                    max_position=max(max_model_len, *config.prefill_graph_tokens, 0),
                     use_triton_attention=use_triton,
                     fused_decode=use_triton and config.fused_decode,
                     lora_expand=config.lora_expand,
@@ -252,10 +254,12 @@ class ModelRunner:
         self._new_prefill_graphs()
 
     def _prefill_buckets(self) -> list[int]:
-        """The configured prefill buckets a first chunk can fill: at most max_num_batched_tokens (a chunk's
-        size) and max_model_len (the RoPE tables' length)."""
+        """The configured prefill buckets a first chunk can fill: from the smallest to the first that holds
+        a whole chunk (max_num_batched_tokens, or the longest sequence if shorter); larger ones would never
+        be the smallest that fits."""
         cap = min(self.config.max_num_batched_tokens, self.max_model_len)
-        return [b for b in self.config.prefill_graph_tokens if b <= cap]
+        buckets = sorted(self.config.prefill_graph_tokens)
+        return [b for b in buckets if b < cap] + [b for b in buckets if b >= cap][:1]
 
     def _new_prefill_graphs(self, capture: bool | None = None) -> None:
         """Prefill graphs over the current model, adapter buffers and KV cache (the old ones released):
