@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "LORAFN_"
@@ -47,7 +48,20 @@ def env_name(field: str) -> str:
     return f"{ENV_PREFIX}{field.upper()}"
 
 
-def parked_keep_alive(value: object) -> object:
-    """The parked keep-alive setting before validation (`lorafn up`'s and the controller's): "function" is
-    None, its function's keep-alive; seconds and "inf" pass on to the float field."""
+def _function_keep_alive(value: object) -> object:
+    """ "function" is None (its function's keep-alive); seconds and "inf" pass on to the float."""
     return None if value == "function" else value
+
+
+# The parked keep-alive of `lorafn up` and of the controller (PolicyConfig.parked_keep_alive_s), one field for
+# both: 300 s since the 10-minute H100 replay (docs/benchmarks.md).
+PARKED_KEEP_ALIVE_S = 300.0
+ParkedKeepAlive = Annotated[
+    Annotated[float, Field(ge=0)] | None,
+    BeforeValidator(_function_keep_alive),
+    Field(
+        description="a parked worker exits once idle this long (seconds, or inf: never: only offloading "
+        'stops it; "function" or null: its function\'s keep-alive, as an unparked worker); 300 s since the '
+        "10-minute H100 replay (PolicyConfig.parked_keep_alive_s, docs/benchmarks.md)",
+    ),
+]

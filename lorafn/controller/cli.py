@@ -14,9 +14,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Literal
 
 import typer
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from lorafn.api.settings import SharedSettings, parked_keep_alive
+from lorafn.api.settings import PARKED_KEEP_ALIVE_S, ParkedKeepAlive, SharedSettings
 from lorafn.controller.policy.config import VictimRate
 
 if TYPE_CHECKING:
@@ -75,18 +75,7 @@ class ControllerSettings(SharedSettings):
         description="park idle bound workers under memory pressure (release their KV cache, keep the "
         "process) before stopping any; on since the H100 replay (docs/architecture.md, Controller)",
     )
-    parked_keep_alive_s: float | None = Field(
-        default=300.0,
-        ge=0,
-        description="a parked worker exits once idle this long (seconds, or inf: never: only offloading "
-        'stops it; "function": its function\'s keep-alive, as an unparked worker); 300 s since the '
-        "10-minute H100 replay (PolicyConfig.parked_keep_alive_s, docs/benchmarks.md)",
-    )
-
-    @field_validator("parked_keep_alive_s", mode="before")
-    @classmethod
-    def _function_keep_alive(cls, value: object) -> object:
-        return parked_keep_alive(value)
+    parked_keep_alive_s: ParkedKeepAlive = PARKED_KEEP_ALIVE_S
 
     park_after_s: float | None = Field(
         default=None,

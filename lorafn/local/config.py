@@ -15,11 +15,11 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from lorafn.api.errors import format_validation_error
-from lorafn.api.settings import SharedSettings, parked_keep_alive
+from lorafn.api.settings import PARKED_KEEP_ALIVE_S, ParkedKeepAlive, SharedSettings
 
 
 def default_state_dir() -> Path:
@@ -91,18 +91,7 @@ class LocalConfig(SharedSettings):
         "process) before stopping any (the controller's PolicyConfig.park_idle; on since the H100 replay, "
         "docs/benchmarks.md)",
     )
-    parked_keep_alive_s: float | None = Field(
-        default=300.0,
-        ge=0,
-        description="a parked worker exits once idle this long (seconds, or inf: never: only offloading "
-        'stops it; "function" or null: its function\'s keep-alive, as an unparked worker); 300 s since the '
-        "10-minute H100 replay (the controller's PolicyConfig.parked_keep_alive_s, docs/benchmarks.md)",
-    )
-
-    @field_validator("parked_keep_alive_s", mode="before")
-    @classmethod
-    def _function_keep_alive(cls, value: object) -> object:
-        return parked_keep_alive(value)
+    parked_keep_alive_s: ParkedKeepAlive = PARKED_KEEP_ALIVE_S
 
     park_after_s: float | None = Field(
         default=None,
