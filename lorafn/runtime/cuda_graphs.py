@@ -96,6 +96,26 @@ def pad_prefill_inputs(
     return ids, slot
 
 
+_CAPTURE_STREAMS: dict = {}
+
+
+def capture_stream(device):
+    """The side stream every capture without an arena runs on, one per device for the process. cuBLAS keeps
+    a workspace per stream it ran a GEMM on (32 MiB on the H100) until the workspaces are cleared (a park
+    does), so a new stream per capture left one more behind each time: a lazy worker's capture of each of its
+    7 decode buckets in idle time held 7 (measured: +32 MiB per capture, kept after the graphs were released;
+    docs/benchmarks.md "Prefill CUDA graphs"). An archive's capture takes a fresh stream instead: its
+    warm-ups make that stream's workspace in the arena, where its graphs must find it."""
+    import torch
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 def capture_forward(model, kv_cache, batch, pool, stream, warmup_pool=None, keep_graph: bool = False):
     """(graph, its output): model.forward(batch) captured on ``stream`` into ``pool``, after two warm-up
     forwards on that stream (lazy module loads, Triton compiles, cuBLAS workspaces; in ``warmup_pool`` when
@@ -185,7 +205,8 @@ class DecodeGraphRunner:
         unknown = [b for b in todo if b not in self.buckets]
         if unknown:
             raise ValueError(f"buckets {unknown} are not among this runner's {list(self.buckets)}")
-        stream = torch.cuda.Stream()
+        # an archive's capture (warmup_pool: the arena) on a stream of its own, see `capture_stream`
+        stream = torch.cuda.Stream() if warmup_pool is not None else capture_stream(self.model.device)
         for bucket in reversed(todo):
             self.graphs[bucket], self.outputs[bucket] = capture_forward(
                 self.model, self.kv_cache, self._batch(bucket), self.pool, stream, warmup_pool, keep_graph
@@ -307,7 +328,7 @@ class PrefillGraphRunner:
         unknown = [b for b in todo if b not in self.buckets]
         if unknown:
             raise ValueError(f"prefill buckets {unknown} are not among this runner's {list(self.buckets)}")
-        stream = torch.cuda.Stream()
+        stream = capture_stream(self.model.device)
         for bucket in reversed(todo):
             # the warm-ups and the capture run over whatever the static inputs hold: their K/V go to the
             # scratch slot (the tail of slot_mapping is kept at it between replays, see `run`)
