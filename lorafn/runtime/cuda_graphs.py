@@ -102,10 +102,11 @@ _CAPTURE_STREAMS: dict = {}
 def capture_stream(device):
     """The side stream every capture without an arena runs on, one per device for the process. cuBLAS keeps
     a workspace per stream it ran a GEMM on (32 MiB on the H100) until the workspaces are cleared (a park
-    does), so a new stream per capture left one more behind each time: a lazy worker's capture of each of its
-    7 decode buckets in idle time held 7 (measured: +32 MiB per capture, kept after the graphs were released;
-    docs/benchmarks.md "Prefill CUDA graphs"). An archive's capture takes a fresh stream instead: its
-    warm-ups make that stream's workspace in the arena, where its graphs must find it."""
+    does), so a new stream per capture left one more behind each time a capture ran a cuBLAS GEMM: a lazy 7B
+    worker's idle captures of buckets 32 and 64 (1-16 run the Triton skinny GEMM) held 62 MiB more than with
+    one stream, and each prefill-graph capture 32 MiB (docs/benchmarks.md "Prefill CUDA graphs"). An
+    archive's capture takes a fresh stream instead: its warm-ups make that stream's workspace in the arena,
+    where its graphs must find it."""
     import torch
 
     index = torch.device(device).index
