@@ -65,3 +65,20 @@ ParkedKeepAlive = Annotated[
         "10-minute H100 replay (PolicyConfig.parked_keep_alive_s, docs/benchmarks.md)",
     ),
 ]
+
+
+def token_buckets(text: str) -> tuple[int, ...]:
+    """Prefill-graph buckets (the worker's and the operator's `prefill_graph_tokens`): "512, 128" -> (128,
+    512); "" -> (). ValueError naming the setting for anything but token counts of at least 2."""
+    try:
+        buckets = tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
+    except ValueError:
+        raise ValueError(f"prefill_graph_tokens: comma-separated token counts, got {text!r}") from None
+    if any(b < 2 for b in buckets):
+        raise ValueError(f"prefill_graph_tokens: buckets of at least 2 tokens, got {text!r}")
+    return buckets
+
+
+def normalized_token_buckets(text: str) -> str:
+    """`token_buckets` written back: "512, 128" -> "128,512" (what a settings field keeps)."""
+    return ",".join(map(str, token_buckets(text)))

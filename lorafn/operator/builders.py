@@ -455,6 +455,7 @@ def _worker_env(config: OperatorConfig, spec: BackboneSpec, **values: str) -> li
             dtype=spec.dtype,
             backbone_socket=SOCKET_PATH,
             **_graph_archive_env(config),
+            **({"prefill_graph_tokens": config.prefill_graph_tokens} if config.prefill_graph_tokens else {}),
             **values,
         ),
         # The pod name is the worker id: `kubectl logs <worker id>` finds its log.

@@ -59,7 +59,7 @@ import redis
 import typer
 from pydantic import Field, field_validator
 
-from lorafn.api.settings import SharedSettings
+from lorafn.api.settings import SharedSettings, normalized_token_buckets, token_buckets
 from lorafn.runtime.batching import Batching, BatchingConfig, gpu_model_name
 from lorafn.runtime.outputs import ParkRefused, StreamDelta
 from lorafn.runtime.read_cap import DEFAULT_EXPECTED_TOKENS, ExpectedTokens, held_cap
@@ -982,14 +982,6 @@ class Worker:
 app = typer.Typer(help="Run a worker: the serving loop of one function.", no_args_is_help=True)
 
 
-def token_buckets(text: str) -> tuple[int, ...]:
-    """ "128, 512" -> (128, 512); "" -> (). ValueError naming the setting for anything else."""
-    try:
-        return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
-    except ValueError:
-        raise ValueError(f"prefill_graph_tokens: comma-separated token counts, got {text!r}") from None
-
-
 class WorkerSettings(SharedSettings):
     """A worker's configuration (env prefix `LORAFN_`, e.g. `LORAFN_FUNCTION`); Redis URL, key prefix and
     heartbeat TTL come from `SharedSettings`, so they match the gateway's and the operator's."""
@@ -1051,10 +1043,7 @@ class WorkerSettings(SharedSettings):
     @field_validator("prefill_graph_tokens")
     @classmethod
     def _buckets(cls, value: str) -> str:
-        buckets = token_buckets(value)  # the engine bounds them by its chunk size
-        if any(b < 2 for b in buckets):
-            raise ValueError(f"prefill_graph_tokens: buckets of at least 2 tokens, got {value!r}")
-        return ",".join(map(str, sorted(set(buckets))))
+        return normalized_token_buckets(value)  # the engine bounds them by its chunk size
 
     graph_archives: bool = Field(
         default=False,

@@ -369,3 +369,47 @@ def test_park_after_reaches_the_controller_settings(
     ):
         out = helm("template", "x", str(CHART), *bad, check=False)
         assert out.returncode != 0 and "parkAfterSeconds" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"), [([], ""), (["--set-string", "gpu.prefillGraphTokens=512\\, 128"], "128,512")]
+)
+def test_prefill_graph_tokens_reach_the_worker_settings(
+    extra: list[str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpu.prefillGraphTokens -> the operator's env -> OperatorConfig -> the worker pods' env (only when set)
+    -> the real WorkerSettings, whose buckets the engine takes; a value that is no list of numbers is refused
+    by the schema."""
+    from lorafn.api.specs import BackboneSpec, FunctionRef, LoRAFunctionSpec
+    from lorafn.operator import builders
+    from lorafn.operator.config import OperatorConfig
+    from lorafn.runtime.worker import WorkerSettings
+
+    for name, value in _operator_env(extra).items():
+        monkeypatch.setenv(name, value)
+    config = OperatorConfig()
+    body = {"metadata": {"name": "bb", "uid": "u"}, "spec": {"model": {"uri": "pvc://models/bb"}}}
+    spec = BackboneSpec.model_validate(body["spec"])
+    slot = builders.GPUSlot("node-1", 0, uuid="GPU-1")
+    fn_spec = LoRAFunctionSpec.model_validate({"backbone": "bb", "adapter": {"uri": "pvc://adapters/fr"}})
+    pods = [
+        builders.build_standby_pod(body, spec, slot, 0, config),
+        builders.build_worker_pod(
+            FunctionRef(namespace="a", name="fr"), 0, fn_spec, body, spec, slot, config
+        ),
+    ]
+    for pod in pods:
+        kubernetes_validate.validate(pod, "1.37.0", strict=True)
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert ("LORAFN_PREFILL_GRAPH_TOKENS" in env) is bool(expected)
+        monkeypatch.delenv("LORAFN_PREFILL_GRAPH_TOKENS", raising=False)
+        for name, value in env.items():
+            if name.startswith("LORAFN_") and value is not None:
+                monkeypatch.setenv(name, value)
+        assert WorkerSettings().prefill_graph_tokens == expected
+    out = helm("template", "x", str(CHART), "--set-string", "gpu.prefillGraphTokens=lots", check=False)
+    assert out.returncode != 0 and "prefillGraphTokens" in out.stderr, out.stderr
+    # numbers the schema lets through but no engine takes: refused when the operator starts, not by every
+    # worker pod at its start
+    with pytest.raises(ValueError, match="prefill_graph_tokens: buckets of at least 2 tokens"):
+        OperatorConfig(prefill_graph_tokens="1,64")

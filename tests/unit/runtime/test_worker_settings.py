@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from lorafn.api.settings import SharedSettings
+from lorafn.api.settings import SharedSettings, token_buckets
 from lorafn.cli import app
 from lorafn.runtime import worker
 from lorafn.runtime.worker import WorkerSettings
@@ -88,7 +88,7 @@ def test_prefill_graph_buckets_from_the_environment(monkeypatch: pytest.MonkeyPa
     s = WorkerSettings()
     assert s.prefill_graph_tokens == "128,512"
     # what make_engine hands the engine, which bounds the buckets by its chunk size
-    assert EngineConfig(model="/m", prefill_graph_tokens=worker.token_buckets(s.prefill_graph_tokens))
+    assert EngineConfig(model="/m", prefill_graph_tokens=token_buckets(s.prefill_graph_tokens))
     assert WorkerSettings(prefill_graph_tokens="").prefill_graph_tokens == ""
     for bad in ("128,x", "1,64"):
         with pytest.raises(ValueError, match="prefill_graph_tokens"):
