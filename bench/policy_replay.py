@@ -144,6 +144,23 @@ VARIANTS["park idle 50 s + never"] = (
     {**PLATFORM, "unpark_s": 0.3},
 )
 PARKING2_VARIANTS = PARKING_VARIANTS + "," + ",".join(PARKED_KEEP_ALIVE) + ",park idle 50 s + never"
+# what ships since the 10-minute H100 replay (parking, parked workers kept 300 s), and the knobs around it:
+# the fresh-start cap, the warm pool's floor, a longer parked keep-alive, parking before the keep-alive ends
+SHIPPED = dataclasses.replace(AFTER, park_idle=True, unpark_s=0.3, parked_keep_alive_s=300.0)
+SHIPPED_PLATFORM = {**PLATFORM, "unpark_s": 0.3}
+VARIANTS["shipped (park 300 s)"] = (SHIPPED, SHIPPED_PLATFORM)
+for _cap in (4, 12, None):
+    VARIANTS[f"shipped + cap {_cap or 'none'}"] = (
+        dataclasses.replace(SHIPPED, max_fresh_starts_per_gpu=_cap),
+        SHIPPED_PLATFORM,
+    )
+VARIANTS["shipped + floor 2"] = (SHIPPED, {**SHIPPED_PLATFORM, "min_standby": 2})
+VARIANTS["shipped + parked 600 s"] = (
+    dataclasses.replace(SHIPPED, parked_keep_alive_s=600.0),
+    SHIPPED_PLATFORM,
+)
+VARIANTS["shipped + park idle 50 s"] = (dataclasses.replace(SHIPPED, park_after_s=50.0), SHIPPED_PLATFORM)
+SHIPPED_VARIANTS = ",".join(name for name in VARIANTS if name.startswith("shipped"))
 # the H100's pre_runner p50 (ms) of fresh starts (bench/replay_breakdown.py, 2026-11-24): by requests running
 # on the GPU during the start, and by starts under way at the decision (itself included)
 RUNNING_BINS = ((0, 2), (2, 5), (5, 10), (10, 20), (20, 10**9))
@@ -270,7 +287,8 @@ def main() -> None:
         "--variants",
         default=DEFAULT_VARIANTS,
         help=f"comma-separated, of: {', '.join(VARIANTS)}; 'issue16' = {ISSUE16_VARIANTS}; "
-        f"'startup' = {STARTUP_VARIANTS}; 'parking' = {PARKING_VARIANTS}; 'parking2' = {PARKING2_VARIANTS}",
+        f"'startup' = {STARTUP_VARIANTS}; 'parking' = {PARKING_VARIANTS}; 'parking2' = {PARKING2_VARIANTS}; "
+        f"'shipped' = {SHIPPED_VARIANTS}",
     )
     args = ap.parse_args()
 
@@ -342,6 +360,7 @@ def main() -> None:
         "startup": STARTUP_VARIANTS,
         "parking": PARKING_VARIANTS,
         "parking2": PARKING2_VARIANTS,
+        "shipped": SHIPPED_VARIANTS,
     }.get(args.variants, args.variants)
     names = [v.strip() for v in chosen.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
