@@ -39,6 +39,13 @@ def graph_buckets(sizes: Sequence[int], max_batch: int) -> list[int]:
     return below + ([top] if top is not None else []) or [1]
 
 
+def prefill_buckets(configured: Sequence[int], max_chunk: int) -> list[int]:
+    """The configured prefill buckets a first chunk of at most ``max_chunk`` tokens can need: every one below
+    it and the smallest at or above it (larger ones would never be the smallest that fits)."""
+    ordered = sorted(set(configured))
+    return [b for b in ordered if b < max_chunk] + [b for b in ordered if b >= max_chunk][:1]
+
+
 @dataclass
 class DecodeInputs:
     """Host arrays of one decode step, padded to a bucket: [bucket] int64 ids/positions/slots,

@@ -31,7 +31,13 @@ import torch
 
 from lorafn.runtime.block_manager import blocks_for_tokens, slot_mapping
 from lorafn.runtime.config import EngineConfig, ModelConfig
-from lorafn.runtime.cuda_graphs import DecodeGraphRunner, PrefillGraphRunner, bucket_for, graph_buckets
+from lorafn.runtime.cuda_graphs import (
+    DecodeGraphRunner,
+    PrefillGraphRunner,
+    bucket_for,
+    graph_buckets,
+    prefill_buckets,
+)
 from lorafn.runtime.kv_cache import (
     KVCache,
     block_bytes,
@@ -253,19 +259,14 @@ class ModelRunner:
         self.startup_s.setdefault("graphs", self.graph_capture_s)  # the first capture (a start's)
         self._new_prefill_graphs()
 
-    def _prefill_buckets(self) -> list[int]:
-        """The configured prefill buckets a first chunk can fill: from the smallest to the first that holds
-        a whole chunk (max_num_batched_tokens, or the longest sequence if shorter); larger ones would never
-        be the smallest that fits."""
-        cap = min(self.config.max_num_batched_tokens, self.max_model_len)
-        buckets = sorted(self.config.prefill_graph_tokens)
-        return [b for b in buckets if b < cap] + [b for b in buckets if b >= cap][:1]
-
     def _new_prefill_graphs(self, capture: bool | None = None) -> None:
         """Prefill graphs over the current model, adapter buffers and KV cache (the old ones released):
         captured now (`capture`, default: unless `lazy_graphs`) or left pending for idle time."""
         self._drop_prefill_graphs()
-        buckets = self._prefill_buckets()
+        cfg = self.config
+        buckets = prefill_buckets(
+            cfg.prefill_graph_tokens, min(cfg.max_num_batched_tokens, self.max_model_len)
+        )
         if self.device.type != "cuda" or not self.config.use_cuda_graphs or not buckets:
             return
         self.prefill_graphs = PrefillGraphRunner(self.model, self.kv_cache, buckets)
