@@ -133,3 +133,19 @@ def test_a_kv_budget_is_never_exceeded_scratch_block_included(tiny_model_dir: Pa
         assert engine.runner.kv_cache.nbytes > budget - 2 * per_block  # and nothing more is left out
     with pytest.raises(ValueError, match="less than two KV blocks"):
         Engine(EngineConfig(model=tiny_model_dir, device="cpu", kv_cache_memory_bytes=per_block + 1))
+
+
+def test_a_worker_asked_for_prefill_graphs_serves_on_a_cpu(tiny_model_dir: Path, monkeypatch) -> None:
+    # LORAFN_PREFILL_GRAPH_TOKENS set for a deployment whose worker runs on a CPU: the engine the worker
+    # builds takes the buckets (4096: larger than any chunk, accepted), captures nothing (graphs are CUDA's)
+    # and answers as an engine without them
+    from lorafn.runtime.worker import WorkerSettings, default_engine
+    from tests.integration.runtime.engine_helpers import engine_greedy
+
+    monkeypatch.setenv("LORAFN_PREFILL_GRAPH_TOKENS", "64, 16,4096")
+    engine = default_engine(WorkerSettings(function="a/f", model=str(tiny_model_dir), device="cpu"), None)
+    assert engine.config.prefill_graph_tokens == (16, 64, 4096)
+    assert engine.runner.prefill_graphs is None and not engine.runner.graphs_pending
+    plain = Engine(EngineConfig(model=tiny_model_dir, device="cpu"))
+    prompts = [[5, 6, 7, 8], [9] * 30]
+    assert engine_greedy(engine, prompts, 6) == engine_greedy(plain, prompts, 6)
