@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "LORAFN_"
@@ -82,3 +82,8 @@ def token_buckets(text: str) -> tuple[int, ...]:
 def normalized_token_buckets(text: str) -> str:
     """`token_buckets` written back: "512, 128" -> "128,512" (what a settings field keeps)."""
     return ",".join(map(str, token_buckets(text)))
+
+
+# Prefill-graph buckets as a settings field keeps them ("128,512"), checked where they are set (the worker's
+# and the operator's `prefill_graph_tokens`)
+TokenBuckets = Annotated[str, AfterValidator(normalized_token_buckets)]

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from lorafn.api.settings import SharedSettings, normalized_token_buckets
+from lorafn.api.settings import SharedSettings, TokenBuckets
 from lorafn.api.uris import ClusterURIPolicy
 
 GPUSharing = Literal["dra", "visibleDevices"]
@@ -77,18 +77,13 @@ class OperatorConfig(SharedSettings):
         description="a worker pod the controller stopped is deleted if it still runs this long after (it "
         "normally drains and ends by itself)",
     )
-    prefill_graph_tokens: str = Field(
+    # a bad value is refused when the operator starts, not by every worker pod at its start (a crash loop)
+    prefill_graph_tokens: TokenBuckets = Field(
         default="",
         description="token buckets of prefill CUDA graphs in the worker pods, comma-separated "
         "(LORAFN_PREFILL_GRAPH_TOKENS, WorkerSettings.prefill_graph_tokens); empty: off, as in the worker: "
         "~132 MiB per 7B worker for 128/256/512 (docs/benchmarks.md)",
     )
-
-    @field_validator("prefill_graph_tokens")
-    @classmethod
-    def _buckets(cls, value: str) -> str:
-        # refused here, not by every worker pod at its start (a crash loop)
-        return normalized_token_buckets(value)
 
     graph_archives: bool = Field(
         default=False,

@@ -57,9 +57,9 @@ from typing import Any, Literal, Protocol
 
 import redis
 import typer
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from lorafn.api.settings import SharedSettings, normalized_token_buckets, token_buckets
+from lorafn.api.settings import SharedSettings, TokenBuckets, token_buckets
 from lorafn.runtime.batching import Batching, BatchingConfig, gpu_model_name
 from lorafn.runtime.outputs import ParkRefused, StreamDelta
 from lorafn.runtime.read_cap import DEFAULT_EXPECTED_TOKENS, ExpectedTokens, held_cap
@@ -1033,17 +1033,12 @@ class WorkerSettings(SharedSettings):
         "captured when a decode step first needs it, the rest while idle (its first token waits for none; "
         "~1.2-1.6 s of a 7B's start on an H100)",
     )
-    prefill_graph_tokens: str = Field(
+    prefill_graph_tokens: TokenBuckets = Field(
         default="",
         description="CUDA: token buckets of prefill CUDA graphs, comma-separated (e.g. 128,512): a prompt's "
         "first chunk alone replays the graph of the smallest bucket that holds it instead of launching each "
         "kernel from Python (EngineConfig.prefill_graph_tokens); empty: none",
     )
-
-    @field_validator("prefill_graph_tokens")
-    @classmethod
-    def _buckets(cls, value: str) -> str:
-        return normalized_token_buckets(value)  # the engine bounds them by its chunk size
 
     graph_archives: bool = Field(
         default=False,

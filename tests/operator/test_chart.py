@@ -237,6 +237,25 @@ def test_uri_allow_lists_reach_the_operator(monkeypatch: pytest.MonkeyPatch) -> 
     assert bad.returncode != 0 and "fileRoot" in bad.stderr, bad.stderr
 
 
+def _gpu_pods(config: Any) -> list[dict[str, Any]]:
+    """The pods the operator builds for one GPU under `config` (an OperatorConfig): a standby worker, a worker
+    bound to a function, the backbone server."""
+    from lorafn.api.specs import BackboneSpec, FunctionRef, LoRAFunctionSpec
+    from lorafn.operator import builders
+
+    body = {"metadata": {"name": "bb", "uid": "u"}, "spec": {"model": {"uri": "pvc://models/bb"}}}
+    spec = BackboneSpec.model_validate(body["spec"])
+    slot = builders.GPUSlot("node-1", 0, uuid="GPU-1")
+    fn_spec = LoRAFunctionSpec.model_validate({"backbone": "bb", "adapter": {"uri": "pvc://adapters/fr"}})
+    return [
+        builders.build_standby_pod(body, spec, slot, 0, config),
+        builders.build_worker_pod(
+            FunctionRef(namespace="a", name="fr"), 0, fn_spec, body, spec, slot, config
+        ),
+        builders.build_server_pod(body, spec, slot, config),
+    ]
+
+
 def _operator_env(extra: list[str]) -> dict[str, str]:
     op = next(
         o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-operator"
@@ -268,7 +287,6 @@ def test_graph_archive_values_reach_the_worker_settings(
 ) -> None:
     """gpu.graphArchives.* -> the operator Deployment's env -> OperatorConfig -> the worker pods the
     operator builds (validated) -> the real WorkerSettings of the worker process in them."""
-    from lorafn.api.specs import BackboneSpec, FunctionRef, LoRAFunctionSpec
     from lorafn.operator import builders
     from lorafn.operator.config import OperatorConfig
     from lorafn.runtime.worker import WorkerSettings
@@ -277,17 +295,7 @@ def test_graph_archive_values_reach_the_worker_settings(
         monkeypatch.setenv(name, value)
     config = OperatorConfig()
     assert config.graph_archives is (volume is not None)
-    body = {"metadata": {"name": "bb", "uid": "u"}, "spec": {"model": {"uri": "pvc://models/bb"}}}
-    spec = BackboneSpec.model_validate(body["spec"])
-    slot = builders.GPUSlot("node-1", 0, uuid="GPU-1")
-    fn_spec = LoRAFunctionSpec.model_validate({"backbone": "bb", "adapter": {"uri": "pvc://adapters/fr"}})
-    pods = [
-        builders.build_standby_pod(body, spec, slot, 0, config),
-        builders.build_worker_pod(
-            FunctionRef(namespace="a", name="fr"), 0, fn_spec, body, spec, slot, config
-        ),
-        builders.build_server_pod(body, spec, slot, config),
-    ]
+    pods = _gpu_pods(config)
     for pod in pods:
         for version in ("1.30.0", "1.37.0"):
             kubernetes_validate.validate(pod, version, strict=True)
@@ -380,24 +388,13 @@ def test_prefill_graph_tokens_reach_the_worker_settings(
     """gpu.prefillGraphTokens -> the operator's env -> OperatorConfig -> the worker pods' env (only when set)
     -> the real WorkerSettings, whose buckets the engine takes; a value that is no list of numbers is refused
     by the schema."""
-    from lorafn.api.specs import BackboneSpec, FunctionRef, LoRAFunctionSpec
-    from lorafn.operator import builders
     from lorafn.operator.config import OperatorConfig
     from lorafn.runtime.worker import WorkerSettings
 
     for name, value in _operator_env(extra).items():
         monkeypatch.setenv(name, value)
     config = OperatorConfig()
-    body = {"metadata": {"name": "bb", "uid": "u"}, "spec": {"model": {"uri": "pvc://models/bb"}}}
-    spec = BackboneSpec.model_validate(body["spec"])
-    slot = builders.GPUSlot("node-1", 0, uuid="GPU-1")
-    fn_spec = LoRAFunctionSpec.model_validate({"backbone": "bb", "adapter": {"uri": "pvc://adapters/fr"}})
-    pods = [
-        builders.build_standby_pod(body, spec, slot, 0, config),
-        builders.build_worker_pod(
-            FunctionRef(namespace="a", name="fr"), 0, fn_spec, body, spec, slot, config
-        ),
-    ]
+    pods = _gpu_pods(config)[:2]  # the standby's and the bound worker's
     for pod in pods:
         kubernetes_validate.validate(pod, "1.37.0", strict=True)
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
