@@ -327,16 +327,45 @@ def report(
         Path("replay-merged"), "--out", help="Directory for the merged replay.json and plots."
     ),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots (needs matplotlib)."),
+    rename: list[str] = typer.Option(
+        [],
+        "--rename",
+        help="N:OLD=NEW: report configuration OLD of the N-th file (1 = the first) as NEW, e.g. one "
+        "configuration run at two settings or commits (1:full=parked-function); repeatable.",
+    ),
 ) -> None:
     """Merge replays of the same workload into one report (tables, comparison, plots), e.g. when the
     configurations were run by several commands to fit a time limit; a configuration in several files
-    keeps its first run."""
+    keeps its first run (the others are named; --rename keeps them as rows of their own)."""
     import json
 
-    from lorafn.replay.run import finish, merge_reports
+    from lorafn.replay.run import finish, merge_reports, rename_configs
 
+    console = _console()
     try:
+        names = _renames(rename, len(files))
         loaded = [json.loads(f.read_text()) for f in files]
-        finish(merge_reports(loaded), out, plots, _console())
+        loaded = [rename_configs(r, names.get(i, {})) for i, r in enumerate(loaded, 1)]
+        merged = merge_reports(loaded)
+        for path, source in zip(files, merged["merged_from"], strict=True):
+            for name in source["left_out"]:
+                console.print(
+                    f"{path}: configuration {name!r} left out (an earlier file has it; --rename keeps it)"
+                )
+        finish(merged, out, plots, console)
     except (OSError, ValueError, KeyError) as exc:
         raise _fail(str(exc)) from None
+
+
+def _renames(specs: list[str], num_files: int) -> dict[int, dict[str, str]]:
+    """["2:full=parked-function"] -> {2: {"full": "parked-function"}}; ValueError naming a malformed one."""
+    out: dict[int, dict[str, str]] = {}
+    for spec in specs:
+        index, sep, pair = spec.partition(":")
+        old, eq, new = pair.partition("=")
+        if not (sep and eq and index.isdigit() and old and new) or not 1 <= int(index) <= num_files:
+            raise ValueError(
+                f"--rename {spec!r}: expected N:OLD=NEW with N a file's position, 1..{num_files}"
+            )
+        out.setdefault(int(index), {})[old] = new
+    return out

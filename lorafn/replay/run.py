@@ -359,7 +359,8 @@ def _comparable_workload(workload: dict[str, Any]) -> dict[str, Any]:
 
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from several runs of the same workload (e.g. the configurations split over several
-    commands to fit a time limit): configurations in the order given, a name seen twice keeps the first.
+    commands to fit a time limit): configurations in the order given, a name seen twice keeps the first
+    (`merged_from[i]["left_out"]` names the others; `rename_configs` keeps both).
     Refuses reports of different workloads or prices (their rows would not compare)."""
     if not reports:
         raise ValueError("reports: none given")
@@ -372,12 +373,36 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             if a != b:
                 raise ValueError(f"reports: {key} differs between the files; they are not one replay")
     configs: list[dict[str, Any]] = []
+    merged_from = []
     for r in reports:
-        configs += [c for c in r["configs"] if c["config"] not in {x["config"] for x in configs}]
+        seen = {x["config"] for x in configs}
+        configs += [c for c in r["configs"] if c["config"] not in seen]
+        merged_from.append(
+            {
+                "date": r.get("date"),
+                "commit": r.get("commit"),
+                "configs": [c["config"] for c in r["configs"]],
+                "left_out": [c["config"] for c in r["configs"] if c["config"] in seen],
+            }
+        )
     merged = {k: v for k, v in first.items() if k not in ("comparison", "plots")}
     merged["configs"] = configs
-    merged["merged_from"] = [
-        {"date": r.get("date"), "commit": r.get("commit"), "configs": [c["config"] for c in r["configs"]]}
-        for r in reports
-    ]
+    merged["merged_from"] = merged_from
     return merged
+
+
+def rename_configs(report: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The report with its configurations renamed (old name -> new), e.g. one configuration run at two
+    settings or commits, merged as two rows. ValueError naming a configuration the report does not have, or
+    a new name it has already."""
+    have = [c["config"] for c in report["configs"]]
+    missing = sorted(set(names) - set(have))
+    if missing:
+        raise ValueError(f"rename: no configuration {missing} in this report (it has {have})")
+    renamed = [names.get(name, name) for name in have]
+    if len(set(renamed)) != len(renamed):
+        raise ValueError(f"rename: {names} gives two configurations one name ({renamed})")
+    return {
+        **report,
+        "configs": [{**c, "config": names.get(c["config"], c["config"])} for c in report["configs"]],
+    }

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from lorafn.replay.cli import app
 from lorafn.replay.report import compare, config_figures, render, window_line
-from lorafn.replay.run import merge_reports
+from lorafn.replay.run import merge_reports, rename_configs
 from lorafn.replay.stats import MiB, RequestResult, Sample, WorkerSample
 
 # a report written before warm-ups existed (commit 5918dfd, H100, full and no-sharing): no warm-up fields
@@ -65,6 +65,19 @@ def test_merge_reports_keeps_one_workload_and_the_first_run_of_each_config() -> 
     merged = merge_reports([a, b])
     assert [(c["config"], c["n"]) for c in merged["configs"]] == [("full", 1), ("no-sharing", 3)]
     assert [m["configs"] for m in merged["merged_from"]] == [["full"], ["full", "no-sharing"]]
+    assert [m["left_out"] for m in merged["merged_from"]] == [[], ["full"]]
+    # one configuration at two settings: renamed, both stay
+    both = merge_reports([rename_configs(a, {"full": "parked-function"}), b])
+    assert [(c["config"], c["n"]) for c in both["configs"]] == [
+        ("parked-function", 1),
+        ("full", 2),
+        ("no-sharing", 3),
+    ]
+    assert a["configs"][0]["config"] == "full"  # the input is left as it was
+    with pytest.raises(ValueError, match="no configuration \\['always-on'\\]"):
+        rename_configs(a, {"always-on": "x"})
+    with pytest.raises(ValueError, match="two configurations one name"):
+        rename_configs(b, {"full": "no-sharing"})
     with pytest.raises(ValueError, match="workload differs"):
         merge_reports([a, {**b, "workload": {**wl, "requests": 5}}])
     with pytest.raises(ValueError, match="usd_per_gpu_hour differs"):
@@ -143,6 +156,39 @@ def test_bench_report_merges_files_written_before_warmups(tmp_path: Path) -> Non
     assert "from a cold start, no warm-up" in " ".join(done.output.split())
     assert not [line for line in done.output.splitlines() if "warm-up" in line and "│" in line]
     assert (tmp_path / "merged" / "workers_memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(not OLD_REPORT.exists(), reason="the committed H100 report is absent")
+def test_bench_report_renames_a_configuration_run_twice(tmp_path: Path) -> None:
+    old = json.loads(OLD_REPORT.read_text())
+    full = next(c for c in old["configs"] if c["config"] == "full")
+    files = []
+    for n in (1, 2):  # the same configuration in two files (two settings, say)
+        path = tmp_path / f"run{n}.json"
+        path.write_text(json.dumps({**old, "configs": [full]}))
+        files.append(str(path))
+    kept = CliRunner().invoke(
+        app, ["report", *files, "--out", str(tmp_path / "a"), "--no-plots"], terminal_width=200
+    )
+    assert kept.exit_code == 0, kept.output
+    assert "run2.json: configuration 'full' left out" in " ".join(kept.output.split())
+    args = [
+        "report",
+        *files,
+        "--out",
+        str(tmp_path / "b"),
+        "--no-plots",
+        "--rename",
+        "1:full=parked-function",
+    ]
+    both = CliRunner().invoke(app, args, terminal_width=200)
+    assert both.exit_code == 0, both.output
+    merged = json.loads((tmp_path / "b" / "replay.json").read_text())
+    assert [c["config"] for c in merged["configs"]] == ["parked-function", "full"]
+    assert "left out" not in both.output
+    for bad in ("3:full=x", "1:full", "full=x", "x:full=y"):
+        refused = CliRunner().invoke(app, ["report", *files, "--no-plots", "--rename", bad])
+        assert refused.exit_code != 0 and "--rename" in refused.output, (bad, refused.output)
 
 
 def test_the_workers_plot_marks_the_window_start_after_a_warmup() -> None:
