@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lorafn.api.settings import token_buckets
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from lorafn.runtime.config import (
     DEFAULT_LORA_EXPAND,
@@ -347,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(f"lora_s{rows}", adapter, DEFAULT_LORA_EXPAND, large, rows, {})]
         runs += [(f"lora_{m}_s{rows}", adapter, m, large, rows, {}) for m in modes]
     try:
-        prefill_buckets = tuple(int(t) for t in args.prefill_graphs.split(",") if t)
-    except ValueError:
-        ap.error(f"--prefill-graphs: comma-separated token counts, got {args.prefill_graphs!r}")
+        prefill_buckets = token_buckets(args.prefill_graphs)
+    except ValueError as err:
+        ap.error(f"--prefill-graphs: {err}")
     figures["prefill_graph_tokens"] = list(prefill_buckets)
     if prefill_buckets and device.type == "cuda":  # TTFT only: decode steps are the same graphs as without
         pg = {"prefill_graph_tokens": prefill_buckets}

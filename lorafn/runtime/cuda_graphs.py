@@ -237,6 +237,11 @@ class DecodeGraphRunner:
         self.pool = None
         self.kv_cache = None
 
+    def held_tensors(self) -> list:
+        """The runner's tensors outside its pool's scratch: static inputs and the graphs' outputs."""
+        held = [self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.context_lens]
+        return [t for t in held + list(self.outputs.values()) if t is not None]
+
     def can_run(self, num_decodes: int) -> bool:
         """Whether a captured graph takes ``num_decodes`` rows (the smallest captured bucket that fits)."""
         return bucket_for(num_decodes, list(self.graphs)) is not None

@@ -457,13 +457,8 @@ class ModelRunner:
         kv = cache.nbytes
         if self.device.type != "cuda":
             return kv
-        graph_tensors = 0
-        if g is not None:
-            held = [g.input_ids, g.positions, g.slot_mapping, g.block_tables, g.context_lens]
-            held += list(g.outputs.values())
-            graph_tensors = sum(t.numel() * t.element_size() for t in held if t is not None)
-        if pg is not None:
-            graph_tensors += sum(t.numel() * t.element_size() for t in pg.held_tensors())
+        held = [t for runner in (g, pg) if runner is not None for t in runner.held_tensors()]
+        graph_tensors = sum(t.numel() * t.element_size() for t in held)
         unused = int(torch.cuda.memory_reserved(self.device)) - int(torch.cuda.memory_allocated(self.device))
         return max(kv, kv + graph_tensors + unused)
 

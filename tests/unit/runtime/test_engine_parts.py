@@ -233,3 +233,22 @@ def test_model_config_parsing() -> None:
 def test_engine_config_validation(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="/m", **kwargs)
+
+
+def test_graph_runners_name_what_they_hold_and_drop_it_on_release() -> None:
+    # what ModelRunner.park_release_bytes counts besides the pools: the static inputs and the outputs (none
+    # before a capture); built on the CPU without capturing (only their buffers are looked at)
+    from types import SimpleNamespace
+
+    from lorafn.runtime.cuda_graphs import DecodeGraphRunner, PrefillGraphRunner
+
+    cache = KVCache(CFG, num_blocks=4, block_size=16, device=torch.device("cpu"), dtype=torch.float32)
+    model = SimpleNamespace(device=torch.device("cpu"))
+    decode = DecodeGraphRunner(model, cache, buckets=(1, 4), max_blocks_per_seq=3)
+    prefill = PrefillGraphRunner(model, cache, buckets=(8, 32))
+    assert [tuple(t.shape) for t in decode.held_tensors()] == [(4,), (4,), (4,), (4, 3), (4,)]
+    assert [tuple(t.shape) for t in prefill.held_tensors()] == [(32,), (32,), (32,), (1,)]
+    assert prefill.slot_mapping.tolist() == [cache.scratch_slot] * 32  # padding writes go to scratch
+    for runner in (decode, prefill):
+        runner.release()
+        assert runner.held_tensors() == [] and runner.kv_cache is None
