@@ -415,11 +415,8 @@ class Controller:
     def _failed(self, function: str, reason: str) -> None:
         log.error("controller: start of %s failed: %s", function, reason)
         self.metrics.start_failures.inc()
-        self.store.run(control.add_status_count(self.keys, function, "start_failures"))
         self.store.run(
-            control.set_status(
-                self.keys, function, last_failure=reason[:500], last_failure_at_ms=int(time.time() * 1000)
-            )
+            control.record_start_failure(self.keys, function, reason[:500], int(time.time() * 1000))
         )
 
     def _with_pending_binds(self, snapshot):  # type: ignore[no-untyped-def]

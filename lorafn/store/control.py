@@ -153,8 +153,17 @@ def set_status(keys: Keys, function: str, **fields: Any) -> Op[None]:
     return Op(build, lambda r: None)
 
 
-def add_status_count(keys: Keys, function: str, field: str, by: int = 1) -> Op[int]:
-    return Op(lambda pipe: pipe.hincrby(keys.function_status(function), field, by), lambda r: int(r[0]))
+def record_start_failure(keys: Keys, function: str, reason: str, at_ms: int) -> Op[int]:
+    """A failed start of `function`: its `last_failure` and `last_failure_at_ms`, then `start_failures` + 1,
+    in that order and one round trip, so a reader that sees the new count also sees why (the gateway's 503,
+    `lorafn status`, the controller's backoff). Returns the new count."""
+
+    def build(pipe: Any) -> None:
+        status = keys.function_status(function)
+        pipe.hset(status, mapping={"last_failure": reason, "last_failure_at_ms": str(at_ms)})
+        pipe.hincrby(status, "start_failures", 1)
+
+    return Op(build, lambda r: int(r[1]))
 
 
 def statuses(keys: Keys, functions: list[str]) -> Op[dict[str, dict[str, str]]]:

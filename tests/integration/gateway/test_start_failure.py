@@ -71,12 +71,7 @@ def test_a_start_that_fails_while_the_request_waits_ends_it_with_the_reason(
 
     def controller_tries_and_fails() -> None:
         time.sleep(2.0)
-        store.run(control.add_status_count(keys, FN, "start_failures"))
-        store.run(
-            control.set_status(
-                keys, FN, last_failure="bind failed: rank 8 != 4", last_failure_at_ms=int(time.time() * 1000)
-            )
-        )
+        store.run(control.record_start_failure(keys, FN, "bind failed: rank 8 != 4", int(time.time() * 1000)))
 
     t = threading.Thread(target=controller_tries_and_fails)
     t.start()

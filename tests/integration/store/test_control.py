@@ -47,10 +47,29 @@ def test_lifecycle_events_in_order_after_a_cursor(sk) -> None:
 def test_status_fields_set_count_and_remove(sk) -> None:
     store, keys = sk
     store.run(control.set_status(keys, FN, wait_reason="no memory", last_cold_start_ms=41))
-    assert store.run(control.add_status_count(keys, FN, "start_failures")) == 1
+    assert store.run(control.record_start_failure(keys, FN, "oom", 7)) == 1
+    assert store.run(control.record_start_failure(keys, FN, "bind failed", 9)) == 2
     store.run(control.set_status(keys, FN, wait_reason=None))
     got = store.run(control.statuses(keys, [FN, "x/y"]))
-    assert got == {FN: {"last_cold_start_ms": "41", "start_failures": "1"}, "x/y": {}}
+    assert got == {
+        FN: {
+            "last_cold_start_ms": "41",
+            "start_failures": "2",
+            "last_failure": "bind failed",
+            "last_failure_at_ms": "9",
+        },
+        "x/y": {},
+    }
+
+
+def test_a_failed_start_writes_its_reason_before_its_count(sk) -> None:
+    """A reader that polls the count (the gateway waiting on a cold start, the kmock operator test) must find
+    the reason with it: the reason is queued first, in the same round trip."""
+    store, keys = sk
+    pipe = store.client.pipeline(transaction=False)
+    control.record_start_failure(keys, FN, "oom", 7).build(pipe)
+    assert [c[0][0] for c in pipe.command_stack] == ["HSET", "HINCRBY"]
+    pipe.reset()
 
 
 def test_queue_depth_counts_undelivered_entries(sk) -> None:

@@ -111,15 +111,15 @@ def test_an_exit_is_not_lost_when_redis_fails_while_learning_it(
     store, keys = controller.store, controller.keys
     controller.round()
     controller.executor.ended = [Exit("w1", "a/b", 1, "import error"), Exit("w2", "a/b", 1, "oom")]
-    real = control.add_status_count
+    real = control.record_start_failure
 
     def down(*args, **kwargs):  # Redis goes away while the first failed start is being counted
         raise redis.exceptions.ConnectionError("connection refused")
 
-    monkeypatch.setattr(control, "add_status_count", down)
+    monkeypatch.setattr(control, "record_start_failure", down)
     with pytest.raises(redis.exceptions.ConnectionError):
         controller.round()
-    monkeypatch.setattr(control, "add_status_count", real)
+    monkeypatch.setattr(control, "record_start_failure", real)
     controller.round()  # both exits were taken from the executor before the error: learned now
     assert store.run(control.statuses(keys, ["a/b"]))["a/b"]["start_failures"] == "2"
 
