@@ -90,6 +90,13 @@ class ControllerSettings(SharedSettings):
         "to, out of GPU memory nothing else wants (keeping room for one more standby); back to its "
         "function's budget once the batch is done; 0: off (PolicyConfig.batch_kv_bytes, docs/batch.md)",
     )
+    burst_kv_mib: int = Field(
+        default=0,
+        ge=0,
+        description="the KV budget (MiB) the busy workers of a function whose online requests wait in its "
+        "queue may grow to, out of GPU memory online demand left (keeping room for one more standby); back "
+        "to its function's budget once idle; 0: off (PolicyConfig.burst_kv_bytes)",
+    )
     park_timeout_s: float = Field(
         default=2.0,
         gt=0,
@@ -142,6 +149,7 @@ def build_controller(settings: ControllerSettings) -> Controller:
             parked_keep_alive_s=settings.parked_keep_alive_s,
             park_after_s=settings.park_after_s,
             batch_kv_bytes=settings.batch_kv_mib << 20,
+            burst_kv_bytes=settings.burst_kv_mib << 20,
             **burst_overrides(
                 settings.cold_prior_rps, settings.max_fresh_starts_per_gpu, settings.thrash_horizon_starts
             ),

@@ -107,6 +107,13 @@ class LocalConfig(SharedSettings):
         "function's budget once the batch is done; 0: off; default: 16384 on a GPU (batch / online "
         "makespan 0.55-0.61 on the H100), 0 on CPU (PolicyConfig.batch_kv_bytes, docs/batch.md)",
     )
+    burst_kv_mib: int = Field(
+        default=0,
+        ge=0,
+        description="the KV budget (MiB) the busy workers of a function whose online requests wait in its "
+        "queue may grow to, out of GPU memory online demand left (keeping room for one more standby); back "
+        "to its function's budget once idle; 0: off (PolicyConfig.burst_kv_bytes)",
+    )
     # the warm pool's starts on this machine (PolicyConfig.max_pool_starts_per_node / pool_waits_for_demand)
     pool_starts_at_once: int | None = Field(
         default=None,

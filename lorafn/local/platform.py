@@ -162,6 +162,7 @@ class LocalPlatform:
                     parked_keep_alive_s=self.config.parked_keep_alive_s,
                     park_after_s=self.config.park_after_s,
                     batch_kv_bytes=self.config.batch_kv_bytes(self.device),
+                    burst_kv_bytes=self.config.burst_kv_mib << 20,
                     **self.pool_starts,
                     **burst_overrides(
                         self.config.cold_prior_rps,

@@ -102,11 +102,11 @@ class Unpark:
 
 @dataclass(frozen=True)
 class ResizeKV:
-    """Tell bound worker ``worker_id`` to resize its KV cache to ``kv_bytes`` while its requests run
-    (`PolicyConfig.batch_kv_bytes`, docs/batch.md#kv-from-idle-memory): more KV out of GPU memory nothing
-    else wants while ``function`` has an offline batch backlog (``delta_bytes`` > 0, taken from the account
-    in this plan), or the function's own budget back once the batch is done (``delta_bytes`` < 0; the
-    account sees it free once the worker reports it)."""
+    """Tell bound worker ``worker_id`` to resize its KV cache to ``kv_bytes`` while its requests run: more
+    KV (``delta_bytes`` > 0, taken from the account in this plan) while ``function`` has an offline batch
+    backlog (`PolicyConfig.batch_kv_bytes`, docs/batch.md#kv-from-idle-memory) or online requests waiting
+    behind its busy workers (`PolicyConfig.burst_kv_bytes`), or the function's own budget back once the
+    worker has been idle (``delta_bytes`` < 0; the account sees it free once the worker reports it)."""
 
     worker_id: str
     function: str

@@ -106,6 +106,20 @@ class PolicyConfig:
       backlog is gone and the worker idle (or when it parks).
       0 = off. A batch's decode batch is bounded by its worker's KV: this is what makes a batch faster
       than the same prompts sent as online requests to a worker of the function's own budget.
+    - ``burst_kv_bytes``: the KV budget the busy workers of a function whose online requests wait in its
+      queue (a burst) may grow to (`ResizeKV`), out of what online demand left free, keeping room for one
+      more standby: as much as the queue needs at the workers' present KV per running request, at least half
+      their own KV more, never less than one request's worth. A worker holds no more requests than its KV
+      serves (`runtime.read_cap`), and a function scales up only past ``scale_up_queue_per_worker`` queued
+      per worker, so a burst of a few requests behind a full worker otherwise waits for its running requests
+      to end (the H100's 10-minute replay: 16 of 57 late requests, ~2.9 s each in the queue). A resize
+      takes ~20-30 ms with requests running (docs/benchmarks.md, "KV from idle memory"); a second worker
+      takes a fresh start or a bind. 0 = off.
+    - ``burst_kv_min_wait_s``: a burst is a queue whose oldest request has waited at least this long (a
+      worker with a free slot reads a new request within one step: a shorter wait is no burst).
+    - ``kv_grant_idle_s``: a worker holding granted KV (batch or burst) gets its function's own budget back
+      once it has been idle this long with nothing queued and no batch backlog (bursts come back within
+      seconds in a bursty trace; a park gives the KV back at once).
     """
 
     gpu_utilization: float = 0.92
@@ -131,14 +145,18 @@ class PolicyConfig:
     park_after_s: float | None = None
     parked_keep_alive_s: float | None = None
     batch_kv_bytes: int = 0
+    burst_kv_bytes: int = 0
+    burst_kv_min_wait_s: float = 0.2
+    kv_grant_idle_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.batch_kv_bytes, bool)
-            or not isinstance(self.batch_kv_bytes, int)
-            or (self.batch_kv_bytes < 0)
-        ):
-            raise ValueError(f"batch_kv_bytes must be an integer >= 0, got {self.batch_kv_bytes!r}")
+        for name in ("batch_kv_bytes", "burst_kv_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("burst_kv_min_wait_s", "kv_grant_idle_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 < self.gpu_utilization <= 1.0:
             raise ValueError(f"gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}")
         if self.victim_rate not in VICTIM_RATES:

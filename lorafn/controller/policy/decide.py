@@ -36,13 +36,17 @@ Order of work (each step sees the memory the previous ones granted or freed):
    wants ``n + floor(backlog / batch_backlog_per_worker)`` (up to ``max_replicas``) and binds ready
    standbys for those it lacks (3a only: idle capacity; no start, offload or Wait). Its workers go back by
    keep-alive once the backlog is gone (step 2 keeps an idle one while a backlog is left).
+3'. **KV for bursts** (``PolicyConfig.burst_kv_bytes``, off by default): the busy workers of a function whose
+   online requests have waited ``burst_kv_min_wait_s`` in its queue grow their KV caches (`ResizeKV`) by their
+   share of the queue at their KV per running request, out of what demand left, keeping room for one more
+   standby (a worker holds only what its KV serves; a few queued requests never scale a function up).
 4. **Warm pool** (planner.py) with the memory and the start slots left.
 5. **Pre-loading** (preload.py): which function's adapter each ready standby the plan keeps should hold.
 6. **KV for offline batches** (``PolicyConfig.batch_kv_bytes``, off by default): a bound worker of a function
    with a batch backlog grows its KV cache towards that budget (`ResizeKV`) out of what steps 1-5 left free,
-   keeping room for one more standby (as much as there is, when at least half its own KV more); once the
-   backlog is gone and the worker idle, it shrinks back to its
-   function's own budget.
+   keeping room for one more standby (as much as there is, when at least half its own KV more). A worker
+   holding granted KV (batch or burst) shrinks back to its function's own budget once it has been idle
+   ``kv_grant_idle_s`` with nothing queued and no backlog.
 
 Parking (``PolicyConfig.park_idle``: off here, on by default in the services; offload.py's docstring): after
 step 2, bound workers idle ``park_after_s`` or longer are parked (when set). In step 3, a function whose live
@@ -741,12 +745,55 @@ class _Round:
         )
         self.actions.extend(actions)
 
+    # -- step 3' -----------------------------------------------------------------------------
+    def burst_kv(self) -> None:
+        """More KV for the busy workers of a function whose online requests wait in its queue
+        (`PolicyConfig.burst_kv_bytes`), out of what online demand left free, keeping room for one more
+        standby. A worker holds only what its KV serves, so the queue is what its full workers left; each
+        grows by its share of the queue at its present KV per running request (at least half its own KV
+        more, so that a growing burst does not resize it every round; never less than one request's
+        worth), up to the budget. Not for a function an Unpark or a Bind of this plan serves within a
+        moment, nor while a worker of it is idle (it reads the queue at its next poll)."""
+        budget = self.config.burst_kv_bytes
+        if budget <= 0:
+            return
+        reserve = self.costs.default_standby_bytes
+        parking = {a.worker_id for a in self.actions if isinstance(a, Park)}
+        served_now = {a.function for a in self.actions if isinstance(a, (Bind, Unpark))}
+        for fn in sorted(self.snapshot.functions, key=lambda f: (-f.oldest_wait_s, f.name)):
+            if fn.queued == 0 or fn.oldest_wait_s < self.config.burst_kv_min_wait_s or fn.name in served_now:
+                continue
+            serving = [
+                w for w in self.live.get(fn.name, [])
+                if w.state == "bound" and not w.parked and w.id not in self.gone and w.id not in parking
+            ]  # fmt: skip
+            if not serving or any(w.running == 0 for w in serving):
+                continue
+            share = math.ceil(fn.queued / len(serving))
+            for w in sorted(serving, key=lambda w: w.id):
+                if w.kv_bytes <= 0 or w.kv_bytes >= budget:
+                    continue
+                per_request = math.ceil(w.kv_bytes / w.running)
+                want = min(budget, w.kv_bytes + max(share * per_request, w.kv_bytes // 2))
+                room = (self.ledger.free[w.gpu] - reserve) // MIB * MIB
+                delta = min(want - w.kv_bytes, room) // MIB * MIB
+                if delta < per_request:
+                    continue
+                self.ledger.take(w.gpu, delta)
+                self.protected.add(w.id)
+                self.actions.append(
+                    ResizeKV(
+                        w.id, fn.name, w.gpu, w.kv_bytes + delta, delta,
+                        f"burst: {fn.queued} queued ({fn.oldest_wait_s:.1f} s) behind {len(serving)} busy "
+                        f"worker(s): KV {_mib(w.kv_bytes)} -> {_mib(w.kv_bytes + delta)}",
+                    )
+                )  # fmt: skip
+
     # -- step 6 ------------------------------------------------------------------------------
     def batch_kv(self) -> None:
         """More KV for the workers of functions with an offline batch backlog, out of what the round left
         free (`PolicyConfig.batch_kv_bytes`: up to that budget, keeping room for one more standby, at least
-        half the worker's own KV more); the function's own budget back for granted workers once the backlog
-        is gone and they are idle."""
+        half the worker's own KV more)."""
         target = self.config.batch_kv_bytes
         if target <= 0:
             return
@@ -755,7 +802,7 @@ class _Round:
             fn = self.functions.get(w.function or "")
             if (
                 w.state != "bound" or w.parked or w.id in self.gone or fn is None or w.kv_bytes <= 0
-                or any(isinstance(a, Park) and a.worker_id == w.id for a in self.actions)
+                or any(isinstance(a, (Park, ResizeKV)) and a.worker_id == w.id for a in self.actions)
             ):  # fmt: skip
                 continue
             if fn.batch_backlog > 0 and w.kv_bytes < target:
@@ -774,13 +821,25 @@ class _Round:
                         f"KV {_mib(w.kv_bytes)} -> {_mib(w.kv_bytes + delta)}",
                     )
                 )  # fmt: skip
-            elif fn.batch_backlog == 0 and w.kv_grant and w.running == 0 and 0 < fn.kv_bytes < w.kv_bytes:
-                self.actions.append(
-                    ResizeKV(
-                        w.id, fn.name, w.gpu, fn.kv_bytes, fn.kv_bytes - w.kv_bytes,
-                        f"offline batch done: KV {_mib(w.kv_bytes)} -> {_mib(fn.kv_bytes)}",
-                    )
-                )  # fmt: skip
+
+    def return_kv_grants(self) -> None:
+        """A worker holding granted KV (a batch's or a burst's) gets its function's own budget back once it
+        has been idle ``kv_grant_idle_s`` with nothing queued and no batch backlog (whatever granted it)."""
+        for w in sorted(self.snapshot.workers, key=lambda w: w.id):
+            fn = self.functions.get(w.function or "")
+            if (
+                fn is None or w.state != "bound" or w.parked or w.id in self.gone or not w.kv_grant
+                or w.running > 0 or fn.queued > 0 or fn.batch_backlog > 0
+                or w.idle_s < self.config.kv_grant_idle_s or not 0 < fn.kv_bytes < w.kv_bytes
+                or any(isinstance(a, (Park, ResizeKV)) and a.worker_id == w.id for a in self.actions)
+            ):  # fmt: skip
+                continue
+            self.actions.append(
+                ResizeKV(
+                    w.id, fn.name, w.gpu, fn.kv_bytes, fn.kv_bytes - w.kv_bytes,
+                    f"grant done (idle {w.idle_s:.0f} s): KV {_mib(w.kv_bytes)} -> {_mib(fn.kv_bytes)}",
+                )
+            )  # fmt: skip
 
 
 def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
@@ -789,9 +848,11 @@ def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
     r.retire()
     r.park_idle_workers()
     r.demand()
+    r.burst_kv()
     pool = r.warm_pool()
     r.preload()
     r.batch_kv()
+    r.return_kv_grants()
     account = {
         g: MemoryAccount(
             a.gpu,

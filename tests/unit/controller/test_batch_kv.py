@@ -2,8 +2,8 @@
 worker of a function with a batch backlog grows its KV cache out of GPU memory nothing else in the round
 wants, as much as keeps room for one more standby (up to the budget); less than half the worker's own KV
 more is not granted; the grant comes after online demand and gets what it left; a granted worker shrinks
-back to its function's budget once the backlog is gone and it is idle (not while it runs, not when it was
-never granted); off by default."""
+back to its function's budget once the backlog is gone and it has been idle `kv_grant_idle_s` (not while it
+runs, not when it was never granted); off by default."""
 
 from __future__ import annotations
 
@@ -100,8 +100,15 @@ def test_a_granted_worker_shrinks_back_once_the_batch_is_done(
     backlog: int, running: int, granted: bool, expected: list
 ) -> None:
     functions = [fn("ns/b", batch_backlog=backlog, kv_bytes=4 * GiB, mem_gib=6)]
-    workers = [bound("w1", "g0", "ns/b", mem_gib=18, kv_bytes=16 * GiB, kv_grant=granted, running=running)]
+    idle_s = 0.0 if running else 10.0
+    grant = {"kv_bytes": 16 * GiB, "kv_grant": granted}
+    workers = [bound("w1", "g0", "ns/b", mem_gib=18, running=running, idle_s=idle_s, **grant)]
     assert resizes(decide(snap([gpu("g0")], functions, workers), CONFIG)) == expected
+    if expected:  # not before it has been idle kv_grant_idle_s (5 s: a burst may come back), nor with a queue
+        fresh = [bound("w1", "g0", "ns/b", mem_gib=18, kv_bytes=16 * GiB, kv_grant=True, idle_s=4.0)]
+        assert resizes(decide(snap([gpu("g0")], functions, fresh), CONFIG)) == []
+        queued = [fn("ns/b", kv_bytes=4 * GiB, mem_gib=6, queued=1, oldest_wait_s=0.05)]
+        assert resizes(decide(snap([gpu("g0")], queued, workers), CONFIG)) == []
 
 
 def test_off_by_default_and_never_for_parked_workers() -> None:

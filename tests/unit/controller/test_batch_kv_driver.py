@@ -89,5 +89,5 @@ def test_a_backlog_gets_its_worker_a_grant_charged_until_shown_then_returned(
     plan = controller.round()
     assert plan is not None
     (back,) = plan.of_type(ResizeKV)
-    assert (back.kv_bytes, back.delta_bytes) == (KV, KV - GRANT) and "offline batch done" in back.detail
+    assert (back.kv_bytes, back.delta_bytes) == (KV, KV - GRANT) and "grant done" in back.detail
     assert _budgets(store, keys) == [GRANT, KV]
