@@ -161,6 +161,19 @@ VARIANTS["shipped + parked 600 s"] = (
 )
 VARIANTS["shipped + park idle 50 s"] = (dataclasses.replace(SHIPPED, park_after_s=50.0), SHIPPED_PLATFORM)
 SHIPPED_VARIANTS = ",".join(name for name in VARIANTS if name.startswith("shipped"))
+# KV for bursts (PolicyConfig.burst_kv_bytes): the busy workers of a function with requests queued behind them
+# grow their KV (their batch with it) instead of the queue waiting for running requests to end; with parking
+# at 50 s idle (the other lever the shipped group found)
+for _gib in (1, 2, 4):
+    VARIANTS[f"shipped + burst KV {_gib} GiB"] = (
+        dataclasses.replace(SHIPPED, burst_kv_bytes=_gib << 30),
+        SHIPPED_PLATFORM,
+    )
+VARIANTS["shipped + burst 2 GiB + idle 50"] = (
+    dataclasses.replace(SHIPPED, burst_kv_bytes=2 << 30, park_after_s=50.0),
+    SHIPPED_PLATFORM,
+)
+BURST_VARIANTS = ",".join(["shipped (park 300 s)", *(n for n in VARIANTS if n.startswith("shipped + burst"))])
 # the H100's pre_runner p50 (ms) of fresh starts (bench/replay_breakdown.py, 2026-11-24): by requests running
 # on the GPU during the start, and by starts under way at the decision (itself included)
 RUNNING_BINS = ((0, 2), (2, 5), (5, 10), (10, 20), (20, 10**9))
@@ -206,6 +219,7 @@ COLUMNS = (
     ("unparks", "unparks"),
     ("mean_parked", "mean parked"),
     ("held_gpu_s", "GPU-s held"),
+    ("kv_grants", "KV grants"),
 )
 
 
@@ -288,7 +302,7 @@ def main() -> None:
         default=DEFAULT_VARIANTS,
         help=f"comma-separated, of: {', '.join(VARIANTS)}; 'issue16' = {ISSUE16_VARIANTS}; "
         f"'startup' = {STARTUP_VARIANTS}; 'parking' = {PARKING_VARIANTS}; 'parking2' = {PARKING2_VARIANTS}; "
-        f"'shipped' = {SHIPPED_VARIANTS}",
+        f"'shipped' = {SHIPPED_VARIANTS}; 'burst' = {BURST_VARIANTS}",
     )
     args = ap.parse_args()
 
@@ -322,6 +336,7 @@ def main() -> None:
         startup=STARTUP_MODELS.get(args.startup_model),
         # a park releases the KV cache and the decode graphs' pool (their memory points into the KV)
         park_release_bytes=(args.kv_mib + args.graph_mib) * MiB,
+        kv_bytes=args.kv_mib * MiB,  # a KV grant grows the batch in proportion (burst variants)
         seed=args.seed,
     )
     if args.sized:
@@ -361,12 +376,14 @@ def main() -> None:
         "parking": PARKING_VARIANTS,
         "parking2": PARKING2_VARIANTS,
         "shipped": SHIPPED_VARIANTS,
+        "burst": BURST_VARIANTS,
     }.get(args.variants, args.variants)
     names = [v.strip() for v in chosen.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-    header = f"{'policy':<24s}" + "".join(f"{title:>14s}" for _, title in COLUMNS) + f"{'CPU s':>8s}"
+    width = max(24, *(len(n) + 1 for n in names))
+    header = f"{'policy':<{width}s}" + "".join(f"{title:>14s}" for _, title in COLUMNS) + f"{'CPU s':>8s}"
     print(header)
     for name in names:
         t = time.process_time()
@@ -381,7 +398,7 @@ def main() -> None:
         else:
             row = {k: round(sum(float(r[k]) for r in rows_of) / len(rows_of), 1) for k, _ in COLUMNS}
         cells = "".join(f"{row[k]:>14}" for k, _ in COLUMNS)
-        print(f"{name:<24s}{cells}{time.process_time() - t:>8.1f}")
+        print(f"{name:<{width}s}{cells}{time.process_time() - t:>8.1f}")
         if args.calibration and len(rows_of) > 1:
             print(f"    SLO violations % by seed: {[r['slo_violations_pct'] for r in rows_of]}")
         if args.calibration and setup.startup is not None:

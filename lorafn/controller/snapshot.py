@@ -242,6 +242,7 @@ class SnapshotReader:
                     arrival_rate=sum(arrivals[i]) / float(ARRIVAL_WINDOW_S),
                     long_arrival_rate=(older.get(name, 0) + sum(arrivals[i])) / float(LONG_ARRIVAL_WINDOW_S),
                     queued=depths[name].queued,
+                    oldest_wait_s=depths[name].oldest_wait_ms / 1000,
                     start_failures=int(st.get("start_failures") or 0),
                     last_failure_s=max(0.0, now_s - failed_at / 1000) if failed_at else None,
                     last_failure=st.get("last_failure", ""),

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lorafn.store.client import Op
+from lorafn.store.client import Op, eval_script
 from lorafn.store.keys import GROUP, Keys
 from lorafn.store.streams import stream_entries
 
@@ -176,44 +176,34 @@ def statuses(keys: Keys, functions: list[str]) -> Op[dict[str, dict[str, str]]]:
 
 @dataclass(frozen=True)
 class QueueDepth:
-    """A request stream: `length` entries, of which `pending` were delivered to a worker and not acked."""
+    """A request stream: `length` entries, of which `pending` were delivered to a worker and not acked;
+    `oldest_wait_ms`: how long the oldest entry not yet delivered has waited (Redis's clock: an entry's id
+    is its admission time), 0 when none waits."""
 
     length: int
     pending: int
+    oldest_wait_ms: int = 0
 
     @property
     def queued(self) -> int:
         return max(0, self.length - self.pending)
 
 
-_DEPTHS = """
-local out = {}
-for i, key in ipairs(KEYS) do
-  local length = redis.call('XLEN', key)
-  local pending = 0
-  if length > 0 then
-    local ok, summary = pcall(redis.call, 'XPENDING', key, ARGV[1])
-    if ok then pending = summary[1] end
-  end
-  out[2 * i - 1] = length
-  out[2 * i] = pending
-end
-return out
-"""
-
-
 def queue_depths(keys: Keys, functions: list[str]) -> Op[dict[str, QueueDepth]]:
-    """Length and pending count of each function's request stream, in one round trip (a missing stream or
-    group counts as empty)."""
+    """Length, pending count and oldest undelivered entry's wait of each function's request stream, in one
+    round trip (`lua/queue_depths.lua`; a missing stream or group counts as empty / nothing delivered)."""
 
     def parse(r: list[Any]) -> dict[str, QueueDepth]:
         flat = r[0] or []
-        return {f: QueueDepth(int(flat[2 * i]), int(flat[2 * i + 1])) for i, f in enumerate(functions)}
+        return {
+            f: QueueDepth(int(flat[3 * i]), int(flat[3 * i + 1]), max(0, int(flat[3 * i + 2])))
+            for i, f in enumerate(functions)
+        }
 
     if not functions:
         return Op(lambda pipe: None, lambda r: {})
     return Op(
-        lambda pipe: pipe.eval(_DEPTHS, len(functions), *[keys.requests(f) for f in functions], GROUP), parse
+        lambda pipe: eval_script(pipe, "queue_depths", [keys.requests(f) for f in functions], [GROUP]), parse
     )
 
 

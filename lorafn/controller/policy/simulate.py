@@ -34,6 +34,9 @@ The model (each part as simple as the question allows; none of it is measured he
   ``unattributed_bytes`` per process); ``late_growth_bytes``: what a fresh bound worker grows by once it has
   served (its activations after a longer step than its first). The result reports the peak of what the
   processes really hold;
+- KV grants (`PolicyConfig.burst_kv_bytes`, ``kv_bytes`` set): a worker's batch is ``max_batch`` at its own
+  ``kv_bytes`` of KV and grows in proportion with granted KV (a ResizeKV: charged and held at once, the
+  larger batch from ``resize_s`` later; a return at once); a park gives a grant back;
 - parking (`PolicyConfig.park_idle`, issue 16): a Park takes effect at once (the worker releases its KV and
   graph pools in milliseconds and acknowledges; the driver would wait for that); a parked worker holds
   ``park_release_bytes`` less (``worker_bytes - park_release_bytes`` unsized), is charged what it holds +
@@ -58,7 +61,7 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lorafn.controller.policy.actions import Bind, Park, Start, Stop, Unpark
+from lorafn.controller.policy.actions import Bind, Park, ResizeKV, Start, Stop, Unpark
 from lorafn.controller.policy.charge import (
     OVERHEAD_MARGIN_BYTES,
     SizeReport,
@@ -188,6 +191,9 @@ class SimSetup:
     # parking (module docstring): what a park releases (KV + graph pools), and an unpark's time
     park_release_bytes: int = 0
     unpark_s: float = 0.3
+    # KV grants (module docstring): a worker's own KV budget (0: its batch is max_batch whatever it holds)
+    kv_bytes: int = 0
+    resize_s: float = 0.03
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -202,8 +208,9 @@ class SimSetup:
             raise ValueError(
                 f"SimSetup.park_release_bytes must be in [0, worker_bytes), got {self.park_release_bytes!r}"
             )
-        if not self.unpark_s >= 0:
-            raise ValueError(f"SimSetup.unpark_s must be >= 0, got {self.unpark_s!r}")
+        for name in ("unpark_s", "resize_s", "kv_bytes"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SimSetup.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.charge not in ("learned", "own"):
             raise ValueError(f"SimSetup.charge must be 'learned' or 'own', got {self.charge!r}")
         if self.overhead_quantiles is not None:
@@ -249,6 +256,9 @@ class _Worker:
     pre_s: float = 0.0  # its pre_runner stage's time, once done
     parked: bool = False
     unparked_first: bool = False  # unparked for a request and has not taken one yet
+    kv: int = 0  # its KV budget now when granted more than its own (0: its own)
+    batch_kv: int = 0  # the KV its batch size follows (a grant's from resize_s after it; 0: its own)
+    batch_kv_at: float = 0.0
 
 
 @dataclass
@@ -283,6 +293,7 @@ class SimResult:
     # its last arrival) of held / GPU bytes x tick (one GPU full all along = the window's length)
     held_gpu_s: float = 0.0
     parked_ticks: int = 0  # sum over measured ticks of parked workers (their mean = / measured_ticks)
+    kv_grants: int = 0  # ResizeKV grants (more KV) in the measured window
 
     def row(self) -> dict[str, float | int]:
         ttft = sorted(self.ttft_s)
@@ -321,6 +332,7 @@ class SimResult:
             "unparks": self.unparks,
             "mean_parked": round(self.parked_ticks / max(1, self.measured_ticks), 1),
             "held_gpu_s": round(self.held_gpu_s),
+            "kv_grants": self.kv_grants,
         }
 
 
@@ -378,14 +390,27 @@ class Simulation:
     def held_bytes(self, w: _Worker) -> int:
         """What the worker's process holds now (the driver's count)."""
         s = self.setup
+        grant = self.granted(w)
         if not self.sized:
-            return s.worker_bytes - (s.park_release_bytes if w.parked else 0)
-        whole = s.kv_lora_bytes + w.overhead
+            return s.worker_bytes + grant - (s.park_release_bytes if w.parked else 0)
+        whole = s.kv_lora_bytes + w.overhead + grant
         if w.served_any and not w.via_bind:  # a standby's warm-up ran the longest steps already
             whole += s.late_growth_bytes
         if w.parked:  # KV and graph pools released (its cached activations kept)
             return max(0, whole - s.park_release_bytes)
         return whole if self.settled(w) else max(0, whole - s.graph_bytes)
+
+    def granted(self, w: _Worker) -> int:
+        """KV held beyond its own budget (a ResizeKV grant)."""
+        return max(0, w.kv - self.setup.kv_bytes) if w.kv else 0
+
+    def batch_of(self, w: _Worker) -> int:
+        """Requests it serves at once: ``max_batch`` at its own KV, in proportion with a grant (resized)."""
+        s = self.setup
+        kv = w.batch_kv if w.batch_kv and self.now >= w.batch_kv_at else s.kv_bytes
+        if s.kv_bytes <= 0 or not w.kv:
+            return s.max_batch
+        return max(1, s.max_batch * kv // s.kv_bytes)
 
     def parked_charge(self, w: _Worker) -> int:
         """What the account charges ``w`` parked (nothing grows while it runs nothing): what it holds + the
@@ -422,7 +447,7 @@ class Simulation:
                 charge, reported = self.parked_charge(w), held
                 release = max(0, fn_bytes - charge)  # unparked, it is charged as an unsettled worker
             elif not self.sized:
-                charge, reported = s.worker_bytes, 0
+                charge, reported = s.worker_bytes + self.granted(w), 0
             elif w.state == "starting":
                 charge, reported = fn_bytes, 0
             elif w.state == "bound" and s.charge == "own":
@@ -448,6 +473,8 @@ class Simulation:
                     reported_bytes=reported,
                     parked=w.parked and w.state == "bound",  # a stopped one drains at its parked size
                     release_bytes=release,
+                    kv_bytes=(w.kv or s.kv_bytes) if w.state == "bound" else 0,
+                    kv_grant=self.granted(w) > 0,
                 )
             )
         gpus = self.gpus
@@ -481,6 +508,7 @@ class Simulation:
                     queued=len(queue),
                     oldest_wait_s=now - queue[0][0] if queue else 0.0,
                     long_arrival_rate=longer / s.long_window_s,  # as the snapshot: the whole horizon
+                    kv_bytes=s.kv_bytes,
                 )
             )
         costs = Costs(
@@ -544,6 +572,7 @@ class Simulation:
         if w is None or w.state != "bound" or w.parked or any(end > self.now for end in w.running):
             raise RuntimeError(f"the policy parked {a.worker_id}, which is not an idle bound worker")
         w.parked, w.unparked_first = True, False
+        w.kv = w.batch_kv = 0  # a park releases the whole KV cache: unparked, it has its own budget
         self.count("parks")
 
     def _unpark(self, a: Unpark) -> None:
@@ -554,9 +583,21 @@ class Simulation:
         w.ready_at = w.settled_at = self.now + self.setup.unpark_s  # KV allocated, graphs re-captured
         self.count("unparks")
 
+    def _resize(self, a: ResizeKV) -> None:
+        w = self.workers.get(a.worker_id)
+        if w is None or w.state != "bound" or w.parked:
+            raise RuntimeError(f"the policy resized {a.worker_id}, which is not an unparked bound worker")
+        own = self.setup.kv_bytes
+        w.kv = a.kv_bytes if a.kv_bytes > own else 0
+        w.batch_kv, w.batch_kv_at = w.kv, self.now + (self.setup.resize_s if a.delta_bytes > 0 else 0.0)
+        if a.delta_bytes > 0:
+            self.count("kv_grants")
+
     def apply(self, actions: Sequence[object]) -> None:
         for a in actions:
-            if isinstance(a, Park):
+            if isinstance(a, ResizeKV):
+                self._resize(a)
+            elif isinstance(a, Park):
                 self._park(a)
             elif isinstance(a, Unpark):
                 self._unpark(a)
@@ -642,7 +683,8 @@ class Simulation:
                 if w.ready_at > now:
                     continue
                 w.running = [end for end in w.running if end > now]
-                while queue and len(w.running) < self.setup.max_batch:
+                batch = self.batch_of(w)
+                while queue and len(w.running) < batch:
                     at, hint = queue.popleft()
                     measured = at >= self.measure_from
                     if measured:
@@ -746,4 +788,5 @@ class Simulation:
             c["unparks"],
             self.held_gpu_s,
             self.parked_ticks,
+            c["kv_grants"],
         )

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from lorafn.store import Keys, Store, control, streams
+from lorafn.store import Keys, Store, control, streams, workers
 from lorafn.store.protocol import RequestBody
 
 FN = "team-a/f"
@@ -83,11 +83,19 @@ def test_queue_depth_counts_undelivered_entries(sk) -> None:
                 rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=1000,
             )
         )  # fmt: skip
-    assert store.run(control.queue_depths(keys, [FN]))[FN] == control.QueueDepth(3, 0)
+    depth = store.run(control.queue_depths(keys, [FN]))[FN]
+    assert (depth.length, depth.pending, depth.queued) == (3, 0, 3)
+    time.sleep(0.25)
     store.run(streams.create_group(keys, FN))
     store.run(streams.read_requests(keys, FN, "w1", 2, None))
     depth = store.run(control.queue_depths(keys, [FN]))[FN]
     assert (depth.length, depth.pending, depth.queued) == (3, 2, 1)
+    # the oldest undelivered entry (r2, admitted > 250 ms ago by Redis's clock) is what has waited
+    server_ms = store.run(workers.server_time_ms())
+    r2_ms = int(store.client.xrange(keys.requests(FN))[-1][0].split("-")[0])
+    assert 250 <= depth.oldest_wait_ms <= server_ms - r2_ms + 5
+    store.run(streams.read_requests(keys, FN, "w1", 1, None))
+    assert store.run(control.queue_depths(keys, [FN]))[FN] == control.QueueDepth(3, 3, 0)  # none waits
 
 
 def test_pool_and_gpu_inventory(sk) -> None:
