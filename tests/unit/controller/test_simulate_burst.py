@@ -1,7 +1,7 @@
 """KV for bursts in the policy simulator (`PolicyConfig.burst_kv_bytes`, `SimSetup.kv_bytes`): a worker's
-batch follows its KV, a grant is held (and charged) at once and serves a larger batch from ``resize_s`` later, goes
-back once the worker has been idle ``kv_grant_idle_s``; a burst behind one busy worker is served sooner with
-grants than without. (The driver applies grants: tests/unit/controller/test_burst_kv_driver.py.)"""
+batch follows its KV; a grant is held (and charged) at once and serves a larger batch from ``resize_s`` later;
+it goes back once the worker has been idle ``kv_grant_idle_s``; a burst behind one busy worker is served
+sooner with grants than without. (The driver applies them: tests/unit/controller/test_burst_kv_driver.py.)"""
 
 from __future__ import annotations
 
