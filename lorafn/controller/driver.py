@@ -541,7 +541,7 @@ class Controller:
         (or `kv_resize_refused`, e.g. a block in use above a smaller size: the next round asks again)."""
         self.store.run(workers.send_control(self.keys, action.worker_id, "kv_budget", bytes=action.kv_bytes))
         self._resizes[action.worker_id] = (action, time.monotonic())
-        self.metrics.kv_resizes.labels("grow" if action.delta_bytes > 0 else "shrink").inc()
+        self.metrics.kv_resizes.labels("grow" if action.delta_bytes > 0 else "shrink", action.cause).inc()
         log.info("controller: KV budget of %s (%s on %s): %s", action.worker_id, action.function, action.gpu,
                  action.detail)  # fmt: skip
 

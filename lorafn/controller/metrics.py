@@ -81,9 +81,10 @@ class ControllerMetrics:
         )  # fmt: skip
         self.kv_resizes = Counter(
             "lorafn_controller_kv_resizes",
-            "KV budget commands sent to bound workers for offline batches (grow: more KV out of idle GPU "
-            "memory; shrink: the function's own budget back)",
-            ["direction"], registry=r,
+            "KV budget commands sent to bound workers (grow: more KV out of idle GPU memory; shrink: the "
+            "function's own budget back), by cause (batch: an offline batch's backlog; burst: online "
+            "requests queued behind busy workers; return: a grant given back)",
+            ["direction", "cause"], registry=r,
         )  # fmt: skip
         self.start_failures = Counter(
             "lorafn_controller_start_failures", "Workers that failed to start or bind", registry=r

@@ -22,8 +22,9 @@ Out (actions.py): `Plan(actions, pool, account)`:
   "offload" | "scale_down" | "pool_shrink" | "keep_alive", `Wait(function, reason)` (no worker this
   round; the reason is for the function's waiting clients and its status); with ``park_idle`` (off; the
   driver refuses it until workers can park), `Park(worker_id, function, gpu, release_bytes)` and
-  `Unpark(worker_id, function, gpu, mem_bytes)`; with ``batch_kv_bytes`` (off), `ResizeKV(worker_id,
-  function, gpu, kv_bytes, delta_bytes)` (more KV for an offline batch, and its return).
+  `Unpark(worker_id, function, gpu, mem_bytes)`; with ``batch_kv_bytes`` or ``burst_kv_bytes`` (off),
+  `ResizeKV(worker_id, function, gpu, kv_bytes, delta_bytes, detail, cause)` (more KV for an offline batch
+  or a burst, and its return).
 - `pool`: `PoolTarget(gpu, backbone, shape, count)` for every (gpu, backbone, shape) planned or
   present (count 0 = none wanted there any more).
 - `account`: gpu -> `MemoryAccount` (capacity, backbone/other/worker bytes, free now, free after).

@@ -16,6 +16,8 @@ StopReason = Literal["offload", "scale_down", "pool_shrink", "keep_alive"]
 # why an offload needed room: a function's first worker (a cold start), its min_replicas floor, or one
 # more worker for a function whose queue grows (a burst)
 OffloadCause = Literal["cold_start", "min_replicas", "scale_up"]
+# why a ResizeKV: more KV for an offline batch or a burst, or a grant given back
+ResizeCause = Literal["batch", "burst", "return"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class ResizeKV:
     kv_bytes: int
     delta_bytes: int
     detail: str = ""
+    cause: ResizeCause = "batch"
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ class PolicyConfig:
       (`ResizeKV`, docs/batch.md#kv-from-idle-memory), out of GPU memory nothing else in the round wants:
       granted after online demand, the warm pool and pre-loading, as much of it as leaves the GPU room for
       one more standby (nothing when that is less than half the worker's own KV more); given back when the
-      backlog is gone and the worker idle (or when it parks).
+      backlog is gone and the worker has been idle ``kv_grant_idle_s`` (or when it parks).
       0 = off. A batch's decode batch is bounded by its worker's KV: this is what makes a batch faster
       than the same prompts sent as online requests to a worker of the function's own budget.
     - ``burst_kv_bytes``: the KV budget the busy workers of a function whose online requests wait in its

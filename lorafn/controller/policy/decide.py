@@ -786,6 +786,7 @@ class _Round:
                         w.id, fn.name, w.gpu, w.kv_bytes + delta, delta,
                         f"burst: {fn.queued} queued ({fn.oldest_wait_s:.1f} s) behind {len(serving)} busy "
                         f"worker(s): KV {_mib(w.kv_bytes)} -> {_mib(w.kv_bytes + delta)}",
+                        "burst",
                     )
                 )  # fmt: skip
 
@@ -838,6 +839,7 @@ class _Round:
                 ResizeKV(
                     w.id, fn.name, w.gpu, fn.kv_bytes, fn.kv_bytes - w.kv_bytes,
                     f"grant done (idle {w.idle_s:.0f} s): KV {_mib(w.kv_bytes)} -> {_mib(fn.kv_bytes)}",
+                    "return",
                 )
             )  # fmt: skip
 
