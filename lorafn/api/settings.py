@@ -67,6 +67,18 @@ ParkedKeepAlive = Annotated[
 ]
 
 
+# The burst KV budget of `lorafn up` and of the controller (PolicyConfig.burst_kv_bytes), one field for both.
+BurstKvMiB = Annotated[
+    int,
+    Field(
+        ge=0,
+        description="the KV budget (MiB) the busy workers of a function whose online requests wait in its "
+        "queue may grow to, out of GPU memory online demand left (keeping room for one more standby); back "
+        "to its function's budget once idle; 0: off (PolicyConfig.burst_kv_bytes)",
+    ),
+]
+
+
 def token_buckets(text: str) -> tuple[int, ...]:
     """Prefill-graph buckets (the worker's and the operator's `prefill_graph_tokens`): "512, 128" -> (128,
     512); "" -> (). ValueError naming the setting for anything but token counts of at least 2."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 import typer
 from pydantic import Field
 
-from lorafn.api.settings import PARKED_KEEP_ALIVE_S, ParkedKeepAlive, SharedSettings
+from lorafn.api.settings import PARKED_KEEP_ALIVE_S, BurstKvMiB, ParkedKeepAlive, SharedSettings
 from lorafn.controller.policy.config import VictimRate
 
 if TYPE_CHECKING:
@@ -90,13 +90,7 @@ class ControllerSettings(SharedSettings):
         "to, out of GPU memory nothing else wants (keeping room for one more standby); back to its "
         "function's budget once the batch is done; 0: off (PolicyConfig.batch_kv_bytes, docs/batch.md)",
     )
-    burst_kv_mib: int = Field(
-        default=0,
-        ge=0,
-        description="the KV budget (MiB) the busy workers of a function whose online requests wait in its "
-        "queue may grow to, out of GPU memory online demand left (keeping room for one more standby); back "
-        "to its function's budget once idle; 0: off (PolicyConfig.burst_kv_bytes)",
-    )
+    burst_kv_mib: BurstKvMiB = 0
     park_timeout_s: float = Field(
         default=2.0,
         gt=0,

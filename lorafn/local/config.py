@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from lorafn.api.errors import format_validation_error
-from lorafn.api.settings import PARKED_KEEP_ALIVE_S, ParkedKeepAlive, SharedSettings
+from lorafn.api.settings import PARKED_KEEP_ALIVE_S, BurstKvMiB, ParkedKeepAlive, SharedSettings
 
 
 def default_state_dir() -> Path:
@@ -107,13 +107,7 @@ class LocalConfig(SharedSettings):
         "function's budget once the batch is done; 0: off; default: 16384 on a GPU (batch / online "
         "makespan 0.55-0.61 on the H100), 0 on CPU (PolicyConfig.batch_kv_bytes, docs/batch.md)",
     )
-    burst_kv_mib: int = Field(
-        default=0,
-        ge=0,
-        description="the KV budget (MiB) the busy workers of a function whose online requests wait in its "
-        "queue may grow to, out of GPU memory online demand left (keeping room for one more standby); back "
-        "to its function's budget once idle; 0: off (PolicyConfig.burst_kv_bytes)",
-    )
+    burst_kv_mib: BurstKvMiB = 0
     # the warm pool's starts on this machine (PolicyConfig.max_pool_starts_per_node / pool_waits_for_demand)
     pool_starts_at_once: int | None = Field(
         default=None,

@@ -379,6 +379,28 @@ def test_park_after_reaches_the_controller_settings(
         assert out.returncode != 0 and "parkAfterSeconds" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize(("extra", "mib"), [([], 0), (["--set", "controller.burstKvMiB=1024"], 1024)])
+def test_burst_kv_reaches_the_controllers_policy(
+    monkeypatch: pytest.MonkeyPatch, extra: list[str], mib: int
+) -> None:
+    """controller.burstKvMiB -> LORAFN_BURST_KV_MIB -> the controller's settings -> the policy the built
+    controller decides with (PolicyConfig.burst_kv_bytes; 0 = off, the default); a negative number or a
+    string is refused by the schema."""
+    from lorafn.controller.cli import ControllerSettings, build_controller
+
+    controller = next(
+        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-controller"
+    )
+    env = {e["name"]: e.get("value") for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["LORAFN_BURST_KV_MIB"] == str(mib)
+    monkeypatch.setenv("LORAFN_BURST_KV_MIB", env["LORAFN_BURST_KV_MIB"])
+    settings = ControllerSettings(redis_url="redis://127.0.0.1:1")
+    assert build_controller(settings).config.policy.burst_kv_bytes == mib << 20
+    for bad in (["--set", "controller.burstKvMiB=-1"], ["--set-string", "controller.burstKvMiB=lots"]):
+        out = helm("template", "x", str(CHART), *bad, check=False)
+        assert out.returncode != 0 and "burstKvMiB" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(
     ("extra", "expected"), [([], ""), (["--set-string", "gpu.prefillGraphTokens=512\\, 128"], "128,512")]
 )

@@ -75,6 +75,7 @@ from lorafn.controller.policy.actions import (
     OffloadCause,
     Park,
     Plan,
+    ResizeCause,
     ResizeKV,
     Start,
     Stop,
@@ -757,7 +758,6 @@ class _Round:
         budget = self.config.burst_kv_bytes
         if budget <= 0:
             return
-        reserve = self.costs.default_standby_bytes
         parking = {a.worker_id for a in self.actions if isinstance(a, Park)}
         served_now = {a.function for a in self.actions if isinstance(a, (Bind, Unpark))}
         for fn in sorted(self.snapshot.functions, key=lambda f: (-f.oldest_wait_s, f.name)):
@@ -775,20 +775,23 @@ class _Round:
                     continue
                 per_request = math.ceil(w.kv_bytes / w.running)
                 want = min(budget, w.kv_bytes + max(share * per_request, w.kv_bytes // 2))
-                room = (self.ledger.free[w.gpu] - reserve) // MIB * MIB
-                delta = min(want - w.kv_bytes, room) // MIB * MIB
-                if delta < per_request:
-                    continue
-                self.ledger.take(w.gpu, delta)
-                self.protected.add(w.id)
-                self.actions.append(
-                    ResizeKV(
-                        w.id, fn.name, w.gpu, w.kv_bytes + delta, delta,
-                        f"burst: {fn.queued} queued ({fn.oldest_wait_s:.1f} s) behind {len(serving)} busy "
-                        f"worker(s): KV {_mib(w.kv_bytes)} -> {_mib(w.kv_bytes + delta)}",
-                        "burst",
-                    )
-                )  # fmt: skip
+                delta = min(want - w.kv_bytes, self.grant_room(w.gpu)) // MIB * MIB
+                if delta >= per_request:
+                    queue = f"{fn.queued} queued ({fn.oldest_wait_s:.1f} s)"
+                    self.grant(w, fn, delta, f"burst: {queue} behind {len(serving)} busy worker(s)", "burst")
+
+    def grant_room(self, gpu: str) -> int:
+        """What a KV grant may take on ``gpu``: its free memory less one more standby's, in whole MiB."""
+        return (self.ledger.free[gpu] - self.costs.default_standby_bytes) // MIB * MIB
+
+    def grant(self, w: Worker, fn: Function, delta: int, why: str, cause: ResizeCause) -> None:
+        """``delta`` bytes more KV for bound worker ``w``, taken from the account in this plan."""
+        self.ledger.take(w.gpu, delta)
+        self.protected.add(w.id)
+        new = w.kv_bytes + delta
+        self.actions.append(
+            ResizeKV(w.id, fn.name, w.gpu, new, delta, f"{why}: KV {_mib(w.kv_bytes)} -> {_mib(new)}", cause)
+        )
 
     # -- step 6 ------------------------------------------------------------------------------
     def batch_kv(self) -> None:
@@ -798,7 +801,6 @@ class _Round:
         target = self.config.batch_kv_bytes
         if target <= 0:
             return
-        reserve = self.costs.default_standby_bytes
         for w in sorted(self.snapshot.workers, key=lambda w: w.id):
             fn = self.functions.get(w.function or "")
             if (
@@ -809,19 +811,9 @@ class _Round:
             if fn.batch_backlog > 0 and w.kv_bytes < target:
                 # up to the budget, as much as leaves room for one more standby (whole MiB); less than half
                 # the worker's own KV more is not worth its decode graphs' re-capture
-                room = (self.ledger.free[w.gpu] - reserve) // MIB * MIB
-                delta = min(target - w.kv_bytes, room)
-                if delta < max(MIB, w.kv_bytes // 2):
-                    continue
-                self.ledger.take(w.gpu, delta)
-                self.protected.add(w.id)
-                self.actions.append(
-                    ResizeKV(
-                        w.id, fn.name, w.gpu, w.kv_bytes + delta, delta,
-                        f"offline batch backlog of {fn.batch_backlog}: "
-                        f"KV {_mib(w.kv_bytes)} -> {_mib(w.kv_bytes + delta)}",
-                    )
-                )  # fmt: skip
+                delta = min(target - w.kv_bytes, self.grant_room(w.gpu))
+                if delta >= max(MIB, w.kv_bytes // 2):
+                    self.grant(w, fn, delta, f"offline batch backlog of {fn.batch_backlog}", "batch")
 
     def return_kv_grants(self) -> None:
         """A worker holding granted KV (a batch's or a burst's) gets its function's own budget back once it

@@ -1,6 +1,7 @@
 """Driving a real `lorafn up` from tests: the platform as a subprocess (`local_platform`), the CLI,
 waiting on a condition while the platform runs, the workers' heartbeat records, one invocation, the order of
-worker starts in its logs (`worker_starts`, `check_start_order`)."""
+worker starts in its logs (`worker_starts`, `check_start_order`), and a managed platform serving one function
+(`one_function`)."""
 
 from __future__ import annotations
 
@@ -191,3 +192,51 @@ def check_start_order(up_log: str, logs_dir: Path) -> None:
             assert not (fresh.began <= s.began and (fresh.ended is None or s.began < fresh.ended)), (
                 f"standby {s.worker} began while {fresh.function}'s first worker {fresh.worker} was starting"
             )
+
+
+@dataclass
+class OneFunction:
+    """A managed `lorafn up` (lorafn.replay.platform) serving one function on CPU: its platform, gateway URL,
+    API key and the one bound worker's id and first heartbeat."""
+
+    platform: Any
+    gateway_url: str
+    key: str
+    worker_id: str
+    beat: dict[str, str]
+
+
+@contextmanager
+def one_function(
+    model_dir: Path, tmp_path: Path, function: str, settings: dict[str, Any], kv_cache_mib: int
+) -> Iterator[OneFunction]:
+    """`lorafn up` on CPU with ``settings`` (up.yaml; `device`, `devices` and `warm_pool: False` set here),
+    one function of the tiny model (a PEFT adapter r4 on q/v, maxReplicas 1, keep-alive an hour,
+    minReplicas 1, its workers' KV ``kv_cache_mib``), settled with its one worker bound; stopped on exit."""
+    from lorafn.replay.configs import ReplayConfig
+    from lorafn.replay.platform import FunctionSetup, ManagedPlatform, manifest, new_keys
+    from tests.integration.runtime.engine_helpers import write_peft_adapter
+
+    adapter = write_peft_adapter(
+        model_dir, tmp_path / "a0", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=0
+    )
+    namespace = function.split("/")[0]
+    platform = ManagedPlatform(
+        tmp_path / "up", {"device": "cpu", "devices": 1, "warm_pool": False, **settings}
+    )
+    keys = new_keys([function])
+    setup = FunctionSetup(slo_ttft_ms=60_000, keep_alive_s=3600, max_replicas=1, kv_cache_mib=kv_cache_mib)
+    config = ReplayConfig(namespace, "tests/integration/local", min_replicas=1, warm_pool_fallback=(0, 0))
+    try:
+        state = platform.start(timeout_s=180)
+        platform.apply(
+            manifest(
+                model_dir, "float32", [function], [adapter], keys, setup, config, True, namespace=namespace
+            )
+        )
+        platform.settle([function], 1, want_standby=False, shared=True, timeout_s=180)
+        assert platform.store is not None
+        ((wid, beat),) = [(w, h) for w, h in platform.workers().items() if h.get("function") == function]
+        yield OneFunction(platform, state.gateway_url, keys[function], wid, beat)
+    finally:
+        platform.stop()

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafn.replay.configs import ReplayConfig
-from lorafn.replay.platform import FunctionSetup, ManagedPlatform, manifest, new_keys
 from lorafn.store import control, workers
-from tests.integration.runtime.engine_helpers import write_peft_adapter
+from tests.integration.local.platform_helpers import one_function
 
 pytestmark = pytest.mark.slow
 
@@ -30,29 +28,13 @@ MiB = 1 << 20
 def test_a_batch_grows_its_workers_kv_and_gives_it_back(tiny_model_dir: Path, tmp_path: Path) -> None:
     import openai
 
-    adapter = write_peft_adapter(
-        tiny_model_dir, tmp_path / "a0", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=0
-    )
-    settings = {"device": "cpu", "devices": 1, "warm_pool": False, "batch_kv_mib": 8}
-    platform = ManagedPlatform(tmp_path / "up", settings)
-    keys = new_keys([FN])
-    setup = FunctionSetup(slo_ttft_ms=60_000, keep_alive_s=3600, max_replicas=1, kv_cache_mib=1)
-    config = ReplayConfig("bkv", "tests/integration/local/test_batch_kv_local.py", min_replicas=1,
-                          warm_pool_fallback=(0, 0))  # fmt: skip
-    try:
-        state = platform.start(timeout_s=180)
-        platform.apply(
-            manifest(tiny_model_dir, "float32", [FN], [adapter], keys, setup, config, True, namespace="bkv")
-        )
-        platform.settle([FN], 1, want_standby=False, shared=True, timeout_s=180)
+    with one_function(tiny_model_dir, tmp_path, FN, {"batch_kv_mib": 8}, kv_cache_mib=1) as one:
+        platform, wid, beat = one.platform, one.worker_id, one.beat
         store = platform.store
         assert store is not None
-        ((wid, beat),) = [(w, h) for w, h in platform.workers().items() if h.get("function") == FN]
         assert beat.get("kv_grant") == "0" and int(beat["kv_budget_bytes"]) == MiB
 
-        client = openai.OpenAI(
-            base_url=f"{state.gateway_url}/v1", api_key=keys[FN], max_retries=2, timeout=120
-        )
+        client = openai.OpenAI(base_url=f"{one.gateway_url}/v1", api_key=one.key, max_retries=2, timeout=120)
         lines = [
             json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
                         "body": {"model": FN, "prompt": f"Question {i}: {i} cows. How many legs?",
@@ -98,5 +80,3 @@ def test_a_batch_grows_its_workers_kv_and_gives_it_back(tiny_model_dir: Path, tm
         answer = client.completions.create(model=FN, prompt="Hello", max_tokens=4, temperature=0)
         assert answer.usage.completion_tokens == 4
         assert wid in platform.workers()
-    finally:
-        platform.stop()

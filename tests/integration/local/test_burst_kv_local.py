@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafn.replay.configs import ReplayConfig
-from lorafn.replay.platform import FunctionSetup, ManagedPlatform, manifest, new_keys
 from lorafn.store import control, workers
-from tests.integration.runtime.engine_helpers import write_peft_adapter
+from tests.integration.local.platform_helpers import one_function
 
 pytestmark = pytest.mark.slow
 
@@ -30,29 +28,13 @@ MAX_TOKENS = 96
 def test_a_burst_grows_its_workers_kv_and_gives_it_back(tiny_model_dir: Path, tmp_path: Path) -> None:
     import openai
 
-    adapter = write_peft_adapter(
-        tiny_model_dir, tmp_path / "a0", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=0
-    )
-    settings = {"device": "cpu", "devices": 1, "warm_pool": False, "burst_kv_mib": 8}
-    platform = ManagedPlatform(tmp_path / "up", settings)
-    keys = new_keys([FN])
-    setup = FunctionSetup(slo_ttft_ms=60_000, keep_alive_s=3600, max_replicas=1, kv_cache_mib=1)
-    config = ReplayConfig("burst", "tests/integration/local/test_burst_kv_local.py", min_replicas=1,
-                          warm_pool_fallback=(0, 0))  # fmt: skip
-    try:
-        state = platform.start(timeout_s=180)
-        platform.apply(
-            manifest(tiny_model_dir, "float32", [FN], [adapter], keys, setup, config, True, namespace="burst")
-        )
-        platform.settle([FN], 1, want_standby=False, shared=True, timeout_s=180)
+    with one_function(tiny_model_dir, tmp_path, FN, {"burst_kv_mib": 8}, kv_cache_mib=1) as one:
+        platform, wid, beat = one.platform, one.worker_id, one.beat
         store = platform.store
         assert store is not None
-        ((wid, beat),) = [(w, h) for w, h in platform.workers().items() if h.get("function") == FN]
         assert beat.get("kv_grant") == "0" and int(beat["kv_budget_bytes"]) == MiB
 
-        client = openai.OpenAI(
-            base_url=f"{state.gateway_url}/v1", api_key=keys[FN], max_retries=0, timeout=180
-        )
+        client = openai.OpenAI(base_url=f"{one.gateway_url}/v1", api_key=one.key, max_retries=0, timeout=180)
 
         def ask(i: int) -> tuple[int, str]:
             r = client.completions.create(
@@ -67,10 +49,8 @@ def test_a_burst_grows_its_workers_kv_and_gives_it_back(tiny_model_dir: Path, tm
             answers = list(pool.map(ask, range(16)))
         # greedy on random weights may end at EOS before MAX_TOKENS: each answer is whole either way
         for n, reason in answers:
-            assert (n == MAX_TOKENS and reason == "length") or (1 <= n < MAX_TOKENS and reason == "stop"), (
-                n,
-                reason,
-            )
+            whole = n == MAX_TOKENS and reason == "length"
+            assert whole or (1 <= n < MAX_TOKENS and reason == "stop"), (n, reason)
 
         def resized() -> list[dict[str, str]]:
             return [
@@ -90,5 +70,3 @@ def test_a_burst_grows_its_workers_kv_and_gives_it_back(tiny_model_dir: Path, tm
         assert {c["cmd"] for c in sent} == {"kv_budget"}  # no stop, park or bind: the same worker throughout
         assert int(sent[0]["bytes"]) > MiB and int(sent[-1]["bytes"]) == MiB
         assert wid in platform.workers() and len(platform.workers()) == 1
-    finally:
-        platform.stop()

@@ -79,3 +79,17 @@ def register_tiny(
         spec = {"backbone": "tiny", "adapter": {"uri": f"file://{adapter}"}, **extra}
         store.run(put_function(keys, FunctionRecord(name, spec, str(model), str(adapter))))
     return model
+
+
+def tiny_controller(
+    store: Store, keys: Keys, tmp_path: Path, function: str, spec: dict[str, Any], policy: Any, kv_bytes: int
+) -> Any:
+    """A controller deciding with ``policy`` (and no warm pool) over one 8 GiB GPU holding backbone "tiny" and
+    one function of it (``spec``: extra spec fields), whose workers' KV budget is ``kv_bytes`` by default."""
+    from lorafn.controller.driver import Controller, ControllerConfig
+    from lorafn.controller.snapshot import SizingConfig
+
+    register_tiny(store, keys, tmp_path, {function: spec}, warm_pool=(0, 0))
+    executor = RecordingExecutor([GPU("g0", "n", 8 << 30, {"tiny": 0})])
+    sizing = SizingConfig(worker_overhead_bytes=1 << 20, default_kv_bytes=kv_bytes)
+    return Controller(store, keys, executor, sizing, ControllerConfig(holder="me", policy=policy))

@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from lorafn.controller.driver import Controller, ControllerConfig
+from lorafn.controller.driver import Controller
 from lorafn.controller.policy.actions import ResizeKV
 from lorafn.controller.policy.config import PolicyConfig
-from lorafn.controller.policy.model import GPU
-from lorafn.controller.snapshot import SizingConfig
 from lorafn.store import Keys, Store, batches, workers
-from tests.unit.controller.redis_world import RecordingExecutor, commands, register_tiny
+from tests.unit.controller.redis_world import commands, tiny_controller
 
 FN = "team/batch"
 MiB = 1 << 20
@@ -29,17 +27,10 @@ KV, GRANT = 64 * MiB, 512 * MiB
 @pytest.fixture
 def world(redis_server: str, tmp_path: Path) -> Iterator[tuple[Store, Keys, Controller]]:
     store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
-    register_tiny(store, keys, tmp_path, {FN: {"scaling": {"keepAliveSeconds": 3600}}}, warm_pool=(0, 0))
-    executor = RecordingExecutor([GPU("g0", "n", 8 << 30, {"tiny": 0})])
-    controller = Controller(
-        store, keys, executor, SizingConfig(worker_overhead_bytes=MiB, default_kv_bytes=KV),
-        ControllerConfig(
-            holder="me",
-            policy=PolicyConfig(
-                batch_kv_bytes=GRANT, warm_pool=False, cold_prior_rps=0.0, pool_min_age_s=3600
-            ),
-        ),
-    )  # fmt: skip
+    policy = PolicyConfig(batch_kv_bytes=GRANT, warm_pool=False, cold_prior_rps=0.0, pool_min_age_s=3600)
+    controller = tiny_controller(
+        store, keys, tmp_path, FN, {"scaling": {"keepAliveSeconds": 3600}}, policy, KV
+    )
     yield store, keys, controller
     store.close()
 

@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from lorafn.controller.driver import Controller, ControllerConfig
+from lorafn.controller.driver import Controller
 from lorafn.controller.policy.actions import ResizeKV
 from lorafn.controller.policy.config import PolicyConfig
-from lorafn.controller.policy.model import GPU
-from lorafn.controller.snapshot import SizingConfig
 from lorafn.store import Keys, Store, control, streams, workers
 from lorafn.store.protocol import RequestBody
-from tests.unit.controller.redis_world import RecordingExecutor, commands, register_tiny
+from tests.unit.controller.redis_world import commands, tiny_controller
 
 FN = "team/burst"
 MiB = 1 << 20
@@ -30,18 +28,14 @@ KV = 64 * MiB
 def world(redis_server: str, tmp_path: Path) -> Iterator[tuple[Store, Keys, Controller]]:
     store, keys = Store(redis_server), Keys(f"t{uuid.uuid4().hex[:8]}")
     spec = {"scaling": {"keepAliveSeconds": 3600, "maxReplicas": 1}}
-    register_tiny(store, keys, tmp_path, {FN: spec}, warm_pool=(0, 0))
-    executor = RecordingExecutor([GPU("g0", "n", 8 << 30, {"tiny": 0})])
-    controller = Controller(
-        store, keys, executor, SizingConfig(worker_overhead_bytes=MiB, default_kv_bytes=KV),
-        ControllerConfig(
-            holder="me",
-            policy=PolicyConfig(
-                burst_kv_bytes=512 * MiB, burst_kv_min_wait_s=0.3, warm_pool=False, cold_prior_rps=0.0,
-                pool_min_age_s=3600,
-            ),
-        ),
-    )  # fmt: skip
+    policy = PolicyConfig(
+        burst_kv_bytes=512 * MiB,
+        burst_kv_min_wait_s=0.3,
+        warm_pool=False,
+        cold_prior_rps=0.0,
+        pool_min_age_s=3600,
+    )
+    controller = tiny_controller(store, keys, tmp_path, FN, spec, policy, KV)
     yield store, keys, controller
     store.close()
 

@@ -41,3 +41,15 @@ def test_batch_kv_is_lent_by_default_on_a_gpu_only() -> None:
     assert LocalConfig().batch_kv_bytes("cpu") == 0
     assert LocalConfig(batch_kv_mib=8).batch_kv_bytes("cpu") == 8 << 20
     assert LocalConfig(batch_kv_mib=0).batch_kv_bytes("cuda") == 0
+
+
+def test_burst_kv_is_off_by_default_and_checked() -> None:
+    """KV for bursts (PolicyConfig.burst_kv_bytes): off until measured on a GPU; a negative budget is refused
+    with the field named (the same field type as the controller's LORAFN_BURST_KV_MIB)."""
+    from pydantic import ValidationError
+
+    from lorafn.local.config import LocalConfig
+
+    assert LocalConfig().burst_kv_mib == 0 and LocalConfig(burst_kv_mib=1024).burst_kv_mib == 1024
+    with pytest.raises(ValidationError, match="burst_kv_mib"):
+        LocalConfig(burst_kv_mib=-1)
