@@ -63,6 +63,7 @@ class FunctionView:
     last_failure: str
     problem: str = ""  # the controller cannot start a worker until the function changes
     adapter_warning: str = ""
+    oldest_wait_ms: int = 0  # how long the oldest queued request (not yet read by a worker) has waited
 
     @property
     def adapter_failed(self) -> str:
@@ -189,7 +190,8 @@ def collect(store: Store, keys: Keys, gateway_url: str = "", redis_url: str = ""
         stats = store.run(counters(keys, name))
         st = status_of.get(name, {})
         bound = [w for w in out.workers if w.function == name and w.state in BOUND_STATES]
-        queued = depths[name].queued if name in depths else 0
+        depth = depths.get(name)
+        queued = depth.queued if depth else 0
         cold_ms = st.get("last_cold_start_ms")
         out.functions.append(
             FunctionView(
@@ -211,6 +213,7 @@ def collect(store: Store, keys: Keys, gateway_url: str = "", redis_url: str = ""
                 last_failure=st.get("last_failure", ""),
                 problem=st.get("problem", ""),
                 adapter_warning=shared.get(name, ""),
+                oldest_wait_ms=depth.oldest_wait_ms if depth else 0,
             )
         )
 
@@ -249,6 +252,11 @@ def _console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
+def _queued(f: FunctionView) -> str:
+    """Requests no worker has read yet, with how long the oldest has waited."""
+    return f"{f.queued} (oldest {f.oldest_wait_ms / 1000:.1f} s)" if f.queued else "0"
+
+
 def render_status(status: PlatformStatus, console: Console | None = None) -> None:
     console = console or _console()
     console.print(f"gateway [bold]{status.gateway_url}[/]   redis {status.redis_url}")
@@ -262,7 +270,7 @@ def render_status(status: PlatformStatus, console: Console | None = None) -> Non
     )  # fmt: skip
     for f in status.functions:
         functions.add_row(
-            f.name, f.phase, str(len(f.workers)), str(f.queued), str(f.requests), str(f.cold_starts),
+            f.name, f.phase, str(len(f.workers)), _queued(f), str(f.requests), str(f.cold_starts),
             str(f.errors), _cold(f), f.not_ready_because,
         )  # fmt: skip
     console.print(functions)
@@ -289,7 +297,8 @@ def function_rows(status: PlatformStatus) -> list[dict[str, Any]]:
     return [
         {
             "name": f.name, "backbone": f.backbone, "rank": f.rank, "targets": f.targets, "phase": f.phase,
-            "workers": f.workers, "queued": f.queued, "lastColdStartMs": f.last_cold_start_ms,
+            "workers": f.workers, "queued": f.queued, "oldestWaitMs": f.oldest_wait_ms if f.queued else None,
+            "lastColdStartMs": f.last_cold_start_ms,
             "lastColdPath": f.last_cold_path or None, "waitReason": f.not_ready_because or None,
             "startFailures": f.start_failures, "requests": f.requests, "coldStarts": f.cold_starts,
             "conditions": f.conditions, "warnings": [f.adapter_warning] if f.adapter_warning else [],

@@ -181,3 +181,36 @@ def test_functions_with_their_own_adapters_get_no_warning(
     store, keys = Store(redis_server), Keys("own")
     apply_manifest(store, keys, parse_manifest(_yaml(tiny_model_dir, adapter_dir)))
     assert all(not row["warnings"] for row in function_rows(collect(store, keys)))
+
+
+def test_status_shows_how_long_the_oldest_queued_request_has_waited(
+    redis_server: str, tiny_model_dir: Path, adapter_dir: Path
+) -> None:
+    """`lorafn status` / `get`: a request no worker has read yet is queued with its wait (Redis's clock, read
+    by `control.queue_depths` as the controller reads it); nothing queued, no wait."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from lorafn.local.status import collect, function_rows, render_status
+    from lorafn.store import streams
+    from lorafn.store.protocol import RequestBody
+
+    store, keys = Store(redis_server), Keys("wait")
+    apply_manifest(store, keys, parse_manifest(_yaml(tiny_model_dir, adapter_dir)))
+    (row,) = function_rows(collect(store, keys))
+    assert row["queued"] == 0 and row["oldestWaitMs"] is None
+    store.run(
+        streams.admit(
+            keys, "team/fn", "r1", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
+            rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
+        )
+    )  # fmt: skip
+    time.sleep(0.3)
+    status = collect(store, keys)
+    (row,) = function_rows(status)
+    assert row["queued"] == 1 and row["oldestWaitMs"] >= 300
+    out = io.StringIO()
+    render_status(status, Console(file=out, width=300))
+    assert "1 (oldest 0." in out.getvalue() or "1 (oldest 1." in out.getvalue(), out.getvalue()
