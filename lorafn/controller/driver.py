@@ -606,6 +606,10 @@ class Controller:
             elif isinstance(action, Unpark):
                 self._send_unpark(action, fast=False)
             elif isinstance(action, ResizeKV):
+                if action.delta_bytes > 0 and action.worker_id in self._resizes:
+                    # its last budget is not confirmed yet: the queue that asked for more may be what the
+                    # worker reads once resized (the next round asks again if it is still there)
+                    continue
                 self._send_resize(action)
             elif isinstance(action, Wait):
                 waiting.add(action.function)

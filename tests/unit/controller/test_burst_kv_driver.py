@@ -68,6 +68,10 @@ def test_a_queue_that_has_waited_behind_a_busy_worker_gets_it_more_kv(
     assert (grant.worker_id, grant.kv_bytes, grant.delta_bytes) == ("w-b", 160 * MiB, 96 * MiB)
     assert "burst: 3 queued" in grant.detail
     assert [int(c["bytes"]) for c in commands(store, keys, "w-b") if c["cmd"] == "kv_budget"] == [160 * MiB]
+    # the worker has not resized yet (its heartbeat says 64 MiB) and the queue is still there: nothing more is
+    # sent until it confirms (a grant per round would compound while the first one is on its way)
+    controller.round()
+    assert [int(c["bytes"]) for c in commands(store, keys, "w-b") if c["cmd"] == "kv_budget"] == [160 * MiB]
     registry = controller.metrics.registry
     sample = registry.get_sample_value(
         "lorafn_controller_kv_resizes_total", {"direction": "grow", "cause": "burst"}
