@@ -68,6 +68,14 @@ CONFIGS: dict[str, ReplayConfig] = {
             "parking, and bound workers idle 50 s are parked without memory pressure too (park_after_s: 50)",
             {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "inf", "park_after_s": 50},
         ),
+        # KV for bursts (PolicyConfig.burst_kv_bytes, off by default): busy workers grow their KV for the
+        # requests queued behind them instead of those waiting for running ones to end
+        ReplayConfig(
+            "burst-kv",
+            "full, and the busy workers of a function whose requests queue behind them grow their KV cache, "
+            "up to 1 GiB, out of free GPU memory (burst_kv_mib: 1024)",
+            {"gpu_admission": True, "park_idle": True, "burst_kv_mib": 1024},
+        ),
         ReplayConfig(
             "no-sharing",
             "every worker loads its own copy of the backbone (LocalConfig share_backbone: false)",

@@ -282,6 +282,12 @@ def test_every_configuration_is_a_valid_platform_config_and_parking_turns_park_i
     assert LocalConfig(**pf).parked_keep_alive_s is None and LocalConfig(**pf).park_idle
     assert "parking" not in DEFAULT_CONFIGS and "parking-50" not in DEFAULT_CONFIGS
     assert "parked-function" not in DEFAULT_CONFIGS
+    # "burst-kv": full with KV for bursts (off by default, so not a default row either)
+    burst, _, _ = resolve(CONFIGS["burst-kv"], fields)
+    full_row, _, _ = resolve(CONFIGS["full"], fields)
+    assert {k: v for k, v in burst.items() if k != "burst_kv_mib"} == full_row
+    assert LocalConfig(**burst).burst_kv_mib == 1024 and LocalConfig().burst_kv_mib == 0
+    assert "burst-kv" not in DEFAULT_CONFIGS
     # "full" parks (the default, said explicitly) and "no-parking" is its ablation row, by default
     full, _, _ = resolve(CONFIGS["full"], fields)
     off, _, _ = resolve(CONFIGS["no-parking"], fields)
