@@ -531,7 +531,8 @@ class Worker:
             reason = f"busy: {len(self.running)} running"
         released, t0 = 0, time.perf_counter()
         if not reason and self._kv_grant is not None and not self.parked:
-            # a KV grant for a batch ends with a park: unparked, the worker takes back its start's cache
+            # a KV grant (a batch's or a burst's) ends with a park: unparked, the worker takes back its
+            # start's cache
             try:
                 self.engine.resize_kv(self._kv_start_bytes)
                 self._kv_grant = None
