@@ -458,6 +458,7 @@ class SnapshotReader:
                     parkable=h.get("park_release_bytes") not in (None, ""),
                     kv_bytes=kv_reports.get(wid, 0),
                     kv_grant=str(h.get("kv_grant", "")) == "1",
+                    kv_limited=_kv_limited(h),
                 )
             )
         return LiveView(
@@ -502,3 +503,12 @@ def busy_since_heartbeat(workers: list[Worker], in_flight: dict[str, int]) -> li
         else w
         for w in workers
     ]
+
+
+def _kv_limited(h: dict[str, str]) -> bool:
+    """Whether a worker's KV cache, not its batch slots, bounds the requests it holds (its heartbeat's
+    `kv_cap` below its `slot_cap`); True where it does not say (an older runtime, the read cap off)."""
+    try:
+        return int(h["kv_cap"]) < int(h["slot_cap"])
+    except (KeyError, ValueError):
+        return True

@@ -447,6 +447,7 @@ class Worker:
             **self.config.heartbeat_fields,
             **(self.config.live_fields() if self.config.live_fields else {}),
             **self._park_fields(),
+            **self._caps(),
             # a heartbeat updates fields and never removes one: kv_grant is always written
             "kv_grant": int(self._kv_grant is not None),
             **({"kv_budget_bytes": self._kv_grant} if self._kv_grant is not None else {}),
@@ -658,12 +659,21 @@ class Worker:
             if recorded:
                 log.info("worker %s: parked with %d requests queued; demand recorded", self.worker_id, queued)
 
-    def _free_slots(self) -> int:
-        limit = self.batching.max_running(self.config.max_running)  # the TPOT SLO's batch, if set
+    def _caps(self) -> dict[str, int]:
+        """What bounds the requests it holds at once: `slot_cap` (`max_running`, or the TPOT SLO's batch) and,
+        with the KV read cap on, `kv_cap` (what its KV cache is expected to serve, `runtime.read_cap`). The
+        heartbeat carries both: more KV helps a burst only where `kv_cap` is the smaller
+        (`PolicyConfig.burst_kv_bytes`)."""
+        caps = {"slot_cap": self.batching.max_running(self.config.max_running)}
         capacity = getattr(self.engine, "kv_capacity_tokens", None)
-        if self.config.kv_read_cap and callable(capacity):
-            limit = min(limit, held_cap(int(capacity()), self._expected_tokens.value))
-        return 0 if self._draining or self.parked else max(0, limit - len(self.running))
+        if self.config.kv_read_cap and callable(capacity) and not self.parked:
+            caps["kv_cap"] = held_cap(int(capacity()), self._expected_tokens.value)
+        return caps
+
+    def _free_slots(self) -> int:
+        if self._draining or self.parked:
+            return 0
+        return max(0, min(self._caps().values()) - len(self.running))
 
     def _pending_ops(self) -> list[Op[Any]]:
         ops: list[Op[Any]] = self.batching.pipeline_ops(busy=bool(self.running))

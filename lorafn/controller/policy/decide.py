@@ -771,8 +771,8 @@ class _Round:
                 continue
             share = math.ceil(fn.queued / len(serving))
             for w in sorted(serving, key=lambda w: w.id):
-                if w.kv_bytes <= 0 or w.kv_bytes >= budget:
-                    continue
+                if w.kv_bytes <= 0 or w.kv_bytes >= budget or not w.kv_limited:
+                    continue  # (its batch slots, not its KV, hold the queue back: more KV would sit idle)
                 per_request = math.ceil(w.kv_bytes / w.running)
                 want = min(budget, w.kv_bytes + max(share * per_request, w.kv_bytes // 2))
                 delta = min(want - w.kv_bytes, self.grant_room(w.gpu)) // MIB * MIB

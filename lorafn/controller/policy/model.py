@@ -86,7 +86,9 @@ class Worker:
     for a worker no Park may be planned for (its runtime cannot park, or it refused or did not answer a park
     lately: the driver says so); it can still be stopped, and unparked when parked. ``kv_bytes``: its KV
     budget as it reports it (0: not known); ``kv_grant``: True while it holds more KV than it started with,
-    granted for an offline batch (`PolicyConfig.batch_kv_bytes`).
+    granted for an offline batch or a burst (`PolicyConfig.batch_kv_bytes`, ``burst_kv_bytes``).
+    ``kv_limited``: its KV cache, not its batch slots (``max_running`` or the TPOT SLO's batch), bounds the
+    requests it holds at once (True where it does not say): only then does more KV serve a burst sooner.
     """
 
     id: str
@@ -107,6 +109,7 @@ class Worker:
     parkable: bool = True
     kv_bytes: int = 0
     kv_grant: bool = False
+    kv_limited: bool = True
 
     def __post_init__(self) -> None:
         owner = f"Worker {self.id}"

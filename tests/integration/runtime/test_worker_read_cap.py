@@ -12,15 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from lorafn.store import Keys, Store, control
+from lorafn.store import Keys, Store, control, workers
 from tests.integration.gateway.harness import register, start_worker_process, stop_process, wait_live_workers
 from tests.integration.runtime.test_worker_park import WAIT_S, _answer, _send
 
 FN = "team-a/parking"  # the helpers of test_worker_park send to this function
 
 
-def _most_held(redis_server: str, tiny_model_dir: Path, tmp_path: Path, cap: str) -> int:
-    """Send six requests at once; the most the worker held at one time (delivered, not acknowledged)."""
+def _most_held(
+    redis_server: str, tiny_model_dir: Path, tmp_path: Path, cap: str
+) -> tuple[int, dict[str, str]]:
+    """Send six requests at once; the most the worker held at one time (delivered, not acknowledged), and
+    its first heartbeat."""
     prefix = f"t{uuid.uuid4().hex[:8]}"
     store, keys = Store(redis_server), Keys(prefix)
     register(store, keys, FN, [], model_dir=str(tiny_model_dir))
@@ -41,6 +44,7 @@ def _most_held(redis_server: str, tiny_model_dir: Path, tmp_path: Path, cap: str
 
     try:
         wait_live_workers(None, store, keys, FN, 1, timeout=WAIT_S)
+        beat = store.run(workers.worker_info(keys, [f"capped-{cap}"]))[f"capped-{cap}"]
         thread = threading.Thread(target=watch, daemon=True)
         thread.start()
         for i in range(6):
@@ -53,16 +57,20 @@ def _most_held(redis_server: str, tiny_model_dir: Path, tmp_path: Path, cap: str
         done.set()
         code = stop_process(proc)
     assert code == 0, (tmp_path / f"worker-{cap}.log").read_text()[-3000:]
-    return most
+    return most, beat
 
 
 @pytest.mark.parametrize(("cap", "bound"), [("true", 3), ("false", 6)])
 def test_a_worker_holds_what_its_kv_cache_serves(
     redis_server: str, tiny_model_dir: Path, tmp_path: Path, cap: str, bound: int
 ) -> None:
-    most = _most_held(redis_server, tiny_model_dir, tmp_path, cap)
+    most, beat = _most_held(redis_server, tiny_model_dir, tmp_path, cap)
     if cap == "true":
         # 496 / 200 = 2 at first; 3 once three answers (~12 + 48 / 2 tokens held) pulled it to ~155
         assert 1 <= most <= bound
+        # the heartbeat says what bounds it: its KV (2 requests) below its slots (max_running 64), which is
+        # what the controller's burst KV grant needs to know (controller.snapshot: kv_limited)
+        assert (beat["kv_cap"], beat["slot_cap"]) == ("2", "64"), beat
     else:
         assert most == bound
+        assert beat["slot_cap"] == "64" and "kv_cap" not in beat, beat

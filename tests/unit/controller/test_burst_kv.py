@@ -65,6 +65,7 @@ def test_two_busy_workers_share_the_queue() -> None:
             "parked: unparked instead",
         ),
         (burst(), [busy(kv_bytes=0)], "a worker that does not report its KV"),
+        (burst(), [busy(kv_limited=False)], "its batch slots, not its KV, hold the queue back"),
     ],
 )
 def test_no_growth(functions, workers, why: str) -> None:
