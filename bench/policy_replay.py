@@ -163,7 +163,8 @@ VARIANTS["shipped + park idle 50 s"] = (dataclasses.replace(SHIPPED, park_after_
 SHIPPED_VARIANTS = ",".join(name for name in VARIANTS if name.startswith("shipped"))
 # KV for bursts (PolicyConfig.burst_kv_bytes): the busy workers of a function with requests queued behind them
 # grow their KV (their batch with it) instead of the queue waiting for running requests to end; with parking
-# at 50 s idle (the other lever the shipped group found)
+# at 50 s idle (the other lever the shipped group found); and scaling up on a queue's wait
+# (PolicyConfig.scale_up_wait_fraction) instead of its length alone
 for _gib in (1, 2, 4):
     VARIANTS[f"shipped + burst KV {_gib} GiB"] = (
         dataclasses.replace(SHIPPED, burst_kv_bytes=_gib << 30),
@@ -173,7 +174,17 @@ VARIANTS["shipped + burst 2 GiB + idle 50"] = (
     dataclasses.replace(SHIPPED, burst_kv_bytes=2 << 30, park_after_s=50.0),
     SHIPPED_PLATFORM,
 )
-BURST_VARIANTS = ",".join(["shipped (park 300 s)", *(n for n in VARIANTS if n.startswith("shipped + burst"))])
+for _frac in (0.2, 0.4):
+    VARIANTS[f"shipped + scale-up wait {_frac:g}"] = (
+        dataclasses.replace(SHIPPED, scale_up_wait_fraction=_frac),
+        SHIPPED_PLATFORM,
+    )
+BURST_VARIANTS = ",".join(
+    [
+        "shipped (park 300 s)",
+        *(n for n in VARIANTS if n.startswith(("shipped + burst", "shipped + scale-up"))),
+    ]
+)
 # the H100's pre_runner p50 (ms) of fresh starts (bench/replay_breakdown.py, 2026-11-24): by requests running
 # on the GPU during the start, and by starts under way at the decision (itself included)
 RUNNING_BINS = ((0, 2), (2, 5), (5, 10), (10, 20), (20, 10**9))

@@ -79,6 +79,19 @@ BurstKvMiB = Annotated[
 ]
 
 
+# Scale-up on a queue's wait, for `lorafn up` and the controller (PolicyConfig.scale_up_wait_fraction).
+ScaleUpWaitFraction = Annotated[
+    float | None,
+    Field(
+        gt=0,
+        le=1,
+        description="also add a worker to a function whose oldest queued request has waited this share of "
+        "its TTFT SLO behind busy workers (one per round, up to maxReplicas); unset: only by queue length "
+        "(PolicyConfig.scale_up_wait_fraction)",
+    ),
+]
+
+
 def token_buckets(text: str) -> tuple[int, ...]:
     """Prefill-graph buckets (the worker's and the operator's `prefill_graph_tokens`): "512, 128" -> (128,
     512); "" -> (). ValueError naming the setting for anything but token counts of at least 2."""

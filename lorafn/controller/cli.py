@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Literal
 import typer
 from pydantic import Field
 
-from lorafn.api.settings import PARKED_KEEP_ALIVE_S, BurstKvMiB, ParkedKeepAlive, SharedSettings
+from lorafn.api.settings import (
+    PARKED_KEEP_ALIVE_S,
+    BurstKvMiB,
+    ParkedKeepAlive,
+    ScaleUpWaitFraction,
+    SharedSettings,
+)
 from lorafn.controller.policy.config import VictimRate
 
 if TYPE_CHECKING:
@@ -91,6 +97,7 @@ class ControllerSettings(SharedSettings):
         "function's budget once the batch is done; 0: off (PolicyConfig.batch_kv_bytes, docs/batch.md)",
     )
     burst_kv_mib: BurstKvMiB = 0
+    scale_up_wait_fraction: ScaleUpWaitFraction = None
     park_timeout_s: float = Field(
         default=2.0,
         gt=0,
@@ -144,6 +151,7 @@ def build_controller(settings: ControllerSettings) -> Controller:
             park_after_s=settings.park_after_s,
             batch_kv_bytes=settings.batch_kv_mib << 20,
             burst_kv_bytes=settings.burst_kv_mib << 20,
+            scale_up_wait_fraction=settings.scale_up_wait_fraction,
             **burst_overrides(
                 settings.cold_prior_rps, settings.max_fresh_starts_per_gpu, settings.thrash_horizon_starts
             ),

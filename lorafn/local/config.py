@@ -19,7 +19,13 @@ from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from lorafn.api.errors import format_validation_error
-from lorafn.api.settings import PARKED_KEEP_ALIVE_S, BurstKvMiB, ParkedKeepAlive, SharedSettings
+from lorafn.api.settings import (
+    PARKED_KEEP_ALIVE_S,
+    BurstKvMiB,
+    ParkedKeepAlive,
+    ScaleUpWaitFraction,
+    SharedSettings,
+)
 
 
 def default_state_dir() -> Path:
@@ -108,6 +114,7 @@ class LocalConfig(SharedSettings):
         "makespan 0.55-0.61 on the H100), 0 on CPU (PolicyConfig.batch_kv_bytes, docs/batch.md)",
     )
     burst_kv_mib: BurstKvMiB = 0
+    scale_up_wait_fraction: ScaleUpWaitFraction = None
     # the warm pool's starts on this machine (PolicyConfig.max_pool_starts_per_node / pool_waits_for_demand)
     pool_starts_at_once: int | None = Field(
         default=None,

@@ -163,6 +163,7 @@ class LocalPlatform:
                     park_after_s=self.config.park_after_s,
                     batch_kv_bytes=self.config.batch_kv_bytes(self.device),
                     burst_kv_bytes=self.config.burst_kv_mib << 20,
+                    scale_up_wait_fraction=self.config.scale_up_wait_fraction,
                     **self.pool_starts,
                     **burst_overrides(
                         self.config.cold_prior_rps,

@@ -379,6 +379,35 @@ def test_park_after_reaches_the_controller_settings(
         assert out.returncode != 0 and "parkAfterSeconds" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize(
+    ("extra", "expected"), [([], None), (["--set-json", "controller.scaleUpWaitFraction=0.2"], "0.2")]
+)
+def test_scale_up_on_wait_reaches_the_controllers_policy(
+    monkeypatch: pytest.MonkeyPatch, extra: list[str], expected: str | None
+) -> None:
+    """controller.scaleUpWaitFraction -> LORAFN_SCALE_UP_WAIT_FRACTION (absent when null) -> the controller's
+    settings -> its policy's scale_up_wait_fraction; 0, above 1 or a string is refused by the schema."""
+    from lorafn.controller.cli import ControllerSettings, build_controller
+
+    controller = next(
+        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-controller"
+    )
+    env = {e["name"]: e.get("value") for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env.get("LORAFN_SCALE_UP_WAIT_FRACTION") == expected
+    monkeypatch.delenv("LORAFN_SCALE_UP_WAIT_FRACTION", raising=False)
+    if expected is not None:
+        monkeypatch.setenv("LORAFN_SCALE_UP_WAIT_FRACTION", expected)
+    policy = build_controller(ControllerSettings(redis_url="redis://127.0.0.1:1")).config.policy
+    assert policy.scale_up_wait_fraction == (None if expected is None else float(expected))
+    for bad in (
+        ["--set", "controller.scaleUpWaitFraction=0"],
+        ["--set", "controller.scaleUpWaitFraction=1.5"],
+        ["--set-string", "controller.scaleUpWaitFraction=soon"],
+    ):
+        out = helm("template", "x", str(CHART), *bad, check=False)
+        assert out.returncode != 0 and "scaleUpWaitFraction" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(("extra", "mib"), [([], 0), (["--set", "controller.burstKvMiB=1024"], 1024)])
 def test_burst_kv_reaches_the_controllers_policy(
     monkeypatch: pytest.MonkeyPatch, extra: list[str], mib: int

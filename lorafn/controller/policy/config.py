@@ -115,6 +115,12 @@ class PolicyConfig:
       to end (the H100's 10-minute replay: 16 of 57 late requests, ~2.9 s each in the queue). A resize
       takes ~20-30 ms with requests running (docs/benchmarks.md, "KV from idle memory"); a second worker
       takes a fresh start or a bind. 0 = off.
+    - ``scale_up_wait_fraction``: also scale a function up (one more worker per round, as for
+      ``scale_up_queue_per_worker``) when its oldest queued request has waited this share of its TTFT SLO
+      behind workers that are all busy: a short queue about to miss its deadline (a few requests behind a
+      full worker never pass the per-worker threshold). None = off. Simulated on the 64-function replay
+      (`bench/policy_replay.py --variants burst`, requests 3 s on their worker): 0.2 took SLO violations from
+      5.3 to 4.3% at 2 rps and 14.8 to 12.9% at 4 rps; not measured on a GPU.
     - ``burst_kv_min_wait_s``: a burst is a queue whose oldest request has waited at least this long (a
       worker with a free slot reads a new request within one step: a shorter wait is no burst).
     - ``kv_grant_idle_s``: a worker holding granted KV (batch or burst) gets its function's own budget back
@@ -147,6 +153,7 @@ class PolicyConfig:
     batch_kv_bytes: int = 0
     burst_kv_bytes: int = 0
     burst_kv_min_wait_s: float = 0.2
+    scale_up_wait_fraction: float | None = None
     kv_grant_idle_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -154,6 +161,10 @@ class PolicyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.scale_up_wait_fraction is not None and not 0 < self.scale_up_wait_fraction <= 1:
+            raise ValueError(
+                f"scale_up_wait_fraction must be in (0, 1] or None, got {self.scale_up_wait_fraction!r}"
+            )
         for name in ("burst_kv_min_wait_s", "kv_grant_idle_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

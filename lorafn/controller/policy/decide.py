@@ -10,8 +10,9 @@ Order of work (each step sees the memory the previous ones granted or freed):
    holds it, get Stop("pool_shrink").
 3. **Demand**, most urgent first (queued with no worker, by longest wait; then below
    ``min_replicas``; then scale-up when queued per live worker exceeds
-   ``scale_up_queue_per_worker``, one worker per round, never above ``max_replicas``). A function in
-   backoff after failed starts gets Wait. Otherwise, per worker needed:
+   ``scale_up_queue_per_worker``, or, with ``scale_up_wait_fraction``, when the oldest queued request has
+   waited that share of its TTFT SLO behind busy workers; one worker per round, never above
+   ``max_replicas``). A function in backoff after failed starts gets Wait. Otherwise, per worker needed:
    a. Bind a standby on a GPU holding its backbone with ``mem_bytes`` >= the function's: one that
       pre-loaded its adapter, else one prepared for its shape (one holding no other function's adapter
       first), else a shape-agnostic one, else any (a graph capture on bind; only while that still
@@ -341,7 +342,7 @@ class _Round:
             if (
                 need == 0
                 and 0 < active < fn.max_replicas
-                and fn.queued / active > self.config.scale_up_queue_per_worker
+                and (fn.queued / active > self.config.scale_up_queue_per_worker or self.waits_too_long(fn))
             ):
                 need = 1
             need = min(need, fn.max_replicas - active)
@@ -377,6 +378,19 @@ class _Round:
                 if not self.acquire(fn, cause):
                     break
         self.batch_demand()
+
+    def waits_too_long(self, fn: Function) -> bool:
+        """``scale_up_wait_fraction``: its oldest queued request has waited that share of its TTFT SLO behind
+        workers that are all busy (a short queue that is about to miss its deadline)."""
+        fraction = self.config.scale_up_wait_fraction
+        if fraction is None or fn.queued == 0 or fn.ttft_slo_ms is None:
+            return False
+        serving = [w for w in self.live.get(fn.name, []) if w.state == "bound" and not w.parked]
+        return (
+            bool(serving)
+            and all(w.running > 0 for w in serving)
+            and fn.oldest_wait_s >= fraction * fn.ttft_slo_ms / 1000
+        )
 
     def batch_demand(self) -> None:
         """Offline batch backlog: more workers from ready standbys only, after all online demand."""

@@ -53,3 +53,15 @@ def test_burst_kv_is_off_by_default_and_checked() -> None:
     assert LocalConfig().burst_kv_mib == 0 and LocalConfig(burst_kv_mib=1024).burst_kv_mib == 1024
     with pytest.raises(ValidationError, match="burst_kv_mib"):
         LocalConfig(burst_kv_mib=-1)
+
+
+def test_scale_up_on_wait_is_off_by_default_and_checked() -> None:
+    from pydantic import ValidationError
+
+    from lorafn.local.config import LocalConfig
+
+    assert LocalConfig().scale_up_wait_fraction is None
+    assert LocalConfig(scale_up_wait_fraction=0.2).scale_up_wait_fraction == 0.2
+    for bad in (0, 1.5):
+        with pytest.raises(ValidationError, match="scale_up_wait_fraction"):
+            LocalConfig(scale_up_wait_fraction=bad)
