@@ -75,6 +75,21 @@ def render(extra: list[str]) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out) if d]
 
 
+def controller_env(extra: list[str]) -> dict[str, str | None]:
+    """The controller Deployment's environment as the chart renders it with ``extra`` helm arguments."""
+    controller = next(
+        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-controller"
+    )
+    return {e["name"]: e.get("value") for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def assert_refused(value: str, *bad: list[str]) -> None:
+    """Each of the ``bad`` helm arguments is refused by the chart's schema, naming ``value``."""
+    for args in bad:
+        out = helm("template", "x", str(CHART), *args, check=False)
+        assert out.returncode != 0 and value in out.stderr, out.stderr
+
+
 def test_helm_is_v4() -> None:
     assert helm("version", "--short").stdout.startswith("v4.")
 
@@ -333,21 +348,17 @@ def test_the_parked_keep_alive_reaches_the_controller_settings(
     from lorafn.controller.cli import ControllerSettings
 
     extra = [a.replace("x=", "controller.parkedKeepAliveSeconds=") for a in extra]
-    controller = next(
-        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-controller"
-    )
-    env = {e["name"]: e.get("value") for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = controller_env(extra)
     assert env.get("LORAFN_PARKED_KEEP_ALIVE_S") == expected
     monkeypatch.delenv("LORAFN_PARKED_KEEP_ALIVE_S", raising=False)
     if expected is not None:
         monkeypatch.setenv("LORAFN_PARKED_KEEP_ALIVE_S", expected)
     assert ControllerSettings().parked_keep_alive_s == seconds
-    for bad in (
+    assert_refused(
+        "parkedKeepAliveSeconds",
         ["--set", "controller.parkedKeepAliveSeconds=-3"],
         ["--set-string", "controller.parkedKeepAliveSeconds=soon"],
-    ):
-        out = helm("template", "x", str(CHART), *bad, check=False)
-        assert out.returncode != 0 and "parkedKeepAliveSeconds" in out.stderr, out.stderr
+    )
 
 
 @pytest.mark.parametrize(
@@ -361,22 +372,18 @@ def test_park_after_reaches_the_controller_settings(
     from lorafn.controller.cli import ControllerSettings
 
     extra = [a.replace("x=", "controller.parkAfterSeconds=") for a in extra]
-    controller = next(
-        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-controller"
-    )
-    env = {e["name"]: e.get("value") for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = controller_env(extra)
     assert env.get("LORAFN_PARK_AFTER_S") == expected
     monkeypatch.delenv("LORAFN_PARK_AFTER_S", raising=False)
     if expected is not None:
         monkeypatch.setenv("LORAFN_PARK_AFTER_S", expected)
     assert ControllerSettings().park_after_s == (None if expected is None else float(expected))
-    for bad in (
+    assert_refused(
+        "parkAfterSeconds",
         ["--set", "controller.parkAfterSeconds=0"],
         ["--set", "controller.parkAfterSeconds=-3"],
         ["--set-string", "controller.parkAfterSeconds=soon"],
-    ):
-        out = helm("template", "x", str(CHART), *bad, check=False)
-        assert out.returncode != 0 and "parkAfterSeconds" in out.stderr, out.stderr
+    )
 
 
 @pytest.mark.parametrize(
@@ -389,23 +396,19 @@ def test_scale_up_on_wait_reaches_the_controllers_policy(
     settings -> its policy's scale_up_wait_fraction; 0, above 1 or a string is refused by the schema."""
     from lorafn.controller.cli import ControllerSettings, build_controller
 
-    controller = next(
-        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-controller"
-    )
-    env = {e["name"]: e.get("value") for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = controller_env(extra)
     assert env.get("LORAFN_SCALE_UP_WAIT_FRACTION") == expected
     monkeypatch.delenv("LORAFN_SCALE_UP_WAIT_FRACTION", raising=False)
     if expected is not None:
         monkeypatch.setenv("LORAFN_SCALE_UP_WAIT_FRACTION", expected)
     policy = build_controller(ControllerSettings(redis_url="redis://127.0.0.1:1")).config.policy
     assert policy.scale_up_wait_fraction == (None if expected is None else float(expected))
-    for bad in (
+    assert_refused(
+        "scaleUpWaitFraction",
         ["--set", "controller.scaleUpWaitFraction=0"],
         ["--set", "controller.scaleUpWaitFraction=1.5"],
         ["--set-string", "controller.scaleUpWaitFraction=soon"],
-    ):
-        out = helm("template", "x", str(CHART), *bad, check=False)
-        assert out.returncode != 0 and "scaleUpWaitFraction" in out.stderr, out.stderr
+    )
 
 
 @pytest.mark.parametrize(("extra", "mib"), [([], 0), (["--set", "controller.burstKvMiB=1024"], 1024)])
@@ -417,17 +420,14 @@ def test_burst_kv_reaches_the_controllers_policy(
     string is refused by the schema."""
     from lorafn.controller.cli import ControllerSettings, build_controller
 
-    controller = next(
-        o for o in render(extra) if o["kind"] == "Deployment" and o["metadata"]["name"] == "lorafn-controller"
-    )
-    env = {e["name"]: e.get("value") for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = controller_env(extra)
     assert env["LORAFN_BURST_KV_MIB"] == str(mib)
     monkeypatch.setenv("LORAFN_BURST_KV_MIB", env["LORAFN_BURST_KV_MIB"])
     settings = ControllerSettings(redis_url="redis://127.0.0.1:1")
     assert build_controller(settings).config.policy.burst_kv_bytes == mib << 20
-    for bad in (["--set", "controller.burstKvMiB=-1"], ["--set-string", "controller.burstKvMiB=lots"]):
-        out = helm("template", "x", str(CHART), *bad, check=False)
-        assert out.returncode != 0 and "burstKvMiB" in out.stderr, out.stderr
+    assert_refused(
+        "burstKvMiB", ["--set", "controller.burstKvMiB=-1"], ["--set-string", "controller.burstKvMiB=lots"]
+    )
 
 
 @pytest.mark.parametrize(
