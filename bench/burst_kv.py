@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lorafn.replay.configs import ReplayConfig  # noqa: E402
+from lorafn.replay.driver import DriveOptions, Target, send_one  # noqa: E402
 from lorafn.replay.platform import (  # noqa: E402
     FunctionSetup,
     ManagedPlatform,
@@ -37,54 +38,45 @@ from lorafn.replay.platform import (  # noqa: E402
     prepare_adapters,
     prepare_model,
 )
-from lorafn.replay.stats import percentiles  # noqa: E402
+from lorafn.replay.stats import RequestResult, percentiles  # noqa: E402
+from lorafn.replay.trace import PlannedRequest  # noqa: E402
 
 FN = "burst/f"
 
 
-async def one_request(client: Any, prompt: str, max_tokens: int) -> tuple[float, float, bool]:
-    """(TTFT s, end to end s, answered in full) of one streamed completion."""
-    start = time.perf_counter()
-    ttft, done = None, False
-    body = {"model": FN, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return float("nan"), time.perf_counter() - start, False
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            event = json.loads(line[6:])
-            if "error" in event:
-                break
-            if ttft is None and event.get("choices") and event["choices"][0].get("text"):
-                ttft = time.perf_counter() - start
-    end = time.perf_counter() - start
-    return (ttft if ttft is not None else end), end, done
-
-
-async def bursts(url: str, key: str, count: int, size: int, gap_s: float, max_tokens: int) -> dict[str, Any]:
+async def bursts(target: Target, count: int, size: int, gap_s: float, max_tokens: int) -> dict[str, Any]:
+    """``count`` bursts of ``size`` streamed completions sent at once (the replay's `send_one`), ``gap_s``
+    apart: TTFT and end to end (s) of the answered ones, each burst's makespan, the failed count."""
     import httpx
 
     ttft: list[float] = []
     e2e: list[float] = []
     makespans: list[float] = []
     failed = 0
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600) as c:
+    options = DriveOptions()
+    async with httpx.AsyncClient(timeout=options.request_timeout_s) as client:
         for b in range(count):
             if b:
                 await asyncio.sleep(gap_s)
+            reqs = [
+                PlannedRequest(
+                    b * size + i, 0.0, FN, f"Question {b}.{i}: {i} cows have how many legs?", 0, max_tokens
+                )
+                for i in range(size)
+            ]
+            results = [RequestResult(r.index, FN, 0.0) for r in reqs]
             start = time.perf_counter()
-            prompts = [f"Question {b}.{i}: {i} cows have how many legs?" for i in range(size)]
-            results = await asyncio.gather(*(one_request(c, p, max_tokens) for p in prompts))
+            await asyncio.gather(
+                *(
+                    send_one(client, target, r, res, start, options)
+                    for r, res in zip(reqs, results, strict=True)
+                )
+            )
             makespans.append(time.perf_counter() - start)
-            for t, e, ok in results:
-                if ok:
-                    ttft.append(t)
-                    e2e.append(e)
+            for res in results:
+                if res.ok and res.ttft_ms is not None and res.e2e_ms is not None:
+                    ttft.append(res.ttft_ms / 1000)
+                    e2e.append(res.e2e_ms / 1000)
                 else:
                     failed += 1
     return {"ttft_s": ttft, "e2e_s": e2e, "makespan_s": makespans, "failed": failed}
@@ -123,10 +115,10 @@ def run_config(args: argparse.Namespace, model_dir: Path, adapter: Path, work: P
             manifest(model_dir, args.dtype, [FN], [adapter], keys, setup, config, True, namespace="burst")
         )
         platform.settle([FN], 1, want_standby=False, shared=True, timeout_s=args.start_timeout_s)
-        url, key = state.gateway_url, keys[FN]
-        asyncio.run(bursts(url, key, 1, 2, 0.0, 8))  # warm-up: the worker's first steps are slower
+        target = Target(state.gateway_url, keys)
+        asyncio.run(bursts(target, 1, 2, 0.0, 8))  # warm-up: the worker's first steps are slower
         print(f"burst_kv_mib {burst_mib}: {args.bursts} bursts of {args.burst} ...", flush=True)
-        out = asyncio.run(bursts(url, key, args.bursts, args.burst, args.gap_s, args.max_tokens))
+        out = asyncio.run(bursts(target, args.bursts, args.burst, args.gap_s, args.max_tokens))
         out["grants"], out["returns"] = kv_changes(platform, args.kv_mib << 20)
         return out
     finally:

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from lorafn.controller.policy.account import Ledger, MemoryAccount, accounts, gib
 from lorafn.controller.policy.actions import (
@@ -171,6 +171,11 @@ class _Round:
             for w in self.live.get(name, ())
             if w.parked and w.id not in self.unparked and w.id not in self.unpark_tried
         ]
+
+    def serving(self, name: str, excluding: Collection[str] = ()) -> list[Worker]:
+        """``name``'s bound, unparked live workers (less ``excluding``): those its queue waits behind."""
+        live = self.live.get(name, ())
+        return [w for w in live if w.state == "bound" and not w.parked and w.id not in excluding]
 
     def active_count(self, name: str) -> int:
         """``name``'s live workers that serve or will serve without an unpark."""
@@ -385,7 +390,7 @@ class _Round:
         fraction = self.config.scale_up_wait_fraction
         if fraction is None or fn.queued == 0 or fn.ttft_slo_ms is None:
             return False
-        serving = [w for w in self.live.get(fn.name, []) if w.state == "bound" and not w.parked]
+        serving = self.serving(fn.name)
         return (
             bool(serving)
             and all(w.running > 0 for w in serving)
@@ -777,10 +782,7 @@ class _Round:
         for fn in sorted(self.snapshot.functions, key=lambda f: (-f.oldest_wait_s, f.name)):
             if fn.queued == 0 or fn.oldest_wait_s < self.config.burst_kv_min_wait_s or fn.name in served_now:
                 continue
-            serving = [
-                w for w in self.live.get(fn.name, [])
-                if w.state == "bound" and not w.parked and w.id not in self.gone and w.id not in parking
-            ]  # fmt: skip
+            serving = self.serving(fn.name, excluding=parking)  # (a stopped worker has left `live`)
             if not serving or any(w.running == 0 for w in serving):
                 continue
             share = math.ceil(fn.queued / len(serving))

@@ -257,8 +257,7 @@ class _Worker:
     parked: bool = False
     unparked_first: bool = False  # unparked for a request and has not taken one yet
     kv: int = 0  # its KV budget now when granted more than its own (0: its own)
-    batch_kv: int = 0  # the KV its batch size follows (a grant's from resize_s after it; 0: its own)
-    batch_kv_at: float = 0.0
+    kv_at: float = 0.0  # when its batch follows ``kv`` (a grant's resize done)
 
 
 @dataclass
@@ -407,10 +406,9 @@ class Simulation:
     def batch_of(self, w: _Worker) -> int:
         """Requests it serves at once: ``max_batch`` at its own KV, in proportion with a grant (resized)."""
         s = self.setup
-        kv = w.batch_kv if w.batch_kv and self.now >= w.batch_kv_at else s.kv_bytes
-        if s.kv_bytes <= 0 or not w.kv:
+        if s.kv_bytes <= 0 or not w.kv or self.now < w.kv_at:
             return s.max_batch
-        return max(1, s.max_batch * kv // s.kv_bytes)
+        return max(1, s.max_batch * w.kv // s.kv_bytes)
 
     def parked_charge(self, w: _Worker) -> int:
         """What the account charges ``w`` parked (nothing grows while it runs nothing): what it holds + the
@@ -572,7 +570,7 @@ class Simulation:
         if w is None or w.state != "bound" or w.parked or any(end > self.now for end in w.running):
             raise RuntimeError(f"the policy parked {a.worker_id}, which is not an idle bound worker")
         w.parked, w.unparked_first = True, False
-        w.kv = w.batch_kv = 0  # a park releases the whole KV cache: unparked, it has its own budget
+        w.kv = 0  # a park releases the whole KV cache: unparked, it has its own budget
         self.count("parks")
 
     def _unpark(self, a: Unpark) -> None:
@@ -589,7 +587,7 @@ class Simulation:
             raise RuntimeError(f"the policy resized {a.worker_id}, which is not an unparked bound worker")
         own = self.setup.kv_bytes
         w.kv = a.kv_bytes if a.kv_bytes > own else 0
-        w.batch_kv, w.batch_kv_at = w.kv, self.now + (self.setup.resize_s if a.delta_bytes > 0 else 0.0)
+        w.kv_at = self.now + (self.setup.resize_s if a.delta_bytes > 0 else 0.0)
         if a.delta_bytes > 0:
             self.count("kv_grants")
 

@@ -40,23 +40,33 @@ def world(redis_server: str, tmp_path: Path) -> Iterator[tuple[Store, Keys, Cont
     store.close()
 
 
-def test_a_queue_that_has_waited_behind_a_busy_worker_gets_it_more_kv(
-    world: tuple[Store, Keys, Controller],
-) -> None:
-    store, keys, controller = world
-    fields = {
+def _busy(store: Store, keys: Keys, **extra: int) -> None:
+    """Worker w-b's heartbeat: bound to FN on g0, 2 running in KV bytes, and ``extra`` fields."""
+    fields: dict[str, object] = {
         "state": "serving", "gpu": "g0", "backbone": "tiny", "shape": "", "mem_bytes": 0,
         "started": int(time.time()) - 600, "idle_s": 0, "running": 2,
-        "kv_bytes": KV, "kv_budget_bytes": KV, "kv_grant": 0, "parked": 0, "park_release_bytes": KV,
+        "kv_bytes": KV, "kv_budget_bytes": KV, "kv_grant": 0, "parked": 0, "park_release_bytes": KV, **extra,
     }  # fmt: skip
     store.run(workers.heartbeat(keys, "w-b", FN, 5000, fields))
-    for i in range(3):  # admitted, never read: the worker has no room
+
+
+def _queue(store: Store, keys: Keys, count: int) -> None:
+    """``count`` requests admitted to FN's stream that no worker reads."""
+    for i in range(count):
         store.run(
             streams.admit(
                 keys, FN, f"r{i}", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
                 rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
             )
         )  # fmt: skip
+
+
+def test_a_queue_that_has_waited_behind_a_busy_worker_gets_it_more_kv(
+    world: tuple[Store, Keys, Controller],
+) -> None:
+    store, keys, controller = world
+    _busy(store, keys)
+    _queue(store, keys, 3)  # admitted, never read: the worker has no room
     plan = controller.round()
     assert plan is not None and not plan.of_type(ResizeKV)  # just admitted: a worker with room reads it now
     time.sleep(0.4)
@@ -85,23 +95,11 @@ def test_a_worker_whose_slots_not_its_kv_bound_it_gets_no_grant(
     """Its heartbeat says its KV would hold as many requests as its slots (kv_cap >= slot_cap): more KV would
     sit idle, so the queue waits for a scale-up instead."""
     store, keys, controller = world
-    fields = {
-        "state": "serving", "gpu": "g0", "backbone": "tiny", "shape": "", "mem_bytes": 0,
-        "started": int(time.time()) - 600, "idle_s": 0, "running": 2, "kv_cap": 2, "slot_cap": 2,
-        "kv_bytes": KV, "kv_budget_bytes": KV, "kv_grant": 0, "parked": 0, "park_release_bytes": KV,
-    }  # fmt: skip
-    store.run(workers.heartbeat(keys, "w-b", FN, 5000, fields))
-    for i in range(3):
-        store.run(
-            streams.admit(
-                keys, FN, f"r{i}", RequestBody(prompt="hi"), deadline_ms=0, now_s=time.time(),
-                rate_limit_rps=0.0, rate_limit_burst=1, heartbeat_ttl_ms=5000,
-            )
-        )  # fmt: skip
+    _busy(store, keys, kv_cap=2, slot_cap=2)
+    _queue(store, keys, 3)
     time.sleep(0.4)
     plan = controller.round()
     assert plan is not None and not plan.of_type(ResizeKV)
-    fields["kv_cap"] = 1  # now its KV is the bound: granted
-    store.run(workers.heartbeat(keys, "w-b", FN, 5000, fields))
+    _busy(store, keys, kv_cap=1, slot_cap=2)  # now its KV is the bound: granted
     plan = controller.round()
     assert plan is not None and len(plan.of_type(ResizeKV)) == 1
