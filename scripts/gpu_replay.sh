@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# A trace replay on a lent GPU machine that outlasts one device call (600 s): `start` sets the machine
+# up (scripts/gpu_env.sh), copies the tree to /tmp/replay-run (the next call gets a fresh copy of the
+# working tree) and starts `lorafn bench replay` there detached (setsid: it outlives the call), then
+# returns after SLEEP seconds; `wait`, the next call on the still-warm machine (it goes back ~30 s
+# after a call), waits for it and copies the report, the plots, the breakdown and the logs to $OUT.
+#
+#   C=full [PC_YAML='park_after_s: 50'] TAG=full RATE=2 DURATION=600 SLEEP=430 bash scripts/gpu_replay.sh start
+#   TAG=full bash scripts/gpu_replay.sh wait        (WAIT_S: at most this long, default 540)
+#
+# The replay is the 64-function H100 command of docs/benchmarks.md ("Ten minutes at 2 rps"): code trace
+# from 1760 s, 90 s warm-up, GSM8K questions, outputs <= 128 tokens, r16 all-linear, KV 512 MiB.
+# Carry .whl, .deb and .data (scripts/device_deps.sh writes them here).
+set -uo pipefail
+RUN=/tmp/replay-run
+TAG="${TAG:-${C:-full}}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+case "${1:-}" in
+  start)
+    . scripts/gpu_env.sh || exit 1
+    rm -rf "$RUN" && mkdir -p "$RUN" && cp -a . "$RUN/" && cd "$RUN" || exit 1
+    export PYTHONPATH="${PYTHONPATH/$OLDPWD/$RUN}"
+    pc=()
+    if [ -n "${PC_YAML:-}" ]; then printf '%s\n' "$PC_YAML" > platform.yaml; pc=(--platform-config platform.yaml); fi
+    cat > run.sh <<RUNEOF
+python3 -m lorafn.cli bench replay --device cuda --model "$LORAFN_LLAMA2_7B_DIR" --data-dir .data \
+  --functions ${FUNCTIONS:-64} --trace code --trace-start ${TRACE_START:-1760} --rate ${RATE:-2} \
+  --duration ${DURATION:-600} --warmup-s ${WARMUP_S:-90} --prompt-size question --max-output-tokens 128 \
+  --rank 16 --target-modules all-linear --kv-mib ${KV_MIB:-512} --configs ${C:-full} ${pc[*]} \
+  --settle-timeout 45 --drain-timeout 20 --out out/$TAG > replay.log 2>&1
+echo \$? > replay.rc
+python3 bench/replay_breakdown.py out/$TAG > breakdown.txt 2>&1
+touch done
+RUNEOF
+    cat run.sh
+    setsid nohup bash run.sh >/dev/null 2>&1 < /dev/null &
+    sleep "${SLEEP:-430}"
+    tail -c 3000 replay.log
+    ;;
+  wait)
+    cd "$RUN" || { echo "no replay under $RUN (a fresh machine?)"; exit 1; }
+    for _ in $(seq 1 $(( ${WAIT_S:-540} / 5 ))); do [ -f done ] && break; sleep 5; done
+    [ -f done ] || echo "replay still running after ${WAIT_S:-540} s"
+    echo "replay rc=$(cat replay.rc 2>/dev/null)"
+    tail -c 6000 replay.log
+    cat breakdown.txt 2>/dev/null | head -80
+    d="out/$TAG"
+    cp replay.log breakdown.txt "$OUT/" 2>/dev/null
+    cp "$d/replay.json" "$OUT/" 2>/dev/null
+    mkdir -p "$OUT/img" && cp "$d"/*.png "$OUT/img/" 2>/dev/null
+    tar czf "$OUT/runs.tgz" --exclude='*.safetensors' --exclude='*.bin' -C "$d" runs 2>/dev/null
+    ls -la "$OUT" "$OUT/img"
+    ;;
+  *) echo "usage: gpu_replay.sh start|wait" >&2; exit 2 ;;
+esac
