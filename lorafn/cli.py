@@ -42,7 +42,9 @@ def _no_flag_placeholders() -> None:
     included, and a flag takes no value. One patch here covers every sub-command and `--help` itself."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None:  # typer before 0.2x has no such hook: its help keeps the placeholder, nothing breaks
+        return
 
     def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
         return None if self.is_flag else shown(self, ctx)

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(pydantic pydantic-core pydantic-settings python-dotenv annotated-types typing-inspection
       typing-extensions redis fastapi starlette uvicorn openai httpx2 httpcore2 truststore jiter sniffio
-      anyio annotated-doc opentelemetry-api h11
+      anyio annotated-doc opentelemetry-api h11 typer
       pytest-asyncio)
 pins=()
 for p in "${PKGS[@]}"; do
