@@ -34,7 +34,7 @@ touch done
 RUNEOF
     cat run.sh
     setsid nohup bash run.sh >/dev/null 2>&1 < /dev/null &
-    sleep "${SLEEP:-430}"
+    for _ in $(seq 1 $(( ${SLEEP:-430} / 5 ))); do [ -f done ] && break; sleep 5; done
     tail -c 3000 replay.log
     ;;
   wait)

@@ -256,6 +256,7 @@ def replay(
     for what, path in (("--trace", trace_path), ("--prompts", prompts_path)):
         if not path.is_file():
             raise _fail(f"{what}: {path} does not exist (see --data-dir)")
+    out = out.resolve()  # the functions' adapter URIs under it must be absolute file:// URIs
     try:
         chosen = select_configs(configs)
         managed = external = None
