@@ -38,9 +38,10 @@ def test_replay_on_cpu_accounts_for_every_request(tiny_model_dir: Path, tmp_path
             "--trace-start", "300", "--warmup-s", "3", "--max-prompt-tokens", "16",
             "--max-output-tokens", "4", "--configs", "full,no-warm-pool", "--adapters", "2",
             "--settle-timeout", "120",
-            "--drain-timeout", "120", "--sample-interval", "0.25", "--out", str(out),
+            # a relative --out, as a user types it: the adapters' file:// URIs under it must come out absolute
+            "--drain-timeout", "120", "--sample-interval", "0.25", "--out", "out",
         ],
-        capture_output=True, text=True, timeout=500, env=_piped_env(),
+        capture_output=True, text=True, timeout=500, env=_piped_env(), cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # 3 functions over 2 adapters, each in a directory of its own: no shared-adapter warning
