@@ -119,7 +119,8 @@ def manifest(
     `namespace`, the keys in the Secret `secret`; other benchmarks, e.g. bench/batch.py, use their own).
     `slos`: a TTFT SLO (ms) per function, for those it names (bench/admission.py); the others get
     `setup.slo_ttft_ms`."""
-    backbone_spec: dict[str, Any] = {"model": {"uri": f"file://{model_dir}"}, "dtype": dtype}
+    # file:// URIs must hold absolute paths (the spec refuses others): a bench's relative --workdir too
+    backbone_spec: dict[str, Any] = {"model": {"uri": f"file://{model_dir.resolve()}"}, "dtype": dtype}
     if warm_pool_off_by_spec and config.warm_pool_fallback is not None:
         low, high = config.warm_pool_fallback
         backbone_spec["warmPool"] = {"minStandby": low, "maxStandby": high}
@@ -141,7 +142,7 @@ def manifest(
         name = fn.split("/", 1)[1]
         spec: dict[str, Any] = {
             "backbone": BACKBONE,
-            "adapter": {"uri": f"file://{adapters[i % len(adapters)]}"},
+            "adapter": {"uri": f"file://{adapters[i % len(adapters)].resolve()}"},
             "slo": {"ttftMs": (slos or {}).get(fn, setup.slo_ttft_ms)},
             "scaling": {
                 "minReplicas": config.min_replicas,
