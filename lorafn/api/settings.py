@@ -67,6 +67,26 @@ ParkedKeepAlive = Annotated[
 ]
 
 
+def _never_is_inf(value: object) -> object:
+    """ "never" is inf (park only under memory pressure); seconds and "inf" pass on to the float."""
+    return float("inf") if value == "never" else value
+
+
+# When an idle bound worker parks without memory pressure, for `lorafn up` and the controller
+# (PolicyConfig.park_after_s): 50 s since the 10-minute H100 replays of the seventeenth session (SLO
+# violations 5.7% -> 3.5%, fresh starts 83 -> 35, GPU-seconds +5%; docs/benchmarks.md).
+PARK_AFTER_S = 50.0
+ParkAfter = Annotated[
+    Annotated[float, Field(gt=0)] | None,
+    BeforeValidator(_never_is_inf),
+    Field(
+        description="also park a bound worker idle this long (seconds) without memory pressure, so that the "
+        'warm pool gets its memory; inf, "never" or null: only under pressure; 50 s since the 10-minute H100 '
+        "replays (PolicyConfig.park_after_s, docs/benchmarks.md; needs park_idle)",
+    ),
+]
+
+
 # The burst KV budget of `lorafn up` and of the controller (PolicyConfig.burst_kv_bytes), one field for both.
 BurstKvMiB = Annotated[
     int,

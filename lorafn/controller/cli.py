@@ -17,8 +17,10 @@ import typer
 from pydantic import Field
 
 from lorafn.api.settings import (
+    PARK_AFTER_S,
     PARKED_KEEP_ALIVE_S,
     BurstKvMiB,
+    ParkAfter,
     ParkedKeepAlive,
     ScaleUpWaitFraction,
     SharedSettings,
@@ -83,12 +85,7 @@ class ControllerSettings(SharedSettings):
     )
     parked_keep_alive_s: ParkedKeepAlive = PARKED_KEEP_ALIVE_S
 
-    park_after_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="also park a bound worker idle this long (seconds) without memory pressure, so that the "
-        "warm pool gets its memory; unset: only under pressure (PolicyConfig.park_after_s; needs park_idle)",
-    )
+    park_after_s: ParkAfter = PARK_AFTER_S
     batch_kv_mib: int = Field(
         default=0,
         ge=0,

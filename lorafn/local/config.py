@@ -20,8 +20,10 @@ from pydantic_settings import SettingsConfigDict
 
 from lorafn.api.errors import format_validation_error
 from lorafn.api.settings import (
+    PARK_AFTER_S,
     PARKED_KEEP_ALIVE_S,
     BurstKvMiB,
+    ParkAfter,
     ParkedKeepAlive,
     ScaleUpWaitFraction,
     SharedSettings,
@@ -99,12 +101,7 @@ class LocalConfig(SharedSettings):
     )
     parked_keep_alive_s: ParkedKeepAlive = PARKED_KEEP_ALIVE_S
 
-    park_after_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="also park a bound worker idle this long (seconds) without memory pressure, so that the "
-        "warm pool gets its memory; unset: only under pressure (the controller's PolicyConfig.park_after_s)",
-    )
+    park_after_s: ParkAfter = PARK_AFTER_S
     batch_kv_mib: int | None = Field(
         default=None,
         ge=0,

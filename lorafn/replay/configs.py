@@ -50,9 +50,17 @@ CONFIGS: dict[str, ReplayConfig] = {
         # the configuration measured on the H100: parked workers stay until memory is needed
         ReplayConfig(
             "parking",
-            "full, and idle bound workers release their KV cache instead of exiting when memory is short, "
-            "parked ones staying until memory is needed (park_idle: true, parked_keep_alive_s: inf)",
-            {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "inf"},
+            "full, and idle bound workers release their KV cache instead of exiting when memory is short "
+            "(only then), parked ones staying until memory is needed (park_idle: true, parked_keep_alive_s: "
+            "inf, park_after_s: never)",
+            {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "inf", "park_after_s": "never"},
+        ),
+        # the shipped default before the seventeenth session's H100 replays (now 50 s, LocalConfig)
+        ReplayConfig(
+            "park-on-pressure",
+            "full, but idle bound workers park only when memory is short, not after 50 s idle "
+            "(park_after_s: never)",
+            {"gpu_admission": True, "park_idle": True, "park_after_s": "never"},
         ),
         # the shipped parked keep-alive before the 10-minute H100 replay (now 300 s, LocalConfig)
         ReplayConfig(
@@ -62,7 +70,7 @@ CONFIGS: dict[str, ReplayConfig] = {
             {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "function"},
         ),
         # the simulator's best row, "park idle 50 s + never" (docs/benchmarks.md): an idle worker parks
-        # before its keep-alive instead of exiting
+        # before its keep-alive instead of exiting, and parked ones are never retired
         ReplayConfig(
             "parking-50",
             "parking, and bound workers idle 50 s are parked without memory pressure too (park_after_s: 50)",

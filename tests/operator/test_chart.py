@@ -362,13 +362,20 @@ def test_the_parked_keep_alive_reaches_the_controller_settings(
 
 
 @pytest.mark.parametrize(
-    ("extra", "expected"), [([], None), (["--set", "x=50"], "50"), (["--set-json", "x=2.5"], "2.5")]
+    ("extra", "expected"),
+    [
+        ([], "50"),
+        (["--set", "x=null"], None),
+        (["--set", "x=never"], "never"),
+        (["--set-json", "x=2.5"], "2.5"),
+    ],
 )
 def test_park_after_reaches_the_controller_settings(
     monkeypatch: pytest.MonkeyPatch, extra: list[str], expected: str | None
 ) -> None:
-    """controller.parkAfterSeconds -> LORAFN_PARK_AFTER_S (absent when null) -> the controller's park_after_s;
-    zero, a negative number or a string is refused by the schema."""
+    """controller.parkAfterSeconds (50 by default) -> LORAFN_PARK_AFTER_S (absent when null: the controller's
+    default, the same 50) -> the controller's park_after_s ("never": inf, only under memory pressure); zero, a
+    negative number or another string is refused by the schema."""
     from lorafn.controller.cli import ControllerSettings
 
     extra = [a.replace("x=", "controller.parkAfterSeconds=") for a in extra]
@@ -377,7 +384,8 @@ def test_park_after_reaches_the_controller_settings(
     monkeypatch.delenv("LORAFN_PARK_AFTER_S", raising=False)
     if expected is not None:
         monkeypatch.setenv("LORAFN_PARK_AFTER_S", expected)
-    assert ControllerSettings().park_after_s == (None if expected is None else float(expected))
+    seconds = {None: 50.0, "never": float("inf")}.get(expected) or float(expected or 0)
+    assert ControllerSettings().park_after_s == seconds
     assert_refused(
         "parkAfterSeconds",
         ["--set", "controller.parkAfterSeconds=0"],

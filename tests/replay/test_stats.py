@@ -269,15 +269,23 @@ def test_every_configuration_is_a_valid_platform_config_and_parking_turns_park_i
     assert LocalConfig(**local).park_idle and LocalConfig(**local).gpu_admission
     # parked workers stay until memory is needed (the simulator's better setting, docs/benchmarks.md)
     assert LocalConfig(**local).parked_keep_alive_s == float("inf")
-    assert LocalConfig(**local).park_after_s is None  # "parking" parks under memory pressure only
+    assert LocalConfig(**local).park_after_s == float("inf")  # "parking" parks under memory pressure only
     # "parking-50": the same, and workers idle 50 s park without pressure (the simulator's best row)
     local50, _, _ = resolve(CONFIGS["parking-50"], fields)
-    assert {k: v for k, v in local50.items() if k != "park_after_s"} == local
+    assert {k: v for k, v in local50.items() if k != "park_after_s"} == {
+        k: v for k, v in local.items() if k != "park_after_s"
+    }
     assert LocalConfig(**local50).park_after_s == 50.0 and LocalConfig(**local50).park_idle
     assert LocalConfig().park_idle  # on by default (the H100 replay); the parking rows say so explicitly
     # parked workers kept 300 s by default (the 10-minute H100 replay): "full" has it, "parked-function"
     # keeps the function's keep-alive (the default before)
-    assert LocalConfig().parked_keep_alive_s == 300.0 and LocalConfig().park_after_s is None
+    assert LocalConfig().parked_keep_alive_s == 300.0
+    # bound workers idle 50 s park without pressure by default (the seventeenth session's H100 replays):
+    # "full" has it, "park-on-pressure" takes it away (the default before)
+    assert LocalConfig().park_after_s == 50.0
+    pop, _, _ = resolve(CONFIGS["park-on-pressure"], fields)
+    assert LocalConfig(**pop).park_after_s == float("inf") and LocalConfig(**pop).park_idle
+    assert "park-on-pressure" not in DEFAULT_CONFIGS
     pf, _, _ = resolve(CONFIGS["parked-function"], fields)
     assert LocalConfig(**pf).parked_keep_alive_s is None and LocalConfig(**pf).park_idle
     assert "parking" not in DEFAULT_CONFIGS and "parking-50" not in DEFAULT_CONFIGS

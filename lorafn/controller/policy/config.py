@@ -91,8 +91,10 @@ class PolicyConfig:
       ~1.4 GiB).
     - ``unpark_s``: the policy's estimate of an unpark (allocate the KV, re-capture graphs on first need):
       what a parked worker's function pays on its next request (parking order: value = rate x unpark_s).
-    - ``park_after_s``: also park a bound worker idle this long without memory pressure (None: only under
-      pressure), so that the warm pool gets the memory idle workers hold.
+    - ``park_after_s``: also park a bound worker idle this long without memory pressure (None or inf: only
+      under pressure), so that the warm pool gets the memory idle workers hold. None here; the services
+      (`lorafn up`, the controller, the chart) ship 50 s since the 10-minute H100 replays (SLO violations
+      5.7% -> 3.5%; docs/benchmarks.md).
     - ``parked_keep_alive_s``: a parked worker is stopped ("keep_alive") once idle this long (since its last
       request, as the function's keep-alive counts), instead of at its function's ``keep_alive_s`` (None,
       the default: the function's, as an unparked worker); ``math.inf``: never (only offloading stops it).

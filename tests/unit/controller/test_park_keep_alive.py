@@ -117,17 +117,19 @@ def test_the_parked_keep_alive_is_a_controller_and_a_local_setting(monkeypatch) 
 
 def test_park_after_s_is_a_controller_and_a_local_setting(monkeypatch) -> None:
     """PolicyConfig.park_after_s (park workers idle that long without pressure): LORAFN_PARK_AFTER_S on the
-    controller, LocalConfig.park_after_s for `lorafn up`; None (off) by default; a number of seconds > 0."""
+    controller, LocalConfig.park_after_s for `lorafn up`; 50 s by default (the H100 replays); a number of
+    seconds > 0, or inf / "never" (only under memory pressure; None in PolicyConfig means the same)."""
     from lorafn.controller.cli import ControllerSettings, build_controller
     from lorafn.local.config import LocalConfig
 
     monkeypatch.delenv("LORAFN_PARK_AFTER_S", raising=False)
-    assert ControllerSettings().park_after_s is None and LocalConfig().park_after_s is None
+    assert ControllerSettings().park_after_s == 50.0 and LocalConfig().park_after_s == 50.0
     assert (
         build_controller(ControllerSettings(redis_url="redis://127.0.0.1:1")).config.policy.park_after_s
-        is None
+        == 50.0
     )
-    for value, expected in (("50", 50.0), ("2.5", 2.5)):
+    inf = float("inf")
+    for value, expected in (("50", 50.0), ("2.5", 2.5), ("inf", inf), ("never", inf)):
         monkeypatch.setenv("LORAFN_PARK_AFTER_S", value)
         settings = ControllerSettings(redis_url="redis://127.0.0.1:1")
         assert build_controller(settings).config.policy.park_after_s == expected
