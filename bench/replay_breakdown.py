@@ -11,6 +11,7 @@ worker's log (start-up stages, per-request queued/held/prefill). It prints:
    in the runner's stages), runner stages (adapter load, views, KV), ready -> read (in the worker's
    queue), held (fill-or-expire / GPU admission), prefill, and the rest (gateway and client);
    for fresh starts, the decision wait split by offload victims (before the first stop, victims exiting);
+   the controller's own wait causes (its "wait"/"waited" lines) over each fresh start's decision wait;
 2. fresh start-up stages against the number of starts in flight at once;
 3. offload churn: victims' idle time, how soon their function came back, repeated cold starts;
 4. workers alive (fork -> exit, what the controller's account holds) at each offload, and the sampled
@@ -60,14 +61,28 @@ class Worker:
     requests: list[dict[str, float | str]] = field(default_factory=list)
 
 
-def parse_up(path: Path, workers: dict[str, Worker]) -> list[tuple[float, float]]:
-    """Controller/executor lines into `workers`; returns the fresh-start estimates (time, seconds)."""
+def parse_up(
+    path: Path, workers: dict[str, Worker], waits: dict[str, list[tuple[float, float, str]]] | None = None
+) -> list[tuple[float, float]]:
+    """Controller/executor lines into `workers`, and into `waits` each function's wait segments (start,
+    end, cause) from the controller's wait lines (since lorafn.controller.waits; older logs have none);
+    returns the fresh-start estimates (time, seconds)."""
     estimates = []
+    open_wait: dict[str, tuple[float, str]] = {}
     for line in path.read_text().splitlines():
         t = ts(line)
         if t is None:
             continue
-        if m := re.search(rf"controller: start {W} on \S+ for (\S+): demand", line):
+        if m := re.search(r"controller: wait (\S+) \((\w+)[,)]", line):
+            if m.group(1) in open_wait and waits is not None:
+                since, cause = open_wait[m.group(1)]
+                waits.setdefault(m.group(1), []).append((since, t, cause))
+            open_wait[m.group(1)] = (t, m.group(2))
+        elif m := re.search(r"controller: waited (\S+) ", line):
+            if m.group(1) in open_wait and waits is not None:
+                since, cause = open_wait.pop(m.group(1))
+                waits.setdefault(m.group(1), []).append((since, t, cause))
+        elif m := re.search(rf"controller: start {W} on \S+ for (\S+): demand", line):
             w = workers.setdefault(m.group(1), Worker(m.group(1)))
             w.kind, w.function, w.decided = "fresh", m.group(2), t
         elif m := re.search(rf"controller: start {W} on \S+ standby", line):
@@ -170,7 +185,8 @@ def main() -> None:
     cfg = next(c for c in report["configs"] if a.config in (None, c["config"]))
     run = a.replay_dir / "runs" / cfg["config"]
     workers: dict[str, Worker] = {}
-    estimates = parse_up(run / "up.log", workers)
+    waits: dict[str, list[tuple[float, float, str]]] = {}
+    estimates = parse_up(run / "up.log", workers, waits)
     for p in sorted((run / "logs").glob("worker_*.log")):
         parse_worker_log(p, workers)
     by_rid = {str(r["rid"]): (w, r) for w in workers.values() for r in w.requests}
@@ -228,6 +244,7 @@ def main() -> None:
     # -> its start decision; split into time with the GPU's start slots full (>= --cap starts in flight),
     # and the part spent on its offload victims (first stop -> last victim exit)
     demand_wait, at_cap, before_stop, victims_exit, after_exit, nvict = [], [], [], [], [], []
+    by_cause: Counter[str] = Counter()  # the controller's own wait causes over the same intervals
     for w in fresh:
         asks = [recv_at[str(r["rid"])] for r in w.requests if str(r["rid"]) in recv_at]
         asks = [t for t in asks if w.ready is None or t < w.ready]
@@ -235,6 +252,13 @@ def main() -> None:
             continue
         ask = min(asks)
         demand_wait.append(w.decided - ask)
+        covered = 0.0
+        for since, until, cause in waits.get(w.function, []):
+            overlap = min(until, w.decided) - max(since, ask)
+            if overlap > 0:
+                by_cause[cause] += overlap
+                covered += overlap
+        by_cause["(no wait line)"] += max(0.0, w.decided - ask - covered)
         grid = [ask + i * 0.05 for i in range(int((w.decided - ask) / 0.05))]
         at_cap.append(0.05 * sum(in_flight(everyone, t) >= a.cap for t in grid))
         mine = [
@@ -258,6 +282,11 @@ def main() -> None:
         f"{fmt(ms(before_stop))} ms; first stop -> last victim exit {fmt(ms(victims_exit))} ms;"
         f" last exit -> start {fmt(ms(after_exit))} ms"
     )
+    if waits:
+        print(
+            "   the same intervals by the controller's wait cause (s): "
+            + ", ".join(f"{c} {v:.1f}" for c, v in by_cause.most_common())
+        )
     stop_to_exit = [1000 * (v.exited - v.stopped) for v in workers.values() if v.stopped and v.exited]
     print(f"   every offload victim, stop -> exit: {fmt(stop_to_exit)} ms")
 

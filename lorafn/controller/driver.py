@@ -58,6 +58,7 @@ from lorafn.controller.policy.config import PolicyConfig
 from lorafn.controller.policy.decide import decide, fast_binds, fast_unparks
 from lorafn.controller.policy.model import GPU, Snapshot, Worker
 from lorafn.controller.snapshot import SizingConfig, SnapshotReader
+from lorafn.controller.waits import WaitTracker
 from lorafn.store import UNAVAILABLE_ERRORS, Keys, Store, combine, control, workers
 from lorafn.store.streams import entry_ms
 
@@ -179,6 +180,7 @@ class Controller:
         self._events_cursor: str | None = None
         self._counter = 0
         self._waiting: set[str] = set()
+        self._wait_tracker = WaitTracker()
         self._problems: set[str] | None = None  # functions whose status holds a `problem` (None: unknown)
         # workers that reached serving (a `bound` event): a later crash is not a failed start
         self._served: set[str] = set()
@@ -548,6 +550,7 @@ class Controller:
     # -- carrying the plan out -------------------------------------------------------------------
     def _apply(self, plan: Plan, snapshot: Snapshot | None = None) -> None:
         waiting: set[str] = set()
+        waits: dict[str, tuple[str, str]] = {}  # function -> (cause, reason) of this round's Waits
         by_id = {w.id: w for w in snapshot.workers} if snapshot is not None else {}
         # Parks first, synchronously: the plan counts their memory free for the actions after them
         failed = self._apply_parks([a for a in plan.actions if isinstance(a, Park)], fast=False)
@@ -613,6 +616,7 @@ class Controller:
                 self._send_resize(action)
             elif isinstance(action, Wait):
                 waiting.add(action.function)
+                waits[action.function] = (action.cause, action.reason)
                 self.store.run(control.set_status(self.keys, action.function, wait_reason=action.reason))
         for function, problem in self.reader.problems.items():
             waiting.add(function)
@@ -628,11 +632,31 @@ class Controller:
         for function in self._waiting - waiting:
             self.store.run(control.set_status(self.keys, function, wait_reason=None))
         self._waiting = waiting
+        self._log_waits(waits)
         self.store.run(
             control.set_pool(
                 self.keys, {control.pool_key(t.gpu, t.backbone, t.shape): t.count for t in plan.pool}
             )
         )
+
+    def _log_waits(self, waits: dict[str, tuple[str, str]]) -> None:
+        """A line when a function starts waiting for a worker, when what it waits for changes and when it
+        stops waiting; the seconds each cause lasted go to `lorafn_controller_wait_seconds_total`."""
+        for step in self._wait_tracker.update(waits, time.monotonic()):
+            if step.ended is not None:
+                self.metrics.wait_seconds.labels(step.ended).inc(step.seconds)
+            if step.cause is None:
+                log.info(
+                    "controller: waited %s %.2f s (last %s %.2f s)",
+                    step.function, step.total_s, step.ended, step.seconds,
+                )  # fmt: skip
+            elif step.ended is None:
+                log.info("controller: wait %s (%s): %s", step.function, step.cause, step.reason)
+            else:
+                log.info(
+                    "controller: wait %s (%s, after %s %.2f s): %s",
+                    step.function, step.cause, step.ended, step.seconds, step.reason,
+                )  # fmt: skip
 
     def _defer_refill(self, gpu: str) -> bool:
         """Whether a standby start on `gpu` waits (a bind there is younger than `refill_delay_s`)."""

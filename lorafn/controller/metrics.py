@@ -86,6 +86,13 @@ class ControllerMetrics:
             "requests queued behind busy workers; return: a grant given back)",
             ["direction", "cause"], registry=r,
         )  # fmt: skip
+        self.wait_seconds = Counter(
+            "lorafn_controller_wait_seconds",
+            "Seconds functions with demand waited for a worker, by cause (start_slot: every fresh-start slot "
+            "taken; making_room: workers stopped for its memory still exiting; no_room; standby_warming; "
+            "backoff; no_backbone)",
+            ["cause"], registry=r,
+        )  # fmt: skip
         self.start_failures = Counter(
             "lorafn_controller_start_failures", "Workers that failed to start or bind", registry=r
         )

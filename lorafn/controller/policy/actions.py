@@ -18,6 +18,10 @@ StopReason = Literal["offload", "scale_down", "pool_shrink", "keep_alive"]
 OffloadCause = Literal["cold_start", "min_replicas", "scale_up"]
 # why a ResizeKV: more KV for an offline batch or a burst, or a grant given back
 ResizeCause = Literal["batch", "burst", "return"]
+# why a function with demand gets no worker this round: its start backoff after failures, its backbone
+# unknown or loaded nowhere, a standby for it still warming up, every start slot taken
+# (max_fresh_starts_per_gpu), workers stopped for its memory still exiting, or no memory anywhere
+WaitCause = Literal["backoff", "no_backbone", "standby_warming", "start_slot", "making_room", "no_room"]
 
 
 @dataclass(frozen=True)
@@ -121,10 +125,12 @@ class ResizeKV:
 
 @dataclass(frozen=True)
 class Wait:
-    """``function`` needs a worker and gets none this round; ``reason`` is for its waiting clients."""
+    """``function`` needs a worker and gets none this round; ``reason`` is for its waiting clients,
+    ``cause`` the reason's kind (logs and metrics count by it)."""
 
     function: str
     reason: str
+    cause: WaitCause
 
 
 @dataclass(frozen=True)

@@ -359,7 +359,7 @@ class _Round:
             fn = self.functions[name]
             remaining = backoff_remaining_s(fn, self.config.backoff_base_s, self.config.backoff_cap_s)
             if remaining > 0:
-                self.actions.append(Wait(name, backoff_reason(fn, remaining)))
+                self.actions.append(Wait(name, backoff_reason(fn, remaining), "backoff"))
             else:
                 ready.append((fn, need, _CAUSES[urgency]))
         # First every bind to a standby prepared for the function's shape, so that a function
@@ -420,10 +420,14 @@ class _Round:
         """One more worker for ``fn``: bind, else start, else offload and start, else Wait."""
         gpus = self.where.get(fn.backbone, [])
         if fn.backbone not in self.backbones:
-            self.actions.append(Wait(fn.name, f"backbone {fn.backbone} is not known to the controller"))
+            self.actions.append(
+                Wait(fn.name, f"backbone {fn.backbone} is not known to the controller", "no_backbone")
+            )
             return False
         if not gpus:
-            self.actions.append(Wait(fn.name, f"backbone {fn.backbone} is not loaded on any GPU"))
+            self.actions.append(
+                Wait(fn.name, f"backbone {fn.backbone} is not loaded on any GPU", "no_backbone")
+            )
             return False
         standby = self.pick_standby(fn, set(gpus))
         if standby is not None:
@@ -440,7 +444,11 @@ class _Round:
             self.served.add(fn.name)
             left = max(0.0, self.costs.fresh_start_s - warming.age_s)
             self.actions.append(
-                Wait(fn.name, f"a standby worker for it is warming up (ready in ~{left:.0f} s)")
+                Wait(
+                    fn.name,
+                    f"a standby worker for it is warming up (ready in ~{left:.0f} s)",
+                    "standby_warming",
+                )
             )
             return True
         fits_now = any(self.start_slot(g) and self.ledger.free[g] >= fn.mem_bytes for g in gpus)
@@ -449,7 +457,7 @@ class _Round:
         open_gpus = [g for g in gpus if self.start_slot(g)]
         if not open_gpus:
             if not self.only_a_start_now_meets(fn, gpus):
-                self.actions.append(Wait(fn.name, self.no_slot_reason(gpus)))
+                self.actions.append(Wait(fn.name, self.no_slot_reason(gpus), "start_slot"))
                 return False
             open_gpus = list(gpus)  # over the cap: waiting would make its oldest request miss its deadline
         free = self.ledger.free
@@ -466,7 +474,7 @@ class _Round:
                 self.wait_for_room(fn, *made)
                 return False
         if best is None:
-            self.actions.append(Wait(fn.name, self.no_room_reason(fn, gpus)))
+            self.actions.append(Wait(fn.name, self.no_room_reason(fn, gpus), "no_room"))
             return False
         self.ledger.take(best, fn.mem_bytes)
         self.starting[best] += 1
@@ -541,7 +549,7 @@ class _Round:
         need = fn.mem_bytes if need_bytes is None else need_bytes
         self.ledger.take(gpu, max(0, need - size))
         self.served.add(fn.name)
-        self.actions.append(Wait(fn.name, self.making_room_reason(gpu, exiting)))
+        self.actions.append(Wait(fn.name, self.making_room_reason(gpu, exiting), "making_room"))
 
     def making_room_reason(self, gpu: str, victims: list[Worker]) -> str:
         size = sum(w.mem_bytes for w in victims)

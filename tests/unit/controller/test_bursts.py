@@ -110,7 +110,8 @@ def test_a_start_goes_over_the_cap_only_when_that_alone_keeps_its_deadline():
         full = [starting(f"s{i}", "g0", age_s, function=f"ns/o{i}") for i in range(4)]
         plan = decide(snap([gpu("g0")], [*others, fn("ns/new", queued=1, **kw)], full, bb, FAST), config)
         if not plan.of_type(Start):
-            assert "start slot" in plan.of_type(Wait)[0].reason
+            (wait,) = plan.of_type(Wait)
+            assert "start slot" in wait.reason and wait.cause == "start_slot"
         return [a.function for a in plan.of_type(Start)] == ["ns/new"]
 
     # a slot opens in ~1.9 s
@@ -243,7 +244,7 @@ def test_a_claimed_warming_standby_keeps_its_place_under_max_standby():
     warming = [Worker(f"p{i}", "g0", "llama", "starting", "r16", None, 2 * GiB, age_s=0.5) for i in range(2)]
     functions = [fn("ns/a", queued=1)] + [fn(f"ns/f{i}", arrival_rate=0.5) for i in range(8)]
     plan = decide(snap([gpu("g0")], functions, warming, bb, FAST))
-    assert "warming up" in plan.of_type(Wait)[0].reason
+    assert "warming up" in plan.of_type(Wait)[0].reason and plan.of_type(Wait)[0].cause == "standby_warming"
     assert pool_starts(plan) == 0 and not plan.of_type(Stop)
     # with the floor too
     floor = (dataclasses.replace(bb[0], min_standby_per_gpu=2),)

@@ -81,7 +81,7 @@ def test_function_that_cannot_fit_waits_with_reason_and_others_are_untouched():
     workers = [standby("s1", "g0", "r8")]
     plan = decide(snap([gpu("g0")], functions, workers))
     (wait,) = plan.of_type(Wait)
-    assert wait.function == "ns/huge"
+    assert wait.function == "ns/huge" and wait.cause == "no_room"
     assert "no GPU holding backbone llama has room for a 70.0 GiB worker" in wait.reason
     assert "g0:" in wait.reason and "free of 73.6 GiB" in wait.reason
     assert [b.function for b in plan.of_type(Bind)] == ["ns/b"]
@@ -97,6 +97,7 @@ def test_backbone_not_loaded_or_unknown_waits_with_reason():
         "ns/m": "backbone mistral is not loaded on any GPU",
         "ns/x": "backbone nope is not known to the controller",
     }
+    assert {w.cause for w in plan.of_type(Wait)} == {"no_backbone"}
 
 
 def test_min_replicas_kept_and_never_offloaded_or_expired():
@@ -145,6 +146,7 @@ def test_backoff_waits_then_retries():
     plan = decide(snap([gpu("g0")], [f]), PolicyConfig(backoff_base_s=2, backoff_cap_s=60))
     (wait,) = plan.of_type(Wait)
     assert wait.reason.startswith("backing off after 3 failed starts: CUDA out of memory")
+    assert wait.cause == "backoff"
     assert not _demand_starts(plan) and not plan.of_type(Bind)
     later = fn("ns/a", queued=1, start_failures=3, last_failure_s=9.0, last_failure="CUDA out of memory")
     assert [a.function for a in _demand_starts(decide(snap([gpu("g0")], [later])))] == ["ns/a"]

@@ -178,7 +178,7 @@ def test_decide_offloads_cold_standby_before_idle_bound_never_running():
     ]
     exiting, gone = next_rounds(before, plan)
     assert not exiting.of_type(Stop) and not [a for a in exiting.of_type(Start) if a.function]
-    assert [w.function for w in exiting.of_type(Wait)] == ["ns/new"]
+    assert [(w.function, w.cause) for w in exiting.of_type(Wait)] == [("ns/new", "making_room")]
     assert [a.function for a in gone.of_type(Start) if a.function] == ["ns/new"]
     assert not [a for a in gone.of_type(Stop) if a.reason == "offload"]
 

@@ -7,6 +7,7 @@ the victim (~2 s to exit) had freed its memory and died of OOM."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -62,8 +63,9 @@ def _worker(store: Store, keys: Keys, wid: str, function: str, mem_bytes: int, r
     store.run(workers.heartbeat(keys, wid, function, 5000, fields))
 
 
-def test_a_start_waits_until_its_offloaded_victim_has_exited(world) -> None:
+def test_a_start_waits_until_its_offloaded_victim_has_exited(world, caplog) -> None:
     store, keys, controller, executor = world
+    caplog.set_level(logging.INFO, logger="lorafn.controller")
     controller.round()
     size = controller.reader.sizes[NEW].mem_bytes
     # the GPU holds exactly two workers (90% utilization, no reserve): busy OTHER and idle IDLE
@@ -90,6 +92,15 @@ def test_a_start_waits_until_its_offloaded_victim_has_exited(world) -> None:
     controller.round()
     assert [s.function for s in executor.started if s.function] == [NEW]
     assert executor.stopped == ["w-idle"]
+    # the wait, logged once when it began and once when it ended, its seconds counted by cause
+    lines = [m for m in (r.getMessage() for r in caplog.records) if f" {NEW} " in m and "wait" in m]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"controller: wait {NEW} (making_room): making room on GPU g0")
+    assert lines[1].startswith(f"controller: waited {NEW} ") and "(last making_room " in lines[1]
+    waited = controller.metrics.registry.get_sample_value(
+        "lorafn_controller_wait_seconds_total", {"cause": "making_room"}
+    )
+    assert waited is not None and 0 < waited == pytest.approx(float(lines[1].split()[3]), abs=0.01)
 
 
 def test_where_clean_exits_are_not_reported_a_deregistered_worker_counts_as_gone(world) -> None:

@@ -21,7 +21,7 @@ def test_a_failed_park_drops_the_action_it_made_room_for_and_nothing_else() -> N
     stop = Stop("w3", "offload", "g0", room_for="c")
     actions: list[Action] = [
         p_a, _start("a"), p_b, Unpark("w9", "b", "g0", GiB), stop, _start("c"), Bind("w4", "d", "g0"),
-        Wait("e", "x"),
+        Wait("e", "x", "no_room"),
     ]  # fmt: skip
     assert unbacked(actions, [p_a]) == [actions[1]]
     assert unbacked(actions, [p_b]) == [actions[3]]
