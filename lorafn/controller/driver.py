@@ -124,6 +124,9 @@ class ControllerConfig:
     # that cannot park), or did not answer, is planned no park for this long (it may still be stopped): else
     # every round under pressure would park it again and drop what the park made room for again
     park_retry_s: float = 30.0
+    # a round longer than this is logged with its parts (read, decide, apply): a cold start's decision
+    # waits for the round, and the H100 replays showed decision waits that nothing else in the log explained
+    slow_round_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.park_timeout_s > 0:
@@ -235,7 +238,9 @@ class Controller:
         for w in snapshot.workers:  # demand of a function that has a worker is answered (or never needed one)
             if w.function:
                 self._demand_at.pop(w.function, None)
+        t_read = time.perf_counter()
         plan = decide(snapshot, self.config.policy)
+        t_decide = time.perf_counter()
         self._apply(plan, snapshot)
         self.last_plan, self.last_snapshot, self._last_read = plan, snapshot, read
         self._answer_recorded_demand()
@@ -243,7 +248,14 @@ class Controller:
         m.pool_target.set(sum(t.count for t in plan.pool))
         m.pool_standby.set(sum(1 for w in snapshot.workers if w.state == "standby"))
         m.waiting.set(len(self._waiting))
-        m.rounds.observe(time.perf_counter() - t0)
+        end = time.perf_counter()
+        m.rounds.observe(end - t0)
+        if end - t0 > self.config.slow_round_s:
+            log.warning(
+                "controller: slow round %.2f s (read %.2f, decide %.2f, apply %.2f; %d actions, %d workers)",
+                end - t0, t_read - t0, t_decide - t_read, end - t_decide, len(plan.actions),
+                len(snapshot.workers),
+            )  # fmt: skip
         return plan
 
     def serve_forever(self, stop_after_s: float | None = None) -> None:

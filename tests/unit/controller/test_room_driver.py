@@ -119,3 +119,14 @@ def test_where_clean_exits_are_not_reported_a_deregistered_worker_counts_as_gone
     store.run(workers.deregister(keys, "w-idle", IDLE))
     controller.round()
     assert [s.function for s in executor.started if s.function] == [NEW]
+
+
+def test_a_round_slower_than_slow_round_s_is_logged_with_its_parts(world, caplog) -> None:
+    controller = world[2]
+    caplog.set_level(logging.INFO, logger="lorafn.controller")
+    controller.round()
+    assert not [r for r in caplog.records if "slow round" in r.getMessage()]  # ms, under the 1 s default
+    controller.config.slow_round_s = 0.0
+    controller.round()
+    (line,) = [r.getMessage() for r in caplog.records if "slow round" in r.getMessage()]
+    assert "(read " in line and ", decide " in line and ", apply " in line and " workers)" in line
