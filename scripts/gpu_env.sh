@@ -20,6 +20,6 @@ python3 -c "import torch, triton, transformers, peft; print('torch', torch.__ver
 export LORAFN_LLAMA2_7B_DIR="${LORAFN_LLAMA2_7B_DIR:-/tmp/llama-2-7b}"
 if [ ! -f "$LORAFN_LLAMA2_7B_DIR/config.json" ]; then
   /usr/bin/time -f "wrote 7B preset in %e s" python3 -m lorafn.cli model random --preset llama-2-7b --dtype bfloat16 \
-    --seed 0 --out "$LORAFN_LLAMA2_7B_DIR" 2>&1 | tail -12 | tee -a "$OUT/gpu.txt"
+    --seed 0 --out "$LORAFN_LLAMA2_7B_DIR" 2>&1 | tr '\r' '\n' | grep -v '%|' | tail -12 | tee -a "$OUT/gpu.txt"
   [ -f "$LORAFN_LLAMA2_7B_DIR/config.json" ] || { echo "gpu_env: writing the 7B preset failed"; return 1; }
 fi
