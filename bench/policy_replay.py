@@ -181,6 +181,16 @@ for _frac in (0.2, 0.4):
         dataclasses.replace(SHIPPED, scale_up_wait_fraction=_frac),
         SHIPPED_PLATFORM,
     )
+# what ships since the seventeenth session (park_after_s 50), and the two burst switches on top of it
+NOW = dataclasses.replace(SHIPPED, park_after_s=50.0)
+VARIANTS["now (park idle 50 s)"] = (NOW, SHIPPED_PLATFORM)
+VARIANTS["now + burst KV 1 GiB"] = (dataclasses.replace(NOW, burst_kv_bytes=1 << 30), SHIPPED_PLATFORM)
+for _frac in (0.2, 0.4):
+    VARIANTS[f"now + scale-up wait {_frac:g}"] = (
+        dataclasses.replace(NOW, scale_up_wait_fraction=_frac),
+        SHIPPED_PLATFORM,
+    )
+NOW_VARIANTS = ",".join(n for n in VARIANTS if n.startswith("now"))
 BURST_VARIANTS = ",".join(
     [
         "shipped (park 300 s)",
@@ -390,6 +400,7 @@ def main() -> None:
         "parking2": PARKING2_VARIANTS,
         "shipped": SHIPPED_VARIANTS,
         "burst": BURST_VARIANTS,
+        "now": NOW_VARIANTS,
     }.get(args.variants, args.variants)
     names = [v.strip() for v in chosen.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
