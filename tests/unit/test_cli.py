@@ -35,6 +35,19 @@ def test_help_lists_the_commands() -> None:
     assert "model" in res.output
 
 
+def test_a_typer_without_the_help_hook_still_runs_the_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag-placeholder patch is cosmetic: on a typer without TyperOption.display_type_rich (the GPU
+    image's typer, within pyproject's >= 0.12) it steps aside instead of failing every command at import."""
+    import typer.core
+
+    from lorafn.cli import _no_flag_placeholders
+
+    older = type("TyperOption", (), {"is_flag": False})  # an option class of a typer without the hook
+    monkeypatch.setattr(typer.core, "TyperOption", older)
+    _no_flag_placeholders()
+    assert not hasattr(older, "display_type_rich")
+
+
 def test_version() -> None:
     res = runner.invoke(app, ["--version"])
     assert res.exit_code == 0
