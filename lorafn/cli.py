@@ -43,7 +43,7 @@ def _no_flag_placeholders() -> None:
     from typer.core import TyperOption
 
     shown = getattr(TyperOption, "display_type_rich", None)
-    if shown is None:  # typer before 0.2x has no such hook: its help keeps the placeholder, nothing breaks
+    if shown is None:  # an older typer (the GPU image's) has no such hook: its help keeps the placeholder
         return
 
     def display_type_rich(self: TyperOption, ctx: Any) -> str | None:

@@ -5,7 +5,9 @@ slot, memory being freed, a standby warming up, ...). The driver hands each roun
 which turns them into episodes: a function starts waiting, its cause changes, it stops waiting (a worker
 came, or its demand went). Each step says how long the cause it ends lasted, for the log line and the
 `lorafn_controller_wait_seconds_total{cause}` counter: where a cold start's time before its decision went
-(a late fresh start's "controller" phase in bench/replay_breakdown.py). Pure: the caller passes the clock.
+(a late fresh start's "controller" phase in bench/replay_breakdown.py). Steps are seen at rounds: a wait that
+a bind between rounds ended (the driver's fast path) ends at the next round, up to an interval late. Pure:
+the caller passes the clock.
 """
 
 from __future__ import annotations
