@@ -2,10 +2,10 @@
 # A trace replay on a lent GPU machine that outlasts one device call (600 s): `start` sets the machine
 # up (scripts/gpu_env.sh), copies the tree to /tmp/replay-run (the next call gets a fresh copy of the
 # working tree) and starts `lorafn bench replay` there detached (setsid: it outlives the call), then
-# returns after SLEEP seconds; `wait`, the next call on the still-warm machine (it goes back ~30 s
+# returns after SLEEP seconds (sooner if it ended); `wait`, the next call on the still-warm machine (it goes back ~30 s
 # after a call), waits for it and copies the report, the plots, the breakdown and the logs to $OUT.
 #
-#   C=full [PC_YAML='park_after_s: 50'] TAG=full RATE=2 DURATION=600 SLEEP=430 bash scripts/gpu_replay.sh start
+#   C=full [PC_YAML='scale_up_wait_fraction: 0.2'] TAG=full RATE=2 DURATION=600 SLEEP=430 bash scripts/gpu_replay.sh start
 #   TAG=full bash scripts/gpu_replay.sh wait        (WAIT_S: at most this long, default 540)
 #
 # The replay is the 64-function H100 command of docs/benchmarks.md ("Ten minutes at 2 rps"): code trace
