@@ -8,7 +8,8 @@
 #   C=full [PC_YAML='scale_up_wait_fraction: 0.2'] TAG=full RATE=2 DURATION=600 SLEEP=430 bash scripts/gpu_replay.sh start
 #   TAG=full bash scripts/gpu_replay.sh wait        (WAIT_S: at most this long, default 540)
 #
-# The replay is the 64-function H100 command of docs/benchmarks.md ("Ten minutes at 2 rps"): code trace
+# C may name several configurations (C=full,burst-kv: ~13 min each, one after another on fresh platforms;
+# two fit one machine's 30 minutes with a second `wait` call). The replay is the 64-function H100 command of docs/benchmarks.md ("Ten minutes at 2 rps"): code trace
 # from 1760 s, 90 s warm-up, GSM8K questions, outputs <= 128 tokens, r16 all-linear, KV 512 MiB.
 # Carry .whl, .deb and .data (scripts/device_deps.sh writes them here).
 set -uo pipefail
@@ -29,7 +30,10 @@ python3 -m lorafn.cli bench replay --device cuda --model "$LORAFN_LLAMA2_7B_DIR"
   --rank 16 --target-modules all-linear --kv-mib ${KV_MIB:-512} --configs ${C:-full} ${pc[*]} \
   --settle-timeout 45 --drain-timeout 20 --out out/$TAG > replay.log 2>&1
 echo \$? > replay.rc
-python3 bench/replay_breakdown.py out/$TAG > breakdown.txt 2>&1
+# one breakdown per configuration that ran (C may name several: each is a fresh platform, one after another)
+for c in \$(python3 -c "import json; print(*(c['config'] for c in json.load(open('out/$TAG/replay.json'))['configs'] if not c.get('unavailable')))"); do
+  echo "=== \$c" >> breakdown.txt; python3 bench/replay_breakdown.py out/$TAG --config \$c >> breakdown.txt 2>&1
+done
 touch done
 RUNEOF
     cat run.sh
@@ -43,7 +47,7 @@ RUNEOF
     [ -f done ] || echo "replay still running after ${WAIT_S:-540} s"
     echo "replay rc=$(cat replay.rc 2>/dev/null)"
     tail -c 6000 replay.log
-    cat breakdown.txt 2>/dev/null | head -80
+    cat breakdown.txt 2>/dev/null | head -150
     d="out/$TAG"
     cp replay.log breakdown.txt "$OUT/" 2>/dev/null
     cp "$d/replay.json" "$OUT/" 2>/dev/null
