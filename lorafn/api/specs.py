@@ -126,7 +126,12 @@ class Scaling(_Spec):
         default=1, ge=1, le=1000, description="most bound workers the controller may ask"
     )
     keep_alive_seconds: int = Field(
-        default=60, ge=0, le=86_400, description="idle seconds before a bound worker exits"
+        default=60,
+        ge=0,
+        le=86_400,
+        description="idle seconds before a bound worker exits; where the platform parks idle workers "
+        "(its KV cache released, the process kept: by default after 50 s idle, or when memory is short), a "
+        "parked one exits by the platform's parked keep-alive instead (300 s by default)",
     )
 
     @model_validator(mode="after")
