@@ -12,6 +12,8 @@ from typing import Any
 
 import typer
 
+from lorafn.replay.configs import configs_help
+
 app = typer.Typer(help="Benchmarks through the real platform (docs/replay.md).", no_args_is_help=True)
 
 TRACES = ("code", "conv")
@@ -123,14 +125,7 @@ def replay(
     configs: str = typer.Option(
         "default",
         "--configs",
-        help="Comma-separated configurations, each a platform of its own and a row: full (idle workers park "
-        "under memory pressure), no-parking (they exit instead), parking (full + parked workers stay until "
-        "memory is needed), parking-50 (parking + workers idle 50 s park without pressure), parked-function "
-        "(full, parked workers exit at the function's keep-alive), burst-kv (full + busy workers grow their "
-        "KV for their queue), no-sharing, no-warm-pool, no-offloading, no-slo-admission, always-on "
-        "(minReplicas 1, shared backbone), always-on-private (minReplicas 1, a weight copy per worker); "
-        "'default' = all but parking, parking-50, parked-function, burst-kv and always-on-private; 'all'. A "
-        "switch this build's LocalConfig lacks makes its row n/a.",
+        help=configs_help(),
     ),
     device: str = typer.Option("auto", "--device", help="Started platform: auto | cpu | cuda."),
     model: Path = typer.Option(

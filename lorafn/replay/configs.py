@@ -23,6 +23,7 @@ class ReplayConfig:
     keep_alive_s: int | None = None  # every function's spec.scaling.keepAliveSeconds (None: the option's)
     # Backbone spec.warmPool (min, max) when the LocalConfig switch it stands for is missing (None: default)
     warm_pool_fallback: tuple[int, int] | None = None
+    brief: str = ""  # a few words for `--configs --help` (configs_help)
 
     @property
     def shares_backbone(self) -> bool:
@@ -38,6 +39,7 @@ CONFIGS: dict[str, ReplayConfig] = {
             "full",
             "everything on: shared backbone, warm pool, offloading with parking, SLO admission",
             {"gpu_admission": True, "park_idle": True},
+            brief="idle workers park after 50 s or under memory pressure",
         ),
         # parking (issue 16) is on by default since the H100 replays (docs/benchmarks.md, "Parking on the
         # H100"): this row takes it away (idle bound workers exit when memory is short, as before)
@@ -46,6 +48,7 @@ CONFIGS: dict[str, ReplayConfig] = {
             "full, but idle bound workers are stopped instead of parked when memory is short "
             "(park_idle: false)",
             {"gpu_admission": True, "park_idle": False},
+            brief="they exit instead",
         ),
         # the configuration measured on the H100: parked workers stay until memory is needed
         ReplayConfig(
@@ -54,6 +57,7 @@ CONFIGS: dict[str, ReplayConfig] = {
             "(only then), parked ones staying until memory is needed (park_idle: true, parked_keep_alive_s: "
             "inf, park_after_s: never)",
             {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "inf", "park_after_s": "never"},
+            brief="full, parking only under pressure, parked workers stay until memory is needed",
         ),
         # the shipped default before the seventeenth session's H100 replays (now 50 s, LocalConfig)
         ReplayConfig(
@@ -61,6 +65,7 @@ CONFIGS: dict[str, ReplayConfig] = {
             "full, but idle bound workers park only when memory is short, not after 50 s idle "
             "(park_after_s: never)",
             {"gpu_admission": True, "park_idle": True, "park_after_s": "never"},
+            brief="full, parking only under pressure: the default before",
         ),
         # the shipped parked keep-alive before the 10-minute H100 replay (now 300 s, LocalConfig)
         ReplayConfig(
@@ -68,6 +73,7 @@ CONFIGS: dict[str, ReplayConfig] = {
             "full, but parked workers exit at their function's keep-alive instead of after 300 s idle "
             "(parked_keep_alive_s: function)",
             {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "function"},
+            brief="full, parked workers exit at the function's keep-alive",
         ),
         # the simulator's best row, "park idle 50 s + never" (docs/benchmarks.md): an idle worker parks
         # before its keep-alive instead of exiting, and parked ones are never retired
@@ -75,6 +81,7 @@ CONFIGS: dict[str, ReplayConfig] = {
             "parking-50",
             "parking, and bound workers idle 50 s are parked without memory pressure too (park_after_s: 50)",
             {"gpu_admission": True, "park_idle": True, "parked_keep_alive_s": "inf", "park_after_s": 50},
+            brief="parking + workers idle 50 s park without pressure",
         ),
         # KV for bursts (PolicyConfig.burst_kv_bytes, off by default): busy workers grow their KV for the
         # requests queued behind them instead of those waiting for running ones to end
@@ -83,28 +90,33 @@ CONFIGS: dict[str, ReplayConfig] = {
             "full, and the busy workers of a function whose requests queue behind them grow their KV cache, "
             "up to 1 GiB, out of free GPU memory (burst_kv_mib: 1024)",
             {"gpu_admission": True, "park_idle": True, "burst_kv_mib": 1024},
+            brief="full + busy workers grow their KV for their queue",
         ),
         ReplayConfig(
             "no-sharing",
             "every worker loads its own copy of the backbone (LocalConfig share_backbone: false)",
             {"share_backbone": False},
+            brief="a weight copy per worker",
         ),
         ReplayConfig(
             "no-warm-pool",
             "no standby workers, no pre-loading: every cold start spawns a process (warm_pool: false)",
             {"warm_pool": False},
             warm_pool_fallback=(0, 0),
+            brief="no standby workers",
         ),
         ReplayConfig(
             "no-offloading",
             "a cold start that does not fit waits instead of evicting standby/idle workers "
             "(offloading: false)",
             {"offloading": False},
+            brief="a cold start that does not fit waits",
         ),
         ReplayConfig(
             "no-slo-admission",
             "no deadline-margin admission of prefills across a GPU's workers (gpu_admission: false)",
             {"gpu_admission": False},
+            brief="no deadline admission across a GPU's workers",
         ),
         ReplayConfig(
             "always-on",
@@ -114,6 +126,7 @@ CONFIGS: dict[str, ReplayConfig] = {
             min_replicas=1,
             keep_alive_s=ALWAYS_ON_KEEP_ALIVE_S,
             warm_pool_fallback=(0, 0),
+            brief="minReplicas 1, shared backbone",
         ),
         ReplayConfig(
             "always-on-private",
@@ -123,6 +136,7 @@ CONFIGS: dict[str, ReplayConfig] = {
             min_replicas=1,
             keep_alive_s=ALWAYS_ON_KEEP_ALIVE_S,
             warm_pool_fallback=(0, 0),
+            brief="minReplicas 1, a weight copy per worker",
         ),
     )
 }
@@ -131,6 +145,16 @@ DEFAULT_CONFIGS = (
 )  # fmt: skip
 # The baseline of cost-effectiveness (the paper's vLLM = 1), in order of preference.
 BASELINES = ("always-on-private", "always-on")
+
+
+def configs_help() -> str:
+    """`--configs`'s help: every configuration with its brief, and what 'default' and 'all' hold."""
+    rows = ", ".join(f"{c.name} ({c.brief})" if c.brief else c.name for c in CONFIGS.values())
+    left_out = [n for n in CONFIGS if n not in DEFAULT_CONFIGS]
+    return (
+        f"Comma-separated configurations, each a platform of its own and a row: {rows}; 'default' = all but "
+        f"{', '.join(left_out)}; 'all'. A switch this build's LocalConfig lacks makes its row n/a."
+    )
 
 
 def select_configs(names: str | Sequence[str]) -> list[ReplayConfig]:
