@@ -41,72 +41,94 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_third_function_parks_an_idle_worker_and_its_function_unparks_it(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    functions = [F1, F2, F3]
+class _Probe:
+    """Calls and reads against a started `ManagedPlatform`: one request at a time, the functions' workers,
+    lifecycle events and control commands."""
+
+    def __init__(self, platform: ManagedPlatform, target: Target) -> None:
+        self.platform, self.target, self.calls = platform, target, 0
+        self.store = platform.store
+        assert self.store is not None
+
+    def call(self, fn: str) -> RequestResult:
+        self.calls += 1
+        plan = [PlannedRequest(self.calls, 0.0, fn, "Hello there.", 4, 6)]
+        options = DriveOptions(request_timeout_s=180, drain_timeout_s=180)
+        (result,) = asyncio.run(drive(plan, self.target, options)).results
+        assert result.ok and result.completion_tokens, (fn, result.error, self.platform.log_tail())
+        return result
+
+    def serving(self) -> dict[str, tuple[str, int, dict[str, str]]]:
+        """function -> (worker id, pid, heartbeat) of its one worker (max_replicas 1)"""
+        return {
+            h["function"]: (wid, int(h["pid"]), h)
+            for wid, h in self.platform.workers().items()
+            if h.get("function") and h.get("state") != "standby"
+        }
+
+    def wait_until(self, what: str, check, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.platform.check_alive()
+            got = check()
+            if got:
+                return got
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.platform.log_tail(60)}")
+
+    def events(self, kind: str) -> list[dict[str, str]]:
+        return [
+            e
+            for _id, e in self.store.run(control.read_events(self.platform.keys, "0-0"))
+            if e.get("kind") == kind
+        ]
+
+    def commands(self, wid: str) -> list[dict[str, str]]:
+        return [c for _id, c in self.store.run(workers.read_control(self.platform.keys, wid, "0-0"))]
+
+
+def _start(tmp_path: Path, tiny_model_dir: Path, functions: list[str], settings: dict) -> tuple:
+    """`lorafn up` on CPU with parking on, the functions applied (r4 q/v adapters, KV 128 MiB, keep-alive
+    an hour, one worker each); (platform, probe). The caller stops the platform."""
     adapters = [
         write_peft_adapter(
             tiny_model_dir, tmp_path / f"a{i}", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=i
         )
         for i in range(len(functions))
     ]
-    settings = {
-        "device": "cpu", "devices": 1, "device_memory_mib": 406, "worker_overhead_mib": 16,
-        "warm_pool": False,  # every cold start is a fresh start: no standby holds memory
-        "parked_keep_alive_s": "inf",  # up.yaml -> LocalConfig -> the controller's policy -> the park command
-    }  # fmt: skip
     platform = ManagedPlatform(tmp_path / "up", settings, env={"LORAFN_PARK_IDLE": "true"})
     keys = new_keys(functions)
     setup = FunctionSetup(slo_ttft_ms=60_000, keep_alive_s=3600, max_replicas=1, kv_cache_mib=128)
     config = ReplayConfig("park", "tests/integration/local/test_park_local.py", warm_pool_fallback=(0, 0))
     try:
         state = platform.start(timeout_s=180)
-        platform.apply(
-            manifest(
-                tiny_model_dir, "float32", functions, adapters, keys, setup, config, True, namespace="park"
-            )
+        docs = manifest(
+            tiny_model_dir, "float32", functions, adapters, keys, setup, config, True, namespace="park"
         )
-        store = platform.store
-        assert store is not None
-        target = Target(state.gateway_url, keys, state.redis_url, state.key_prefix)
-        options = DriveOptions(request_timeout_s=180, drain_timeout_s=180)
-        calls = 0
+        platform.apply(docs)
+    except BaseException:
+        platform.stop()
+        raise
+    return platform, _Probe(platform, Target(state.gateway_url, keys, state.redis_url, state.key_prefix))
 
-        def call(fn: str) -> RequestResult:
-            nonlocal calls
-            calls += 1
-            plan = [PlannedRequest(calls, 0.0, fn, "Hello there.", 4, 6)]
-            (result,) = asyncio.run(drive(plan, target, options)).results
-            assert result.ok and result.completion_tokens, (fn, result.error, platform.log_tail())
-            return result
 
-        def serving() -> dict[str, tuple[str, int, dict[str, str]]]:
-            """function -> (worker id, pid, heartbeat) of its one worker (max_replicas 1)"""
-            return {
-                h["function"]: (wid, int(h["pid"]), h)
-                for wid, h in platform.workers().items()
-                if h.get("function") and h.get("state") != "standby"
-            }
+def test_a_third_function_parks_an_idle_worker_and_its_function_unparks_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    settings = {
+        "device": "cpu", "devices": 1, "device_memory_mib": 406, "worker_overhead_mib": 16,
+        "warm_pool": False,  # every cold start is a fresh start: no standby holds memory
+        "parked_keep_alive_s": "inf",  # up.yaml -> LocalConfig -> the controller's policy -> the park command
+        "park_after_s": "never",  # parked for memory only: an idle worker would park at 50 s by default
+    }  # fmt: skip
+    platform, probe = _start(tmp_path, tiny_model_dir, [F1, F2, F3], settings)
+    store, call, serving, wait_until = probe.store, probe.call, probe.serving, probe.wait_until
+    events = probe.events
 
-        def wait_until(what: str, check, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                platform.check_alive()
-                got = check()
-                if got:
-                    return got
-                time.sleep(0.2)
-            raise AssertionError(f"timed out waiting for {what}:\n{platform.log_tail(60)}")
+    def commands(wid: str) -> list[str]:
+        return [c["cmd"] for c in probe.commands(wid)]
 
-        def events(kind: str) -> list[dict[str, str]]:
-            return [
-                e for _id, e in store.run(control.read_events(platform.keys, "0-0")) if e.get("kind") == kind
-            ]
-
-        def commands(wid: str) -> list[str]:
-            return [c["cmd"] for _id, c in store.run(workers.read_control(platform.keys, wid, "0-0"))]
-
+    try:
         call(F1)
         call(F2)
         first = serving()
@@ -127,7 +149,7 @@ def test_a_third_function_parks_an_idle_worker_and_its_function_unparks_it(
         assert beat
         assert serving()[victim][:2] == (wid, pid) and _alive(pid)
         assert commands(wid) == ["park"]
-        (park,) = [c for _id, c in store.run(workers.read_control(platform.keys, wid, "0-0"))]
+        (park,) = probe.commands(wid)
         assert park.get("keep_alive_s") == "inf"  # the parked keep-alive travels in the command
         assert set(serving()) == {F1, F2, F3}
         shown = {w.id: w for w in collect(store, platform.keys).workers}  # what `lorafn status` shows
@@ -151,5 +173,31 @@ def test_a_third_function_parks_an_idle_worker_and_its_function_unparks_it(
             f"unparked for its next request (KV {unparked[0]['kv_bytes']} bytes), parking "
             f"{others[0]['function']}"
         )
+    finally:
+        platform.stop()
+
+
+def test_an_idle_worker_parks_after_park_after_s_without_memory_pressure(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The default since the H100 replays (park_after_s 50 s; 2 s here): on a device with room to spare, a
+    worker idle that long is parked anyway (its process kept, its KV released) and its function's next
+    request unparks it, with no cold start. up.yaml -> LocalConfig -> the controller's policy -> a park."""
+    settings = {
+        "device": "cpu", "devices": 1, "device_memory_mib": 4096, "worker_overhead_mib": 16,
+        "warm_pool": False, "park_after_s": 2,
+    }  # fmt: skip
+    platform, probe = _start(tmp_path, tiny_model_dir, [F1], settings)
+    try:
+        probe.call(F1)
+        ((wid, pid, _),) = probe.serving().values()
+        (parked,) = probe.wait_until("a PARKED event", lambda: probe.events(control.PARKED))
+        assert parked["worker"] == wid and int(parked["released_bytes"]) > 0
+        assert [c["cmd"] for c in probe.commands(wid)] == ["park"] and _alive(pid)
+        assert "park_after_s" in platform.log_tail(400)  # the controller's reason: idle past park_after_s
+        again = probe.call(F1)
+        assert again.cold is False
+        assert [e["worker"] for e in probe.events(control.UNPARKED)] == [wid]
+        assert probe.serving()[F1][:2] == (wid, pid)
     finally:
         platform.stop()
