@@ -62,7 +62,7 @@ class Worker:
 
 
 def parse_up(
-    path: Path, workers: dict[str, Worker], waits: dict[str, list[tuple[float, float, str]]] | None = None
+    path: Path, workers: dict[str, Worker], waits: dict[str, list[tuple[float, float, str]]]
 ) -> list[tuple[float, float]]:
     """Controller/executor lines into `workers`, and into `waits` each function's wait segments (start,
     end, cause) from the controller's wait lines (since lorafn.controller.waits; older logs have none);
@@ -74,12 +74,12 @@ def parse_up(
         if t is None:
             continue
         if m := re.search(r"controller: wait (\S+) \((\w+)[,)]", line):
-            if m.group(1) in open_wait and waits is not None:
+            if m.group(1) in open_wait:
                 since, cause = open_wait[m.group(1)]
                 waits.setdefault(m.group(1), []).append((since, t, cause))
             open_wait[m.group(1)] = (t, m.group(2))
         elif m := re.search(r"controller: waited (\S+) ", line):
-            if m.group(1) in open_wait and waits is not None:
+            if m.group(1) in open_wait:
                 since, cause = open_wait.pop(m.group(1))
                 waits.setdefault(m.group(1), []).append((since, t, cause))
         elif m := re.search(rf"controller: start {W} on \S+ for (\S+): demand", line):

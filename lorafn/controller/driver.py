@@ -561,7 +561,6 @@ class Controller:
 
     # -- carrying the plan out -------------------------------------------------------------------
     def _apply(self, plan: Plan, snapshot: Snapshot | None = None) -> None:
-        waiting: set[str] = set()
         waits: dict[str, tuple[str, str]] = {}  # function -> (cause, reason) of this round's Waits
         by_id = {w.id: w for w in snapshot.workers} if snapshot is not None else {}
         # Parks first, synchronously: the plan counts their memory free for the actions after them
@@ -627,9 +626,9 @@ class Controller:
                     continue
                 self._send_resize(action)
             elif isinstance(action, Wait):
-                waiting.add(action.function)
                 waits[action.function] = (action.cause, action.reason)
                 self.store.run(control.set_status(self.keys, action.function, wait_reason=action.reason))
+        waiting = set(waits)  # and the functions with a problem, below
         for function, problem in self.reader.problems.items():
             waiting.add(function)
             # `problem`: no worker can start until the function changes; the gateway refuses at once
