@@ -15,7 +15,10 @@ worker's log (start-up stages, per-request queued/held/prefill). It prints:
 2. fresh start-up stages against the number of starts in flight at once;
 3. offload churn: victims' idle time, how soon their function came back, repeated cold starts;
 4. workers alive (fork -> exit, what the controller's account holds) at each offload, and the sampled
-   bound/standby/held memory.
+   bound/standby/held memory;
+5. decode time per output token against how many functions were generating at once (each function is
+   its own worker process, and each worker's decode step reads the whole backbone: TPOT grows with
+   the number of functions decoding together, not with one function's batch).
 
     python3 bench/replay_breakdown.py /tmp/rp-full [--config full] [--slo-ms 2500]
 
@@ -170,6 +173,37 @@ def ms(xs: list[float]) -> list[float]:
 
 def in_flight(starts: list[Worker], t: float) -> int:
     return sum(1 for s in starts if s.decided is not None and s.decided <= t < (s.ready or s.exited or 1e18))
+
+
+def decoding_functions(requests: list[dict]) -> list[tuple[dict, int]]:
+    """Each request that streamed tokens, with the number of distinct functions (its own included) that
+    were generating tokens at the middle of its decode phase [sent + TTFT, sent + E2E] (seconds)."""
+    spans = [
+        (r["function"], r["sent_s"] + r["ttft_ms"] / 1000, r["sent_s"] + r["e2e_ms"] / 1000)
+        for r in requests
+        if r.get("ttft_ms") is not None and r.get("e2e_ms") is not None and r["e2e_ms"] > r["ttft_ms"]
+    ]
+    out = []
+    for r in requests:
+        if r.get("tpot_ms") is None or r.get("ttft_ms") is None or r.get("e2e_ms") is None:
+            continue
+        mid = r["sent_s"] + (r["ttft_ms"] + r["e2e_ms"]) / 2000
+        out.append((r, len({fn for fn, a, b in spans if a <= mid < b} | {r["function"]})))
+    return out
+
+
+def tpot_by_decoding_functions(requests: list[dict], width: int = 5) -> list[tuple[int, int, float, float]]:
+    """(first count of the bin, requests, TPOT p50 ms, TPOT p50 / mean count) per bin of `width`
+    decoding functions: the last column is the decode time each function added."""
+    bins: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for r, n in decoding_functions(requests):
+        bins[(n - 1) // width * width + 1].append((float(r["tpot_ms"]), n))
+    rows = []
+    for lo in sorted(bins):
+        tpots = [t for t, _ in bins[lo]]
+        mean_n = statistics.fmean(n for _, n in bins[lo])
+        rows.append((lo, len(tpots), statistics.median(tpots), statistics.median(tpots) / mean_n))
+    return rows
 
 
 def main() -> None:
@@ -467,6 +501,12 @@ def main() -> None:
     ]
     if per:
         print(f"   per-worker MiB (NVML whole process / bound) p50 {q(per, 0.5):.0f} max {max(per):.0f}")
+
+    # 5. decode time against the functions decoding at once
+    print("\n5. TPOT by the number of functions generating tokens at once (at the middle of each decode)")
+    width = 5
+    for lo, n, tpot, per_fn in tpot_by_decoding_functions(window, width):
+        print(f"   {lo:3d}-{lo + width - 1:3d} functions: n={n:5d}  TPOT p50 {tpot:6.1f} ms  ({per_fn:.1f} ms per function)")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ RUNEOF
     ;;
   wait)
     cd "$RUN" || { echo "no replay under $RUN (a fresh machine?)"; exit 1; }
+    export PYTHONPATH="/tmp/site:$RUN"   # the carried wheels gpu_env.sh installed at start
     for _ in $(seq 1 $(( ${WAIT_S:-540} / 5 ))); do [ -f done ] && break; sleep 5; done
     [ -f done ] || echo "replay still running after ${WAIT_S:-540} s"
     echo "replay rc per configuration:"; cat replay.rc 2>/dev/null
