@@ -506,7 +506,10 @@ def main() -> None:
     print("\n5. TPOT by the number of functions generating tokens at once (at the middle of each decode)")
     width = 5
     for lo, n, tpot, per_fn in tpot_by_decoding_functions(window, width):
-        print(f"   {lo:3d}-{lo + width - 1:3d} functions: n={n:5d}  TPOT p50 {tpot:6.1f} ms  ({per_fn:.1f} ms per function)")
+        print(
+            f"   {lo:3d}-{lo + width - 1:3d} functions: n={n:5d}  TPOT p50 {tpot:6.1f} ms"
+            f"  ({per_fn:.1f} ms per function)"
+        )
 
 
 if __name__ == "__main__":
