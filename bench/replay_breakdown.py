@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from lorafn.replay.stats import RequestResult, decode_concurrency
+
 TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 KV = re.compile(r"(\w+)=([^\s]+)")
 W = r"(w-local-[\w-]+)"
@@ -173,37 +175,6 @@ def ms(xs: list[float]) -> list[float]:
 
 def in_flight(starts: list[Worker], t: float) -> int:
     return sum(1 for s in starts if s.decided is not None and s.decided <= t < (s.ready or s.exited or 1e18))
-
-
-def decoding_functions(requests: list[dict]) -> list[tuple[dict, int]]:
-    """Each request that streamed tokens, with the number of distinct functions (its own included) that
-    were generating tokens at the middle of its decode phase [sent + TTFT, sent + E2E] (seconds)."""
-    spans = [
-        (r["function"], r["sent_s"] + r["ttft_ms"] / 1000, r["sent_s"] + r["e2e_ms"] / 1000)
-        for r in requests
-        if r.get("ttft_ms") is not None and r.get("e2e_ms") is not None and r["e2e_ms"] > r["ttft_ms"]
-    ]
-    out = []
-    for r in requests:
-        if r.get("tpot_ms") is None or r.get("ttft_ms") is None or r.get("e2e_ms") is None:
-            continue
-        mid = r["sent_s"] + (r["ttft_ms"] + r["e2e_ms"]) / 2000
-        out.append((r, len({fn for fn, a, b in spans if a <= mid < b} | {r["function"]})))
-    return out
-
-
-def tpot_by_decoding_functions(requests: list[dict], width: int = 5) -> list[tuple[int, int, float, float]]:
-    """(first count of the bin, requests, TPOT p50 ms, TPOT p50 / mean count) per bin of `width`
-    decoding functions: the last column is the decode time each function added."""
-    bins: dict[int, list[tuple[float, int]]] = defaultdict(list)
-    for r, n in decoding_functions(requests):
-        bins[(n - 1) // width * width + 1].append((float(r["tpot_ms"]), n))
-    rows = []
-    for lo in sorted(bins):
-        tpots = [t for t, _ in bins[lo]]
-        mean_n = statistics.fmean(n for _, n in bins[lo])
-        rows.append((lo, len(tpots), statistics.median(tpots), statistics.median(tpots) / mean_n))
-    return rows
 
 
 def main() -> None:
@@ -504,11 +475,12 @@ def main() -> None:
 
     # 5. decode time against the functions decoding at once
     print("\n5. TPOT by the number of functions generating tokens at once (at the middle of each decode)")
-    width = 5
-    for lo, n, tpot, per_fn in tpot_by_decoding_functions(window, width):
+    dc = decode_concurrency([RequestResult.from_json(r) for r in window])
+    for row in dc["bins"]:
+        lo, hi = row["functions"]
         print(
-            f"   {lo:3d}-{lo + width - 1:3d} functions: n={n:5d}  TPOT p50 {tpot:6.1f} ms"
-            f"  ({per_fn:.1f} ms per function)"
+            f"   {lo:3d}-{hi:3d} functions: n={row['requests']:5d}  TPOT p50 {row['tpot_ms_p50']:6.1f} ms"
+            f"  ({row['ms_per_function']:.1f} ms per function)"
         )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,12 @@ class RequestResult:
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "tpot_ms": self.tpot_ms}
 
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> RequestResult:
+        """The inverse of `to_json` (its derived `tpot_ms` is dropped): replay.json's request records."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in names})
+
 
 @dataclass(frozen=True)
 class WorkerSample:
@@ -97,6 +103,50 @@ def percentiles(values: Iterable[float | None], qs: Sequence[int] = QUANTILES) -
     if data.size == 0:
         return {**{f"p{q}": None for q in qs}, "mean": None}
     return {**{f"p{q}": float(np.percentile(data, q)) for q in qs}, "mean": float(data.mean())}
+
+
+def decoding_functions(results: Sequence[RequestResult]) -> list[tuple[RequestResult, int]]:
+    """Each request with a TPOT, paired with the number of distinct functions (its own included) that were
+    generating tokens at the middle of its decode phase, [sent + TTFT, sent + E2E]. Every function is its
+    own worker process and every worker's decode step reads the whole backbone, so TPOT grows with this
+    count rather than with one function's batch (docs/architecture.md, "Decode cost across functions")."""
+    spans = [
+        (r.function, r.sent_s + r.ttft_ms / 1000, r.sent_s + r.e2e_ms / 1000)
+        for r in results
+        if r.sent_s is not None and r.ttft_ms is not None and r.e2e_ms is not None and r.e2e_ms > r.ttft_ms
+    ]
+    out = []
+    for r in results:
+        if r.tpot_ms is None or r.sent_s is None or r.ttft_ms is None or r.e2e_ms is None:
+            continue
+        mid = r.sent_s + (r.ttft_ms + r.e2e_ms) / 2000
+        out.append((r, len({fn for fn, a, b in spans if a <= mid < b} | {r.function})))
+    return out
+
+
+def decode_concurrency(results: Sequence[RequestResult], width: int = 5) -> dict[str, Any]:
+    """TPOT against the functions decoding at once (`decoding_functions`): per bin of `width` counts the
+    requests, TPOT p50 and TPOT p50 ÷ the bin's mean count (the decode time each decoding function
+    added), and over all requests the median of TPOT ÷ count (`ms_per_function`)."""
+    if width < 1:
+        raise ValueError(f"width: {width} must be >= 1")
+    pairs = [(r.tpot_ms, n) for r, n in decoding_functions(results) if r.tpot_ms is not None]
+    bins: dict[int, list[tuple[float, int]]] = {}
+    for tpot, n in pairs:
+        bins.setdefault((n - 1) // width * width + 1, []).append((tpot, n))
+    rows = []
+    for lo in sorted(bins):
+        tpot = float(np.median([t for t, _ in bins[lo]]))
+        mean_n = float(np.mean([n for _, n in bins[lo]]))
+        rows.append(
+            {"functions": [lo, lo + width - 1], "requests": len(bins[lo]), "tpot_ms_p50": tpot,
+             "ms_per_function": tpot / mean_n}
+        )  # fmt: skip
+    return {
+        "bins": rows,
+        "ms_per_function": float(np.median([t / n for t, n in pairs])) if pairs else None,
+        "functions_p50": float(np.median([n for _, n in pairs])) if pairs else None,
+    }
 
 
 def slo_violated(result: RequestResult, slo_ttft_ms: float) -> bool:

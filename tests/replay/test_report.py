@@ -153,6 +153,11 @@ def test_bench_report_merges_files_written_before_warmups(tmp_path: Path) -> Non
     assert done.exit_code == 0, done.output
     merged = json.loads((tmp_path / "merged" / "replay.json").read_text())
     assert [c["config"] for c in merged["configs"]] == [c["config"] for c in old["configs"]]
+    # decode concurrency, absent from the old report, is computed from its request records on merging
+    assert all("decode_concurrency" not in c for c in old["configs"])
+    full = next(c for c in merged["configs"] if c["config"] == "full")
+    assert full["decode_concurrency"]["ms_per_function"] > 0 and full["decode_concurrency"]["bins"]
+    assert "TPOT per fn" in done.output
     assert "from a cold start, no warm-up" in " ".join(done.output.split())
     assert not [line for line in done.output.splitlines() if "warm-up" in line and "│" in line]
     assert (tmp_path / "merged" / "workers_memory.png").read_bytes()[:4] == b"\x89PNG"

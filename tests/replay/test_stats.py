@@ -16,6 +16,8 @@ from lorafn.replay.stats import (
     assign_paths,
     cost_effectiveness,
     cost_usd,
+    decode_concurrency,
+    decoding_functions,
     gpu_seconds,
     held_bytes,
     percentiles,
@@ -185,6 +187,51 @@ def test_config_figures_are_the_measured_window_s_and_the_warmup_is_summarized_a
     assert f["series"]["t_s"] == [-3.5, -0.5, 2.0]  # the plots keep the warm-up
     cold = config_figures(window, samples[2:], 4.0, {"a/x": 2500.0}, dev, bb, True, 0, 3.6)
     assert cold["warmup"]["summary"]["overall"]["requests"] == 0
+    # decode concurrency is the window's too: the two window requests decode apart, one function each
+    assert f["decode_concurrency"]["functions_p50"] == 1
+
+
+def test_decoding_functions_counts_distinct_functions_at_the_middle_of_each_decode() -> None:
+    reqs = [
+        _ok("a", 0.0, 100, 2100),  # decodes 0.1-2.1 s, middle 1.1
+        _ok("a", 0.5, 100, 1500),  # 0.6-2.0, middle 1.3: the same function counts once
+        _ok("b", 1.0, 50, 1050),  # 1.05-2.05, middle 1.55
+        _ok("c", 5.0, 100, 1100),  # alone
+        _ok("d", 0.0, 3000, 3000, tokens=1),  # one token: no decode phase, no TPOT
+        RequestResult(5, "e", 0.0, 0.0, 0, None, error="http 503", e2e_ms=900.0),
+    ]
+    got = [(r.function, r.sent_s, n) for r, n in decoding_functions(reqs)]
+    assert got == [("a", 0.0, 2), ("a", 0.5, 2), ("b", 1.0, 2), ("c", 5.0, 1)]
+    # replay.json's records read back (bench/replay_breakdown.py does this) give the same pairs
+    back = [RequestResult.from_json(r.to_json()) for r in reqs]
+    assert [(r.function, n) for r, n in decoding_functions(back)] == [
+        (r.function, n) for r, n in decoding_functions(reqs)
+    ]
+
+
+def test_decode_concurrency_bins_tpot_and_the_time_each_decoding_function_adds() -> None:
+    # ten functions decoding together at 70 ms a token, then one alone at 8 ms
+    reqs = [_ok(f"f{i}", 0.0, 100, 100 + 70 * 10, tokens=11) for i in range(10)]
+    reqs.append(_ok("solo", 100.0, 100, 100 + 8 * 10, tokens=11))
+    dc = decode_concurrency(reqs, width=5)
+    assert dc["bins"] == [
+        {
+            "functions": [1, 5],
+            "requests": 1,
+            "tpot_ms_p50": pytest.approx(8.0),
+            "ms_per_function": pytest.approx(8.0),
+        },
+        {
+            "functions": [6, 10],
+            "requests": 10,
+            "tpot_ms_p50": pytest.approx(70.0),
+            "ms_per_function": pytest.approx(7.0),
+        },
+    ]
+    assert dc["ms_per_function"] == pytest.approx(7.0) and dc["functions_p50"] == 10
+    assert decode_concurrency([]) == {"bins": [], "ms_per_function": None, "functions_p50": None}
+    with pytest.raises(ValueError, match="width"):
+        decode_concurrency(reqs, width=0)
 
 
 def test_cost_and_cost_effectiveness() -> None:
