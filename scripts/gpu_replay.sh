@@ -2,7 +2,8 @@
 # A trace replay on a lent GPU machine that outlasts one device call (600 s): `start` sets the machine
 # up (scripts/gpu_env.sh), copies the tree to /tmp/replay-run (the next call gets a fresh copy of the
 # working tree) and starts `lorafn bench replay` there detached (setsid: it outlives the call), then
-# returns after SLEEP seconds (sooner if it ended); `wait`, the next call on the still-warm machine (it goes back ~30 s
+# returns after SLEEP seconds (sooner if it ended; never later than CALL_S - 30 s after the call began,
+# set-up included: a call that ran past the device's 600 s limit was killed, and its machine lost); `wait`, the next call on the still-warm machine (it goes back ~30 s
 # after a call), waits for it and copies the report, the plots, the breakdown and the logs to $OUT.
 #
 #   C=full [PC_YAML='scale_up_wait_fraction: 0.2'] TAG=full RATE=2 DURATION=600 SLEEP=430 bash scripts/gpu_replay.sh start
@@ -40,7 +41,10 @@ touch done
 RUNEOF
     cat run.sh
     setsid nohup bash run.sh >/dev/null 2>&1 < /dev/null &
-    for _ in $(seq 1 $(( ${SLEEP:-430} / 5 ))); do [ -f done ] && break; sleep 5; done
+    # bash's SECONDS counts from the call's start: the set-up above (wheels, build, the 7B preset) took 60-90 s
+    until_s=$(( SECONDS + ${SLEEP:-430} )); cap_s=$(( ${CALL_S:-600} - 30 ))
+    [ "$until_s" -gt "$cap_s" ] && { echo "gpu_replay: sleeping until ${cap_s} s into the call, not ${until_s} (CALL_S ${CALL_S:-600})"; until_s=$cap_s; }
+    while [ "$SECONDS" -lt "$until_s" ] && [ ! -f done ]; do sleep 5; done
     tail -c 3000 replay.log
     ;;
   wait)
