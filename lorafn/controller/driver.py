@@ -247,6 +247,7 @@ class Controller:
         m = self.metrics
         m.pool_target.set(sum(t.count for t in plan.pool))
         m.pool_standby.set(sum(1 for w in snapshot.workers if w.state == "standby"))
+        m.observe_gpus((g.id for g in snapshot.gpus), snapshot.workers)
         m.waiting.set(len(self._waiting))
         end = time.perf_counter()
         m.rounds.observe(end - t0)

@@ -155,3 +155,59 @@ def test_offloads_are_counted_by_cause_and_victim(controller: Controller) -> Non
     assert _sample(controller, "lorafn_controller_stops_total", {"reason": "offload"}) == 2
     assert _sample(controller, "lorafn_controller_stops_total", {"reason": "keep_alive"}) == 1
     assert b"lorafn_controller_offloads_total" in generate_latest(controller.metrics.registry)
+
+
+def test_gpu_workers_gauge_counts_what_each_worker_of_a_gpu_is_doing(controller: Controller) -> None:
+    import time
+
+    from lorafn.store import workers
+
+    store, keys = controller.store, controller.keys
+
+    def beat(wid: str, function: str | None, state: str, running: int = 0, parked: bool = False) -> None:
+        fields = {
+            "state": state, "gpu": "g0", "backbone": "tiny", "shape": "", "mem_bytes": 0,
+            "started": int(time.time()) - 600, "idle_s": 0 if running else 30, "running": running,
+            "parked": int(parked),
+        }  # fmt: skip
+        store.run(workers.heartbeat(keys, wid, function, 5000, fields))
+
+    beat("w-busy", "a/busy", "serving", running=2)
+    beat("w-busy2", "a/other", "serving", running=1)
+    beat("w-idle", "a/idle", "serving")
+    beat("w-parked", "a/parked", "serving", parked=True)
+    beat("w-standby", None, "standby")
+    controller.round()
+    got = {
+        st: _sample(controller, "lorafn_controller_gpu_workers", {"gpu": "g0", "state": st})
+        for st in ("busy", "idle", "parked", "standby", "starting", "draining")
+    }
+    assert got == {"busy": 2, "idle": 1, "parked": 1, "standby": 1, "starting": 0, "draining": 0}
+    # the next round counts what is there now: no worker left busy reads 0, not the last value
+    store.run(workers.heartbeat(keys, "w-busy", "a/busy", 5000, {"running": 0, "idle_s": 1}))
+    store.run(workers.heartbeat(keys, "w-busy2", "a/other", 5000, {"running": 0, "idle_s": 1}))
+    controller.round()
+    assert _sample(controller, "lorafn_controller_gpu_workers", {"gpu": "g0", "state": "busy"}) == 0
+    # (no function or backbone is registered here, so the first round stopped them all: now draining)
+    assert _sample(controller, "lorafn_controller_gpu_workers", {"gpu": "g0", "state": "draining"}) == 5
+    assert b'lorafn_controller_gpu_workers{gpu="g0",state="idle"}' in generate_latest(
+        controller.metrics.registry
+    )
+
+
+def test_gpu_worker_counts_list_every_state_of_every_gpu() -> None:
+    from lorafn.controller.metrics import GPU_WORKER_STATES, gpu_worker_counts
+    from lorafn.controller.policy.model import Worker
+
+    def w(wid: str, gpu: str, state: str, running: int = 0, parked: bool = False) -> Worker:
+        return Worker(wid, gpu, "bb", state, None, "a/f" if state == "bound" else None, 1, running=running,
+                      parked=parked)  # fmt: skip
+
+    counts = gpu_worker_counts(
+        ["g0", "g1"],
+        [w("1", "g0", "bound", running=3), w("2", "g0", "bound", parked=True, running=0),
+         w("3", "g0", "starting"), w("4", "g2", "draining")],
+    )  # fmt: skip
+    assert counts[("g0", "busy")] == 1 and counts[("g0", "parked")] == 1 and counts[("g0", "starting")] == 1
+    assert all(counts[("g1", st)] == 0 for st in GPU_WORKER_STATES)  # a GPU without workers reads zeros
+    assert counts[("g2", "draining")] == 1  # a worker on a GPU the executor no longer lists still counts
