@@ -4,6 +4,7 @@ took, GPU-seconds held, cost, cost-effectiveness. Pure (no I/O), so every figure
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -110,17 +111,35 @@ def decoding_functions(results: Sequence[RequestResult]) -> list[tuple[RequestRe
     generating tokens at the middle of its decode phase, [sent + TTFT, sent + E2E]. Every function is its
     own worker process and every worker's decode step reads the whole backbone, so TPOT grows with this
     count rather than with one function's batch (docs/architecture.md, "Decode cost across functions")."""
-    spans = [
-        (r.function, r.sent_s + r.ttft_ms / 1000, r.sent_s + r.e2e_ms / 1000)
-        for r in results
-        if r.sent_s is not None and r.ttft_ms is not None and r.e2e_ms is not None and r.e2e_ms > r.ttft_ms
-    ]
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in results:
+        if r.sent_s is not None and r.ttft_ms is not None and r.e2e_ms is not None and r.e2e_ms > r.ttft_ms:
+            spans[r.function].append((r.sent_s + r.ttft_ms / 1000, r.sent_s + r.e2e_ms / 1000))
+    # one function's overlapping spans merged: then the distinct functions decoding at t are the merged
+    # intervals holding t, counted from sorted starts and ends (O(n log n): a 4-hour replay has ~30k requests)
+    merged: dict[str, list[tuple[float, float]]] = {}
+    for fn, intervals in spans.items():
+        intervals.sort()
+        runs = [intervals[0]]
+        for a, b in intervals[1:]:
+            if a > runs[-1][1]:
+                runs.append((a, b))
+            else:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], b))
+        merged[fn] = runs
+    begin = np.sort(np.asarray([a for runs in merged.values() for a, _ in runs], dtype=float))
+    finish = np.sort(np.asarray([b for runs in merged.values() for _, b in runs], dtype=float))
     out = []
     for r in results:
         if r.tpot_ms is None or r.sent_s is None or r.ttft_ms is None or r.e2e_ms is None:
             continue
         mid = r.sent_s + (r.ttft_ms + r.e2e_ms) / 2000
-        out.append((r, len({fn for fn, a, b in spans if a <= mid < b} | {r.function})))
+        n = int(np.searchsorted(begin, mid, side="right") - np.searchsorted(finish, mid, side="right"))
+        # its own function counts too where its span is empty (E2E = TTFT) and none of its others holds mid
+        runs = merged.get(r.function, [])
+        i = bisect.bisect_right(runs, (mid, math.inf)) - 1
+        own = i >= 0 and runs[i][0] <= mid < runs[i][1]
+        out.append((r, n if own else n + 1))
     return out
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lorafn.replay import paper
 from lorafn.replay.configs import CONFIGS, DEFAULT_CONFIGS, resolve, select_configs
@@ -369,3 +371,35 @@ def test_a_warm_request_that_waited_for_an_unpark_takes_the_unparked_path() -> N
     assign_paths(results, events)
     assert [r.path for r in results] == ["unparked", "unparked", "warm", "warm", "standby"]
     assert summarize(results, 2500.0)["paths"] == {"warm": 2, "unparked": 2, "standby": 1}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c", "d"]),
+            st.integers(0, 20),  # sent, s
+            st.integers(0, 3000),  # TTFT, ms
+            st.integers(0, 5000),  # E2E beyond TTFT, ms
+            st.integers(1, 6),  # completion tokens
+        ),
+        max_size=30,
+    )
+)
+def test_decoding_functions_equals_counting_every_span(reqs: list[tuple[str, int, int, int, int]]) -> None:
+    """The merged-interval count equals the definition: distinct functions whose decode span holds the middle
+    of the request's own decode, its own function always included."""
+    results = [_ok(fn, float(sent), ttft, ttft + extra, tokens=n) for fn, sent, ttft, extra, n in reqs]
+    spans = [
+        (r.function, r.sent_s + r.ttft_ms / 1000, r.sent_s + r.e2e_ms / 1000)
+        for r in results
+        if r.e2e_ms > r.ttft_ms
+    ]
+    want = []
+    for r in results:
+        if r.tpot_ms is None:
+            continue
+        mid = r.sent_s + (r.ttft_ms + r.e2e_ms) / 2000
+        want.append((r.index, r.function, len({fn for fn, a, b in spans if a <= mid < b} | {r.function})))
+    got = [(r.index, r.function, n) for r, n in decoding_functions(results)]
+    assert got == want
