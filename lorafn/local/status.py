@@ -41,6 +41,7 @@ class WorkerView:
     idle_s: str
     pid: str
     parked: bool = False  # released its KV cache, process kept (PolicyConfig.park_idle); serves once unparked
+    running: int = 0  # requests in flight in it (its last heartbeat)
 
 
 @dataclass
@@ -159,6 +160,7 @@ def _worker(wid: str, fields: dict[str, str]) -> WorkerView:
         idle_s=fields.get("idle_s", ""),
         pid=fields.get("pid", ""),
         parked=fields.get("parked") == "1",
+        running=_int(fields.get("running")),
     )
 
 
@@ -283,11 +285,31 @@ def render_status(status: PlatformStatus, console: Console | None = None) -> Non
     for p in status.pool:
         pool.add_row(p.gpu, p.backbone, p.shape if p.shape != "*" else "any", str(p.target), str(p.standby))
     console.print(pool)
-    workers = Table("worker", "state", "function", "device", "shape", "MiB", "idle s", "pid", title="Workers")
+    workers = Table(
+        "worker", "state", "function", "device", "shape", "MiB", "running", "idle s", "pid", title="Workers"
+    )
     for w in status.workers:
         state = f"{w.state} (parked)" if w.parked else w.state
-        workers.add_row(w.id, state, w.function, w.gpu, w.shape, str(w.mem_mib), w.idle_s, w.pid)
+        workers.add_row(
+            w.id, state, w.function, w.gpu, w.shape, str(w.mem_mib), str(w.running), w.idle_s, w.pid
+        )
+    busy = busy_per_device(status.workers)
+    if busy:
+        # each busy worker's decode step reads the whole backbone: each adds about a step to the others' TPOT
+        workers.caption = "busy workers (requests in flight) per device: " + ", ".join(
+            f"{gpu} {n}" for gpu, n in sorted(busy.items())
+        )
+        workers.caption_justify = "left"
     console.print(workers)
+
+
+def busy_per_device(workers: list[WorkerView]) -> dict[str, int]:
+    """Workers with requests in flight, per device (docs/architecture.md, "Decode cost across functions")."""
+    busy: dict[str, int] = {}
+    for w in workers:
+        if w.running > 0 and not w.parked:
+            busy[w.gpu] = busy.get(w.gpu, 0) + 1
+    return busy
 
 
 # -- `lorafn get` ----------------------------------------------------------------------------------

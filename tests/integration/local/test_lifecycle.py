@@ -203,7 +203,7 @@ def test_status_and_get_tell_the_truth(up: Up) -> None:
 
     shown = lorafn(up, "status")
     assert shown.returncode == 0, shown.stderr
-    for heading in ("Functions", "Warm pool", "Workers", "last cold start", "not ready because"):
+    for heading in ("Functions", "Warm pool", "Workers", "running", "last cold start", "not ready because"):
         assert heading in shown.stdout
     table = lorafn(up, "get", "functions")
     assert table.returncode == 0 and "t/echo" in table.stdout and "Ready" in table.stdout
