@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from lorafn.replay.stats import RequestResult, decode_concurrency
+from lorafn.replay.report import decode_concurrency_of
 
 TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 KV = re.compile(r"(\w+)=([^\s]+)")
@@ -475,7 +475,7 @@ def main() -> None:
 
     # 5. decode time against the functions decoding at once
     print("\n5. TPOT by the number of functions generating tokens at once (at the middle of each decode)")
-    dc = decode_concurrency([RequestResult.from_json(r) for r in window])
+    dc = decode_concurrency_of(cfg)  # replay.json's figure (computed from the window for older reports)
     for row in dc["bins"]:
         lo, hi = row["functions"]
         print(

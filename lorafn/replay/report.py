@@ -114,6 +114,14 @@ def config_figures(
     }
 
 
+def decode_concurrency_of(run: dict[str, Any]) -> dict[str, Any]:
+    """A configuration's decode concurrency as its report holds it, else computed from its request records
+    (reports written before the figure existed)."""
+    if "decode_concurrency" in run:
+        return run["decode_concurrency"]
+    return decode_concurrency([RequestResult.from_json(r) for r in run.get("requests", [])])
+
+
 def compare(configs: list[dict[str, Any]]) -> dict[str, Any]:
     """Across configurations: against the paper's Table 3, each ablation's share of the gain,
     cost-effectiveness against the always-on baseline, and the issue's targets."""

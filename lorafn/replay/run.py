@@ -34,7 +34,7 @@ from lorafn.replay.platform import (
     prepare_model,
     registry_facts,
 )
-from lorafn.replay.stats import RequestResult, assign_paths, decode_concurrency
+from lorafn.replay.stats import assign_paths
 from lorafn.replay.trace import (
     PlannedRequest,
     PlanOptions,
@@ -385,9 +385,9 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
                 "left_out": [c["config"] for c in r["configs"] if c["config"] in seen],
             }
         )
-    for c in configs:  # reports written before the figure existed: computed from their request records
-        if "decode_concurrency" not in c and "requests" in c:
-            c["decode_concurrency"] = decode_concurrency([RequestResult.from_json(x) for x in c["requests"]])
+    for c in configs:  # reports written before the figure existed get it from their request records
+        if "requests" in c:
+            c["decode_concurrency"] = rep.decode_concurrency_of(c)
     merged = {k: v for k, v in first.items() if k not in ("comparison", "plots")}
     merged["configs"] = configs
     merged["merged_from"] = merged_from
