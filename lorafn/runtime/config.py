@@ -78,6 +78,14 @@ class EngineConfig:
     # A standby's prepared adapter shape ("q_proj:16,v_proj:16"): zeroed LoRA buffers of that shape (and the
     # decode graphs over them) until `Engine.bind_adapter` copies an adapter in. Only without `adapter`.
     lora_shape: str | None = None
+    # Adapter slots (docs/runtime.md#adapter-slots): LoRA buffers for this many adapters of one shape, so
+    # that one batch serves the requests of several functions (each request names its slot,
+    # `Engine.add_request(adapter_slot=...)`). `adapters` are loaded into slots 0, 1, ... at start (their
+    # shape: `lora_shape`, else the first one's); the rest stay empty (zeros: the base model) until
+    # `Engine.load_adapter`. 1: one adapter, `adapter` as before. Not with graph archives (an archive holds
+    # one slot's graphs).
+    adapter_slots: int = 1
+    adapters: tuple[str | Path, ...] = ()
     device: str = "cpu"
     dtype: str = "auto"
     tokenizer: str | Path | None = None
@@ -156,6 +164,22 @@ class EngineConfig:
             raise ValueError(f"cuda_stack_bytes: must be in [16, 1 MiB], got {self.cuda_stack_bytes}")
         if self.lora_shape is not None and self.adapter is not None:
             raise ValueError("lora_shape: only for an engine without an adapter (a standby); got both")
+        self.adapters = tuple(self.adapters)
+        if not isinstance(self.adapter_slots, int) or self.adapter_slots < 1:
+            raise ValueError(f"adapter_slots: must be a positive integer, got {self.adapter_slots!r}")
+        if self.adapters and self.adapter is not None:
+            raise ValueError("adapters: give `adapter` (one adapter) or `adapters` (adapter slots), not both")
+        if len(self.adapters) > self.adapter_slots:
+            raise ValueError(f"adapters: {len(self.adapters)} adapters, adapter_slots {self.adapter_slots}")
+        if self.adapter_slots > 1:
+            if self.adapter is not None:
+                raise ValueError("adapter_slots: slots are filled from `adapters`, not `adapter`")
+            if not self.adapters and self.lora_shape is None:
+                raise ValueError("adapter_slots: needs `adapters` or a `lora_shape` to size the slots")
+            if self.graph_archives:
+                raise ValueError("adapter_slots: graph archives hold one adapter slot; no graph_archives")
+        elif self.adapters and self.lora_shape is not None:
+            raise ValueError("lora_shape: only for an engine without an adapter (a standby); got adapters")
         expand_modes(self.lora_expand)  # ValueError naming the field
         if not 1 <= self.skinny_gemm_rows <= SKINNY_GEMM_MAX_ROWS:
             raise ValueError(

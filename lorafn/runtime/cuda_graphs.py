@@ -103,6 +103,16 @@ def pad_prefill_inputs(
     return ids, slot
 
 
+def _slot_buffer(model, rows: int):
+    """The static [rows] int64 adapter-slot input of a model with adapter slots (lora.py), else None."""
+    import torch
+
+    lora = getattr(model, "lora", None)
+    if lora is None or lora.num_slots == 1:
+        return None
+    return torch.zeros(rows, dtype=torch.int64, device=model.device)
+
+
 _CAPTURE_STREAMS: dict = {}
 
 
@@ -164,6 +174,7 @@ class DecodeGraphRunner:
             (largest, self.max_blocks), kv_cache.scratch_block, dtype=torch.int32, device=device
         )
         self.context_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self.adapter_slots = _slot_buffer(model, largest)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -180,6 +191,7 @@ class DecodeGraphRunner:
             context_lens=self.context_lens[:bucket],
             prefills=[],
             logits_indices=None,
+            adapter_slots=self.adapter_slots[:bucket] if self.adapter_slots is not None else None,
         )
 
     @property
@@ -234,12 +246,14 @@ class DecodeGraphRunner:
         self.graphs.clear()
         self.outputs.clear()
         self.input_ids = self.positions = self.slot_mapping = self.block_tables = self.context_lens = None
+        self.adapter_slots = None
         self.pool = None
         self.kv_cache = None
 
     def held_tensors(self) -> list:
         """The runner's tensors outside its pool's scratch: static inputs and the graphs' outputs."""
         held = [self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.context_lens]
+        held.append(self.adapter_slots)
         return [t for t in held + list(self.outputs.values()) if t is not None]
 
     def can_run(self, num_decodes: int) -> bool:
@@ -252,8 +266,10 @@ class DecodeGraphRunner:
         positions: Sequence[int],
         slots: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        adapter_slots: Sequence[int] | None = None,
     ):
-        """Logits [n, vocab] (float32, a view of the graph's output) for n decodes."""
+        """Logits [n, vocab] (float32, a view of the graph's output) for n decodes; `adapter_slots`: each
+        row's, for a model with adapter slots (padding rows take slot 0; their outputs are never read)."""
         import torch
 
         n = len(token_ids)
@@ -278,6 +294,10 @@ class DecodeGraphRunner:
             (self.context_lens, inputs.context_lens),
         ):
             static[:bucket].copy_(torch.from_numpy(host), non_blocking=True)
+        if self.adapter_slots is not None:
+            slots_host = np.zeros(bucket, dtype=np.int64)
+            slots_host[:n] = adapter_slots if adapter_slots is not None else 0
+            self.adapter_slots[:bucket].copy_(torch.from_numpy(slots_host), non_blocking=True)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
 
@@ -302,6 +322,7 @@ class PrefillGraphRunner:
         self.positions = torch.arange(largest, dtype=torch.int64, device=device)  # every chunk starts at 0
         self.slot_mapping = torch.full((largest,), kv_cache.scratch_slot, dtype=torch.int64, device=device)
         self.logits_index = torch.zeros(1, dtype=torch.int64, device=device)  # the chunk's last real row
+        self.adapter_slots = _slot_buffer(model, largest)  # every row the prompt's slot
         self._span = PrefillSpan
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -321,6 +342,7 @@ class PrefillGraphRunner:
             context_lens=None,
             prefills=[self._span(0, bucket, 0, None)],
             logits_indices=self.logits_index,
+            adapter_slots=self.adapter_slots[:bucket] if self.adapter_slots is not None else None,
         )
 
     @property
@@ -362,13 +384,13 @@ class PrefillGraphRunner:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
-        self.input_ids = self.positions = self.slot_mapping = self.logits_index = None
+        self.input_ids = self.positions = self.slot_mapping = self.logits_index = self.adapter_slots = None
         self.pool = None
         self.kv_cache = None
 
     def held_tensors(self) -> list:
         """The runner's tensors outside its pool's scratch: static inputs and the graphs' outputs."""
-        held = [self.input_ids, self.positions, self.slot_mapping, self.logits_index]
+        held = [self.input_ids, self.positions, self.slot_mapping, self.logits_index, self.adapter_slots]
         return [t for t in held + list(self.outputs.values()) if t is not None]
 
     def can_run(self, num_tokens: int) -> bool:
@@ -376,9 +398,10 @@ class PrefillGraphRunner:
         decode path, `ModelRunner._ordered`)."""
         return num_tokens > 1 and bucket_for(num_tokens, list(self.graphs)) is not None
 
-    def run(self, token_ids: Sequence[int], slots: Sequence[int], samples: bool):
+    def run(self, token_ids: Sequence[int], slots: Sequence[int], samples: bool, adapter_slot: int = 0):
         """Logits [1, vocab] (float32, a view of the graph's output) of the chunk's last token, or [0, vocab]
-        when the chunk does not sample (a long prompt's first chunk)."""
+        when the chunk does not sample (a long prompt's first chunk). `adapter_slot`: the prompt's, for a
+        model with adapter slots."""
         import torch
 
         n = len(token_ids)
@@ -389,6 +412,8 @@ class PrefillGraphRunner:
         self.input_ids[:bucket].copy_(torch.from_numpy(ids), non_blocking=True)
         self.slot_mapping[:bucket].copy_(torch.from_numpy(slot), non_blocking=True)
         self.logits_index.fill_(n - 1)
+        if self.adapter_slots is not None:
+            self.adapter_slots.fill_(adapter_slot)
         self.graphs[bucket].replay()
         self.replays += 1
         out = self.outputs[bucket]

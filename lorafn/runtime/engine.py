@@ -111,6 +111,19 @@ class Engine:
         return self.runner.bind_adapter(adapter_dir)
 
     @property
+    def num_adapter_slots(self) -> int:
+        """How many adapters one batch of this engine serves (EngineConfig.adapter_slots)."""
+        return self.runner.num_adapter_slots
+
+    def load_adapter(self, slot: int, adapter_dir: str | Path | None) -> str:
+        """Put an adapter into one adapter slot (None: empty it) while other slots keep serving; refused
+        while a request of that slot is queued or running."""
+        busy = [r for r, req in self._requests.items() if req.seq.adapter_slot == slot]
+        if busy:
+            raise ValueError(f"load_adapter: adapter slot {slot} has {len(busy)} requests (e.g. {busy[0]!r})")
+        return self.runner.load_adapter(slot, adapter_dir)
+
+    @property
     def lora_shape_key(self) -> str | None:
         """The adapter shape the engine holds (or, in a standby, has buffers for)."""
         return self.runner.lora.shape_key if self.runner.lora is not None else None
@@ -207,10 +220,20 @@ class Engine:
         return self.runner.capture_pending_graph()
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        adapter_slot: int = 0,
     ) -> str:
-        """Queue a request (text, or token ids); it joins the running batch at the next step."""
+        """Queue a request (text, or token ids); it joins the running batch at the next step.
+        `adapter_slot`: which adapter serves it, on an engine with adapter slots."""
         params = params or SamplingParams()
+        num_slots = self.runner.num_adapter_slots
+        if not isinstance(adapter_slot, int) or not 0 <= adapter_slot < num_slots:
+            raise ValueError(
+                f"adapter_slot: {adapter_slot!r} is not one of this engine's slots 0..{num_slots - 1}"
+            )
         if self.runner.parked:
             raise RuntimeError("add_request: the engine is parked (unpark it first)")
         if isinstance(prompt, str):
@@ -226,7 +249,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        seq = Seq(seq_id=request_id, prompt_token_ids=token_ids, params=params)
+        seq = Seq(seq_id=request_id, prompt_token_ids=token_ids, params=params, adapter_slot=adapter_slot)
         self.scheduler.add(seq)  # raises ValueError for a prompt longer than max_model_len
         self._requests[request_id] = _Request(
             seq=seq,
@@ -297,15 +320,22 @@ class Engine:
         self,
         prompts: str | list[str] | list[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapter_slots: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion (alongside whatever else is queued); outputs in prompt order."""
+        """Run prompts to completion (alongside whatever else is queued); outputs in prompt order.
+        `adapter_slots`: each prompt's adapter slot (engines with adapter slots; default all 0)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        slots = list(adapter_slots) if adapter_slots is not None else [0] * len(prompts)
+        if len(slots) != len(prompts):
+            raise ValueError(f"adapter_slots: {len(slots)} given for {len(prompts)} prompts")
+        ids = [
+            self.add_request(p, sp, adapter_slot=s) for p, sp, s in zip(prompts, params, slots, strict=True)
+        ]
         outputs = {i: self._requests[i].output for i in ids}
         while any(not o.finished for o in outputs.values()):
             self.step()

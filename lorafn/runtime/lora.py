@@ -49,6 +49,15 @@ class LoRAWeights:
     layers: list[dict[str, LoRAGroup]] = field(default_factory=list)
     ranks: dict[str, int] = field(default_factory=dict)  # projection -> rank (max over layers)
     target_modules: tuple[str, ...] = ()
+    # Adapter slots (`zero_lora(num_slots=K)`): buffers for K adapters of this shape, so that one batch
+    # serves rows of K functions (docs/runtime.md#adapter-slots). Each group's a_cat and Bᵀs hold the K
+    # slots projection-major: projection p's A rows are [K·off_p + s·r_p, +r_p) for slot s, its Bᵀ rows
+    # [s·r_p, +r_p); so a target reads as one expand of rank K·r_p at offset K·off_p, and every kernel
+    # that adds expands runs unchanged. What keeps a row to its own slot is `slot_masks`: the shrink's
+    # columns of the other slots are zeroed before the expands (exact: they add x·0).
+    num_slots: int = 1
+    # per group (keyed as `layers`' dicts): the slot of each shrink column, [K·sum of ranks] int64
+    col_slots: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def shape_key(self) -> str:
@@ -248,29 +257,105 @@ def _layout(
 
 
 def zero_lora(
-    shape: str, model_cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
+    shape: str,
+    model_cfg: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    num_slots: int = 1,
 ) -> LoRAWeights:
     """LoRA buffers of an adapter shape, all zeros: a standby worker computes the LoRA path with them (so
-    its CUDA graphs include it) and a bind copies an adapter in place (`copy_lora`), graphs unchanged."""
+    its CUDA graphs include it) and a bind copies an adapter in place (`copy_lora`), graphs unchanged.
+
+    `num_slots` K > 1: buffers for K adapters of the shape, laid out slot by slot inside each projection
+    (see `LoRAWeights.num_slots`); `copy_lora_slot` fills one slot, `slot_masks` keeps each row to its
+    slot. K = 1 is the one-adapter layout exactly."""
+    if num_slots < 1:
+        raise ValueError(f"num_slots: {num_slots} (at least 1)")
     ranks = parse_shape_key(shape)
     shapes = model_cfg.linear_shapes
-    out = LoRAWeights(layers=[{} for _ in range(model_cfg.num_layers)], ranks=dict(ranks))
+    k = num_slots
+    out = LoRAWeights(layers=[{} for _ in range(model_cfg.num_layers)], ranks=dict(ranks), num_slots=k)
     out.target_modules = tuple(t for t in TARGETS if t in ranks)
+    for group in SHRINK_GROUPS:
+        present = [p for p in group if p in ranks]
+        if present:  # shrink column -> slot: projection-major, slot-minor
+            cols = [s for p in present for s in range(k) for _ in range(ranks[p])]
+            out.col_slots[group[0]] = torch.tensor(cols, dtype=torch.int64, device=device)
     for layer in range(model_cfg.num_layers):
         for group in SHRINK_GROUPS:
             present = [p for p in group if p in ranks]
             if not present:
                 continue
             in_f = shapes[present[0]][1]
-            a_cat = torch.zeros(sum(ranks[p] for p in present), in_f, device=device, dtype=dtype)
+            a_cat = torch.zeros(k * sum(ranks[p] for p in present), in_f, device=device, dtype=dtype)
             targets, off = [], 0
             for p in present:
-                targets.append(
-                    (p, off, ranks[p], torch.zeros(ranks[p], shapes[p][0], device=device, dtype=dtype))
-                )
-                off += ranks[p]
+                b_t = torch.zeros(k * ranks[p], shapes[p][0], device=device, dtype=dtype)
+                targets.append((p, off, k * ranks[p], b_t))
+                off += k * ranks[p]
             out.layers[layer][group[0]] = LoRAGroup(a_cat=a_cat, targets=targets)
     return out
+
+
+def copy_lora_slot(buffers: LoRAWeights, adapter: LoRAWeights, slot: int) -> None:
+    """Copy an adapter into slot `slot` of slot buffers (`zero_lora(num_slots=K)`) of a shape it fits, in
+    place; the slot's rows it leaves out (a lower rank, a projection it does not target) are zeroed, the
+    other slots are not touched. The buffers' addresses (captured in CUDA graphs) do not change."""
+    k = buffers.num_slots
+    if not 0 <= slot < k:
+        raise ValueError(f"adapter slot: {slot} is not one of the buffers' {k} slots (0..{k - 1})")
+    if not fits_shape(adapter, buffers):
+        raise ValueError(
+            f"adapter shape {adapter.shape_key!r} does not fit the buffers' {buffers.shape_key!r}"
+        )
+    zero: list[torch.Tensor] = []
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for layer, groups in enumerate(buffers.layers):
+        src_groups = adapter.layers[layer]
+        for head, d in groups.items():
+            s = src_groups.get(head)
+            s_targets = {p: (off, r, b) for p, off, r, b in s.targets} if s is not None else {}
+            for p, k_off, k_rank, b_dst in d.targets:
+                r = k_rank // k  # this projection's rank in one slot
+                a_rows = d.a_cat[k_off + slot * r : k_off + (slot + 1) * r]
+                b_rows = b_dst[slot * r : (slot + 1) * r]
+                if p not in s_targets:
+                    zero += [a_rows, b_rows]
+                    continue
+                s_off, s_r, b_src = s_targets[p]
+                if s_r < r:
+                    zero += [a_rows, b_rows]
+                dst += [a_rows[:s_r], b_rows[:s_r]]
+                src += [s.a_cat[s_off : s_off + s_r], b_src]  # type: ignore[union-attr]
+    if zero:  # every zero before every copy, as in copy_lora
+        torch._foreach_zero_(zero)
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def clear_lora_slot(buffers: LoRAWeights, slot: int) -> None:
+    """Zero one slot of slot buffers in place (a function leaves its slot: nothing of it stays)."""
+    k = buffers.num_slots
+    if not 0 <= slot < k:
+        raise ValueError(f"adapter slot: {slot} is not one of the buffers' {k} slots (0..{k - 1})")
+    rows: list[torch.Tensor] = []
+    for groups in buffers.layers:
+        for d in groups.values():
+            for _p, k_off, k_rank, b_dst in d.targets:
+                r = k_rank // k
+                rows += [d.a_cat[k_off + slot * r : k_off + (slot + 1) * r], b_dst[slot * r : (slot + 1) * r]]
+    if rows:
+        torch._foreach_zero_(rows)
+
+
+def slot_masks(buffers: LoRAWeights, row_slots: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Per group (keyed as `buffers.layers`' dicts), the [T, K·sum of ranks] 0/1 mask of one step's rows:
+    1 where the shrink column belongs to the row's adapter slot (row_slots [T] int64). A step multiplies
+    each shrink output t by its group's mask before the expands, so row i adds only its slot's
+    t·Bᵀ (the other columns are exact zeros: their products add nothing)."""
+    rows = row_slots.unsqueeze(1)
+    return {head: (cols.unsqueeze(0) == rows).to(dtype) for head, cols in buffers.col_slots.items()}
 
 
 def fits_shape(adapter: LoRAWeights, buffers: LoRAWeights) -> bool:
@@ -282,6 +367,8 @@ def copy_lora(buffers: LoRAWeights, adapter: LoRAWeights) -> None:
     """Copy an adapter into buffers of a shape it fits, in place: lower ranks and projections the adapter
     leaves out are zero-padded (they add exact zeros: y + x·0ᵀ·0ᵀ), so the result equals the adapter's own
     forward and the buffers' addresses (captured in CUDA graphs) do not change."""
+    if buffers.num_slots != 1:
+        raise ValueError(f"copy_lora: the buffers hold {buffers.num_slots} adapter slots (copy_lora_slot)")
     if not fits_shape(adapter, buffers):
         raise ValueError(
             f"adapter shape {adapter.shape_key!r} does not fit the buffers' {buffers.shape_key!r}"

@@ -48,7 +48,15 @@ from lorafn.runtime.kv_cache import (
     save_kv_init,
 )
 from lorafn.runtime.local_weights import SafetensorsWeightSource
-from lorafn.runtime.lora import LoRAWeights, copy_lora, fits_shape, load_lora, zero_lora
+from lorafn.runtime.lora import (
+    LoRAWeights,
+    clear_lora_slot,
+    copy_lora,
+    copy_lora_slot,
+    fits_shape,
+    load_lora,
+    zero_lora,
+)
 from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
 from lorafn.runtime.outputs import ParkRefused
 from lorafn.runtime.scheduler import ScheduledChunk, SchedulerOutput
@@ -139,7 +147,9 @@ class ModelRunner:
             # A standby holds zeroed buffers of its prepared shape (graphs are captured over them; a bind
             # copies the adapter in); a bound worker its adapter; a base-model engine none.
             self.lora: LoRAWeights | None = None
-            if config.adapter:
+            if config.adapter_slots > 1 or config.adapters:
+                self.lora = self._slot_buffers()
+            elif config.adapter:
                 loaded = load_lora(config.adapter, model_config, device, dtype)
                 if self.archives is None:
                     self.lora = loaded
@@ -151,7 +161,8 @@ class ModelRunner:
             elif config.lora_shape:
                 with in_state():
                     self.lora = zero_lora(config.lora_shape, model_config, device, dtype)
-            self.prepared = config.adapter is None and config.lora_shape is not None
+            one_slot = self.num_adapter_slots == 1
+            self.prepared = config.adapter is None and config.lora_shape is not None and one_slot
             clock.lap("adapter")
             use_triton = device.type == "cuda" and _triton_available()
             with in_state():
@@ -189,6 +200,40 @@ class ModelRunner:
         self.parked_kv_bytes = self.parked_release_bytes = 0
         self.park_s = self.unpark_s = self.resize_s = 0.0
         self._graphs_on_unpark = False
+
+    def _slot_buffers(self) -> LoRAWeights:
+        """Adapter slots (EngineConfig.adapter_slots): buffers of `lora_shape` (else the first adapter's
+        shape) for every slot, `adapters` copied into slots 0, 1, ... (each refused with the slot named when
+        it does not fit the shape)."""
+        cfg, mc = self.config, self.model_config
+        loaded = [load_lora(a, mc, self.device, self.dtype) for a in cfg.adapters]
+        shape = cfg.lora_shape or loaded[0].shape_key
+        buffers = zero_lora(shape, mc, self.device, self.dtype, num_slots=cfg.adapter_slots)
+        for slot, adapter in enumerate(loaded):
+            if not fits_shape(adapter, buffers):
+                raise ValueError(
+                    f"adapters[{slot}]: {cfg.adapters[slot]}: shape {adapter.shape_key!r} does not fit the "
+                    f"slots' {shape!r} (every adapter of a slot engine needs its projections, ranks at most)"
+                )
+            copy_lora_slot(buffers, adapter, slot)
+        return buffers
+
+    def load_adapter(self, slot: int, adapter_dir: str | Path | None) -> str:
+        """Put an adapter into slot `slot` in place (None: empty it, zeros); graphs unchanged. The engine
+        checks that no running request uses the slot."""
+        lora = self.lora
+        if lora is None or lora.num_slots == 1:
+            raise ValueError("load_adapter: this engine has no adapter slots (EngineConfig.adapter_slots)")
+        if adapter_dir is None:
+            clear_lora_slot(lora, slot)
+            return f"slot {slot} emptied"
+        loaded = load_lora(adapter_dir, self.model_config, self.device, self.dtype)
+        copy_lora_slot(lora, loaded, slot)
+        return f"{loaded.shape_key} into slot {slot} of {lora.num_slots}"
+
+    @property
+    def num_adapter_slots(self) -> int:
+        return self.lora.num_slots if self.lora is not None else 1
 
     def _buckets(self) -> list[int]:
         # No batch is larger than the KV cache has blocks (one per sequence at least): a small budget
@@ -343,6 +388,8 @@ class ModelRunner:
 
         Into the prepared buffers when it fits their shape (a copy: tensors and captured graphs stay);
         otherwise as new LoRA weights, and the decode graphs are captured again over them."""
+        if self.num_adapter_slots > 1:
+            raise ValueError("bind_adapter: an engine with adapter slots takes load_adapter(slot, dir)")
         loaded = load_lora(adapter_dir, self.model_config, self.device, self.dtype)
         if self.prepared and self.lora is not None and fits_shape(loaded, self.lora):
             copy_lora(self.lora, loaded)
@@ -611,13 +658,14 @@ class ModelRunner:
                 [c.start for c in chunks],
                 [slot_mapping(c.seq.block_table, c.start, 1, bs)[0] for c in chunks],
                 [c.seq.block_table for c in chunks],
+                [c.seq.adapter_slot for c in chunks],
             )
             return sampling, logits  # every decode samples
         pg = self.prefill_graphs
         if pg is not None and len(chunks) == 1 and chunks[0].start == 0 and pg.can_run(chunks[0].num_tokens):
             c = chunks[0]
             slots = slot_mapping(c.seq.block_table, 0, c.num_tokens, self.config.block_size)
-            return sampling, pg.run(c.seq.token_ids_range(0, c.end), slots, c.samples)
+            return sampling, pg.run(c.seq.token_ids_range(0, c.end), slots, c.samples, c.seq.adapter_slot)
         return sampling, self.model.forward(self._build_batch(chunks), self.kv_cache.layers)
 
     @staticmethod
@@ -634,10 +682,12 @@ class ModelRunner:
         slots: list[int] = []
         spans: list[PrefillSpan] = []
         sample_rows: list[int] = []
+        row_slots: list[int] = []
         num_decodes = 0
         for c in chunks:
             offset = len(ids)
             ids += c.seq.token_ids_range(c.start, c.end)
+            row_slots += [c.seq.adapter_slot] * c.num_tokens
             positions += range(c.start, c.end)
             slots += slot_mapping(c.seq.block_table, c.start, c.num_tokens, bs)
             if c.num_tokens == 1:
@@ -667,6 +717,11 @@ class ModelRunner:
             context_lens=context_lens,
             prefills=spans,
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+            adapter_slots=(
+                torch.tensor(row_slots, dtype=torch.int64, device=device)
+                if self.num_adapter_slots > 1
+                else None
+            ),
         )
 
 

@@ -38,6 +38,9 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = -1  # set by Scheduler.add: a strictly increasing admission priority (lower = older)
     num_preemptions: int = 0
+    adapter_slot: int = (
+        0  # the adapter serving it, on an engine with adapter slots (EngineConfig.adapter_slots)
+    )
     # Preempted by swap (kv_offload.py): positions 0 .. swapped_tokens - 1 have their KV in host memory
     # (the engine holds the copy); 0 = none. Set only while WAITING; admission copies it back into blocks.
     swapped_tokens: int = 0

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lorafn.runtime.attention import paged_decode_attention, prefill_attention, write_kv
 from lorafn.runtime.config import DEFAULT_LORA_EXPAND, DEFAULT_SKINNY_GEMM_ROWS, ModelConfig, expand_modes
-from lorafn.runtime.lora import LoRAGroup, LoRAWeights
+from lorafn.runtime.lora import LoRAGroup, LoRAWeights, slot_masks
 from lorafn.runtime.weights import WeightSource
 
 
@@ -51,6 +51,9 @@ class ForwardBatch:
     context_lens: torch.Tensor | None
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor | None
+    # [T] int64: each row's adapter slot, for a model whose LoRA buffers hold several (lora.py, adapter
+    # slots); None with one adapter (or none)
+    adapter_slots: torch.Tensor | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -89,13 +92,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def lora_project(
-    x: torch.Tensor, outputs: dict[str, torch.Tensor], group: LoRAGroup | None, ops=None
+    x: torch.Tensor,
+    outputs: dict[str, torch.Tensor],
+    group: LoRAGroup | None,
+    ops=None,
+    mask: torch.Tensor | None = None,
 ) -> None:
     """Adds s·(x·Aᵀ)·Bᵀ into each output of the group, in place: one shrink GEMM for the group (its A
-    matrices concatenated), then the expands (`add_expands`)."""
+    matrices concatenated), then the expands (`add_expands`). `mask`: the group's adapter-slot mask
+    (lora.slot_masks), applied to the shrink's output first."""
     if group is None:
         return
     t = F.linear(x, group.a_cat)  # [T, sum of ranks]
+    if mask is not None:
+        t.mul_(mask)
     add_expands(t, [(outputs[p], off, rank, b_t) for p, off, rank, b_t in group.targets], ops)
 
 
@@ -240,6 +250,15 @@ class LlamaModel:
         attn = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return attn.reshape(q.shape[0], -1)
 
+    def slot_masks(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        """The step's adapter-slot masks per shrink group (lora.slot_masks); {} with one adapter slot."""
+        lora = self.lora
+        if lora is None or lora.num_slots == 1:
+            return {}
+        if batch.adapter_slots is None:
+            raise ValueError(f"adapter_slots: the model has {lora.num_slots} adapter slots; name each row's")
+        return slot_masks(lora, batch.adapter_slots, self.dtype)
+
     def expand_mode(self, batch: ForwardBatch) -> str:
         """The LORA_EXPANDS mode of this step: the prefill one when it has a prefill chunk (a mixed step
         of decodes + chunked prefill too), else (decodes only: every decode CUDA graph) the decode one."""
@@ -258,6 +277,7 @@ class LlamaModel:
         expand_ops = self.ops if mode == "grouped" else None
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         lora_layers = self.lora.layers if self.lora is not None else None
+        masks = self.slot_masks(batch)
         ops, eps = self.ops, cfg.rms_norm_eps
         h = F.embedding(batch.input_ids, self.embed)
         if ops is None:
@@ -268,7 +288,7 @@ class LlamaModel:
             groups = lora_layers[i] if lora_layers is not None else {}
             x, h = self._norm(h, delta, layer["input_layernorm"])
             qkv = {p: self._linear(x, layer, p) for p in ("q_proj", "k_proj", "v_proj")}
-            lora_project(x, qkv, groups.get("q_proj"), expand_ops)
+            lora_project(x, qkv, groups.get("q_proj"), expand_ops, masks.get("q_proj"))
             if ops is not None:
                 q = ops.rope(qkv["q_proj"], nh, self.cos, self.sin, batch.positions)
                 k = ops.rope(qkv["k_proj"], nkv, self.cos, self.sin, batch.positions)
@@ -280,16 +300,16 @@ class LlamaModel:
             write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
             o = {"o_proj": self._linear(attn, layer, "o_proj")}
-            lora_project(attn, o, groups.get("o_proj"), expand_ops)
+            lora_project(attn, o, groups.get("o_proj"), expand_ops, masks.get("o_proj"))
             x, h = self._norm(h, o["o_proj"], layer["post_attention_layernorm"])
             gu = {p: self._linear(x, layer, p) for p in ("gate_proj", "up_proj")}
-            lora_project(x, gu, groups.get("gate_proj"), expand_ops)
+            lora_project(x, gu, groups.get("gate_proj"), expand_ops, masks.get("gate_proj"))
             if ops is not None:
                 act = ops.silu_mul(gu["gate_proj"], gu["up_proj"])
             else:
                 act = F.silu(gu["gate_proj"]) * gu["up_proj"]
             d = {"down_proj": self._linear(act, layer, "down_proj")}
-            lora_project(act, d, groups.get("down_proj"), expand_ops)
+            lora_project(act, d, groups.get("down_proj"), expand_ops, masks.get("down_proj"))
             delta = d["down_proj"]
         h = h + delta
         if batch.logits_indices is not None:
@@ -314,6 +334,7 @@ class LlamaModel:
         of the kernel's programs is one row and reads its rank rows of B again, rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
+        masks = self.slot_masks(batch)
         h = F.embedding(batch.input_ids, self.embed)
         # a large step keeps its expands out of the per-row decode kernels (each of their programs reads its
         # rank rows of B again: B's bytes x rows) unless the mode is in_kernels
@@ -341,7 +362,7 @@ class LlamaModel:
                 x = ops.rms_norm(h, layer["input_layernorm"], eps)
             else:
                 h, x = add_norm(h, delta, layer["input_layernorm"], delta_lora)
-            (q, k, v), qkv_lora = self._group_gemm(x, layer, ("q_proj", "k_proj", "v_proj"), groups)
+            (q, k, v), qkv_lora = self._group_gemm(x, layer, ("q_proj", "k_proj", "v_proj"), groups, masks)
             k_cache, v_cache = kv_caches[i]
             rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
             if settle and not tiled:
@@ -361,18 +382,18 @@ class LlamaModel:
                 batch.slot_mapping,
             )
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
-            (o,), o_lora = self._group_gemm(attn, layer, ("o_proj",), groups)
+            (o,), o_lora = self._group_gemm(attn, layer, ("o_proj",), groups, masks)
             if settle and not tiled:
                 o_lora = _settle_expands((o,), o_lora, expand_ops)
             h, x = add_norm(h, o, layer["post_attention_layernorm"], o_lora and o_lora[0])
-            (gate, up), gu_lora = self._group_gemm(x, layer, ("gate_proj", "up_proj"), groups)
+            (gate, up), gu_lora = self._group_gemm(x, layer, ("gate_proj", "up_proj"), groups, masks)
             if tiled and gu_lora is not None:
                 act = ops.silu_mul_expand(gate, up, gu_lora)
             else:
                 if settle:
                     gu_lora = _settle_expands((gate, up), gu_lora, expand_ops)
                 act = fd.silu_mul_lora(gate, up, gu_lora)
-            (delta,), d_lora = self._group_gemm(act, layer, ("down_proj",), groups)
+            (delta,), d_lora = self._group_gemm(act, layer, ("down_proj",), groups, masks)
             if settle and not tiled:
                 d_lora = _settle_expands((delta,), d_lora, expand_ops)
             delta_lora = d_lora and d_lora[0]
@@ -382,15 +403,25 @@ class LlamaModel:
             x = x[batch.logits_indices]
         return self._linear_many(x, [self.lm_head])[0].float()
 
-    def _group_gemm(self, x: torch.Tensor, layer: dict, projs: tuple[str, ...], groups: dict[str, LoRAGroup]):
+    def _group_gemm(
+        self,
+        x: torch.Tensor,
+        layer: dict,
+        projs: tuple[str, ...],
+        groups: dict[str, LoRAGroup],
+        masks: dict[str, torch.Tensor],
+    ):
         """The projections `projs` of x and, when the adapter targets them, the group's shrink t = x·A_catᵀ
-        (one launch for a small step). Returns (outputs in `projs` order, one Expand or None per projection
-        / None)."""
+        (one launch for a small step), masked to each row's adapter slot (`masks`, `slot_masks`). Returns
+        (outputs in `projs` order, one Expand or None per projection / None)."""
         group = groups.get(projs[0])
         weights = [layer[p] for p in projs]
         if group is None:
             return self._linear_many(x, weights), None
         t, *outs = self._linear_many(x, [group.a_cat, *weights])
+        mask = masks.get(projs[0])
+        if mask is not None:
+            t.mul_(mask)
         by_proj = {p: self.fused.Expand(t, off, rank, b_t) for p, off, rank, b_t in group.targets}
         return outs, tuple(by_proj.get(p) for p in projs)
 
