@@ -29,6 +29,7 @@ from lorafn.runtime.config import ModelConfig
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Projections that read the same input and so share one shrink GEMM.
 SHRINK_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+_GROUP_HEAD = {p: group[0] for group in SHRINK_GROUPS for p in group}  # projection -> its group's key
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$"
 )
@@ -205,7 +206,9 @@ def load_lora(
         view = flat[piece.start : piece.end].view(piece.shape)
         if piece.target is None:  # a group starts: its a_cat, then its targets' Bᵀ
             targets, off = [], 0
-            out.layers[piece.layer][piece.present[0]] = LoRAGroup(a_cat=view, targets=targets)
+            # keyed by the group's first projection, whether the adapter targets it or not (the forward and
+            # zero_lora's buffers look groups up by it: a v_proj-only adapter is the q/k/v group's)
+            out.layers[piece.layer][_GROUP_HEAD[piece.present[0]]] = LoRAGroup(a_cat=view, targets=targets)
         else:
             targets.append((piece.target, off, piece.shape[0], view))
             off += piece.shape[0]

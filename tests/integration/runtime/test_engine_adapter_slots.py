@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
-from tests.integration.runtime.engine_helpers import hf_greedy, mixed_prompts, write_hf_model, write_peft_adapter
+from tests.integration.runtime.engine_helpers import (
+    hf_greedy,
+    mixed_prompts,
+    write_hf_model,
+    write_peft_adapter,
+)
 
 MAX_NEW = 10
 
@@ -24,12 +29,14 @@ def adapters(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     """Three real PEFT adapters that fit one slot shape (r8 all-linear): two of that shape, one of a lower
     rank on q/v only (padded with zeros in its slot)."""
     root = tmp_path_factory.mktemp("adapters")
+    kw = {"lora_alpha": 16, "target_modules": "all-linear"}
     return {
-        "a": write_peft_adapter(llama_dir, root / "a", r=8, lora_alpha=16, target_modules="all-linear", seed=1),
-        "b": write_peft_adapter(llama_dir, root / "b", r=8, lora_alpha=8, target_modules="all-linear", seed=2),
-        "qv": write_peft_adapter(llama_dir, root / "qv", r=4, lora_alpha=12, target_modules=["q_proj", "v_proj"],
-                                 seed=3),
-    }  # fmt: skip
+        "a": write_peft_adapter(llama_dir, root / "a", r=8, seed=1, **kw),
+        "b": write_peft_adapter(llama_dir, root / "b", r=8, seed=2, **{**kw, "lora_alpha": 8}),
+        "qv": write_peft_adapter(
+            llama_dir, root / "qv", r=4, lora_alpha=12, target_modules=["q_proj", "v_proj"], seed=3
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +111,17 @@ def test_load_adapter_swaps_one_slot(llama_dir: Path, adapters, references) -> N
 
 def test_slot_errors_name_the_problem(llama_dir: Path, adapters, tmp_path: Path) -> None:
     engine = Engine(
-        EngineConfig(model=llama_dir, adapters=(adapters["a"],), adapter_slots=2, device="cpu", dtype="float32")
+        EngineConfig(
+            model=llama_dir, adapters=(adapters["a"],), adapter_slots=2, device="cpu", dtype="float32"
+        )
     )
-    with pytest.raises(ValueError, match="adapter_slot: 2 is not one of this engine's slots 0..1"):
+    with pytest.raises(ValueError, match=r"adapter_slot: 2 is not one of this engine's slots 0\.\.1"):
         engine.add_request([1, 2], adapter_slot=2)
     with pytest.raises(ValueError, match="adapter_slots: 1 given for 2 prompts"):
         engine.generate([[1, 2], [3]], adapter_slots=[0])
     with pytest.raises(ValueError, match="adapter slot: 5 is not one of the buffers' 2 slots"):
         engine.load_adapter(5, adapters["b"])
-    with pytest.raises(ValueError, match="load_adapter: an engine with adapter slots|bind_adapter"):
+    with pytest.raises(ValueError, match=r"bind_adapter: an engine with adapter slots takes load_adapter"):
         engine.bind_adapter(adapters["b"])
     wide = write_peft_adapter(llama_dir, tmp_path / "wide", r=16, lora_alpha=16, target_modules="all-linear")
     with pytest.raises(ValueError, match="does not fit the buffers'"):
@@ -120,11 +129,15 @@ def test_slot_errors_name_the_problem(llama_dir: Path, adapters, tmp_path: Path)
     with pytest.raises(ValueError, match=r"adapters\[1\]: .*wide.*does not fit the slots'"):
         Engine(
             EngineConfig(
-                model=llama_dir, adapters=(adapters["qv"], wide), adapter_slots=2, device="cpu", dtype="float32"
+                model=llama_dir,
+                adapters=(adapters["qv"], wide),
+                adapter_slots=2,
+                device="cpu",
+                dtype="float32",
             )
         )
     single = Engine(EngineConfig(model=llama_dir, adapter=adapters["a"], device="cpu", dtype="float32"))
     with pytest.raises(ValueError, match="no adapter slots"):
         single.load_adapter(0, adapters["b"])
-    with pytest.raises(ValueError, match="adapter_slot: 1 is not one of this engine's slots 0..0"):
+    with pytest.raises(ValueError, match=r"adapter_slot: 1 is not one of this engine's slots 0\.\.0"):
         single.add_request([1, 2], adapter_slot=1)

@@ -44,6 +44,10 @@ ADAPTERS = {
     "r64-all-linear-rslora": dict(r=64, lora_alpha=32, target_modules="all-linear", use_rslora=True),
     "r8-attention-alpha3": dict(r=8, lora_alpha=3, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "r4-mlp-subset": dict(r=4, lora_alpha=12, target_modules=["gate_proj", "down_proj"]),
+    # groups without their first projection (q/k/v without q, gate/up without gate): these were silently
+    # left out of the forward until the nineteenth session (load_lora keyed the group by its first target)
+    "r8-v-only": dict(r=8, lora_alpha=16, target_modules=["v_proj"]),
+    "r4-kv-up": dict(r=4, lora_alpha=8, target_modules=["k_proj", "v_proj", "up_proj"]),
     "rank-pattern": dict(
         r=4,
         lora_alpha=8,
