@@ -141,3 +141,17 @@ def test_slot_errors_name_the_problem(llama_dir: Path, adapters, tmp_path: Path)
         single.load_adapter(0, adapters["b"])
     with pytest.raises(ValueError, match=r"adapter_slot: 1 is not one of this engine's slots 0\.\.0"):
         single.add_request([1, 2], adapter_slot=1)
+
+
+def test_bench_runs_on_cpu(tmp_path: Path) -> None:
+    """bench/adapter_slots.py --tiny ends with a row per K (its figures are not asserted: no timing in tests)."""
+    import json
+
+    from bench.adapter_slots import main
+
+    out = tmp_path / "slots.json"
+    assert (
+        main(["--tiny", "--slots", "1,2", "--decode-tokens", "2", "--repeats", "1", "--json", str(out)]) == 0
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["k"] for r in rows] == [1, 2] and all(r["slots_s"] > 0 for r in rows)
