@@ -144,7 +144,7 @@ def test_slot_errors_name_the_problem(llama_dir: Path, adapters, tmp_path: Path)
 
 
 def test_bench_runs_on_cpu(tmp_path: Path) -> None:
-    """bench/adapter_slots.py --tiny ends with a row per K (its figures are not asserted: no timing in tests)."""
+    """bench/adapter_slots.py --tiny ends with a row per K (no timing asserted in tests)."""
     import json
 
     from bench.adapter_slots import main
