@@ -318,6 +318,11 @@ def copy_lora_slot(buffers: LoRAWeights, adapter: LoRAWeights, slot: int) -> Non
         src_groups = adapter.layers[layer]
         for head, d in groups.items():
             s = src_groups.get(head)
+            if k == 1 and s is not None and [t[:3] for t in s.targets] == [t[:3] for t in d.targets]:
+                # the adapter's own layout (its shape is the buffers'): whole tensors, nothing to pad
+                dst += [d.a_cat, *(b for *_, b in d.targets)]
+                src += [s.a_cat, *(b for *_, b in s.targets)]
+                continue
             s_targets = {p: (off, r, b) for p, off, r, b in s.targets} if s is not None else {}
             for p, k_off, k_rank, b_dst in d.targets:
                 r = k_rank // k  # this projection's rank in one slot
@@ -331,7 +336,9 @@ def copy_lora_slot(buffers: LoRAWeights, adapter: LoRAWeights, slot: int) -> Non
                     zero += [a_rows, b_rows]
                 dst += [a_rows[:s_r], b_rows[:s_r]]
                 src += [s.a_cat[s_off : s_off + s_r], b_src]  # type: ignore[union-attr]
-    if zero:  # every zero before every copy, as in copy_lora
+    # grouped: a few multi-tensor launches instead of one per tensor (each a wait on a time-sliced GPU);
+    # every zero comes before every copy, so a padded buffer gets its rows after its zeros
+    if zero:
         torch._foreach_zero_(zero)
     if dst:
         torch._foreach_copy_(dst, src)
@@ -369,42 +376,11 @@ def fits_shape(adapter: LoRAWeights, buffers: LoRAWeights) -> bool:
 def copy_lora(buffers: LoRAWeights, adapter: LoRAWeights) -> None:
     """Copy an adapter into buffers of a shape it fits, in place: lower ranks and projections the adapter
     leaves out are zero-padded (they add exact zeros: y + x·0ᵀ·0ᵀ), so the result equals the adapter's own
-    forward and the buffers' addresses (captured in CUDA graphs) do not change."""
+    forward and the buffers' addresses (captured in CUDA graphs) do not change. One-adapter buffers (a
+    standby's); `copy_lora_slot` for slot buffers."""
     if buffers.num_slots != 1:
         raise ValueError(f"copy_lora: the buffers hold {buffers.num_slots} adapter slots (copy_lora_slot)")
-    if not fits_shape(adapter, buffers):
-        raise ValueError(
-            f"adapter shape {adapter.shape_key!r} does not fit the buffers' {buffers.shape_key!r}"
-        )
-    zero: list[torch.Tensor] = []
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    for layer, groups in enumerate(buffers.layers):
-        src_groups = adapter.layers[layer]
-        for head, d in groups.items():
-            s = src_groups.get(head)
-            if s is not None and [t[:3] for t in s.targets] == [t[:3] for t in d.targets]:
-                # the adapter's own layout (its shape is the buffers'): whole tensors, nothing to pad
-                dst += [d.a_cat, *(b for *_, b in d.targets)]
-                src += [s.a_cat, *(b for *_, b in s.targets)]
-                continue
-            zero.append(d.a_cat)
-            s_targets = {p: (off, r, b) for p, off, r, b in s.targets} if s is not None else {}
-            for p, off, r, b_dst in d.targets:
-                if p not in s_targets:
-                    zero.append(b_dst)
-                    continue
-                s_off, s_r, b_src = s_targets[p]
-                if s_r < r:
-                    zero.append(b_dst)
-                dst += [d.a_cat[off : off + s_r], b_dst[:s_r]]
-                src += [s.a_cat[s_off : s_off + s_r], b_src]  # type: ignore[union-attr]
-    # grouped: a few multi-tensor launches instead of one per tensor (each a wait on a time-sliced GPU);
-    # every zero comes before every copy, so a padded buffer gets its rows after its zeros
-    if zero:
-        torch._foreach_zero_(zero)
-    if dst:
-        torch._foreach_copy_(dst, src)
+    copy_lora_slot(buffers, adapter, 0)
 
 
 def clear_lora(buffers: LoRAWeights) -> None:

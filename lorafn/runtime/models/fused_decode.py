@@ -41,12 +41,17 @@ MAX_SEGMENTS = 4
 
 @dataclass(frozen=True)
 class Expand:
-    """One projection's LoRA expand: t[:, offset:offset+rank] · b_t ([rank, out] contiguous)."""
+    """One projection's LoRA expand: t[:, offset:offset+rank] · b_t ([rank, out] contiguous).
+
+    With `row_slots` ([T] int64, adapter slots: lora.py) rank is one slot's and b_t holds every slot's
+    rows: row i adds t[i, offset + s·rank : +rank] · b_t[s·rank : +rank] for its slot s = row_slots[i], so
+    the per-row kernels read one slot's rank rows of B, not all of them (and unroll over one rank)."""
 
     t: torch.Tensor  # [T, sum of the group's ranks]
     offset: int
     rank: int
     b_t: torch.Tensor
+    row_slots: torch.Tensor | None = None
 
 
 def block_k(k: int) -> int | None:
@@ -182,11 +187,31 @@ def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tenso
 
 
 @triton.jit
-def lora_add_tile(acc, T, row, stride_t, off, rank, BT, out_features, cols, mask, R: tl.constexpr):
+def lora_add_tile(
+    acc,
+    T,
+    row,
+    stride_t,
+    off,
+    rank,
+    BT,
+    out_features,
+    cols,
+    mask,
+    R: tl.constexpr,
+    ROW_SLOTS,
+    SLOTTED: tl.constexpr,
+):
     """acc + t[row, off:off+rank] · B_t[:, cols] in float32 (B_t: [rank, out_features]; rank <= R).
+    SLOTTED (adapter slots, `Expand.row_slots`): the row's slot s = ROW_SLOTS[row] picks t's columns
+    off + s·rank.. and B_t's rows s·rank.. (rank: one slot's).
 
     Unrolled over R so that every load is in flight at once: a loop over a run-time rank issued them one
     after another and made the expands ~10x slower than their bytes (H100, bench/decode_profile.py)."""
+    if SLOTTED:
+        s = tl.load(ROW_SLOTS + row).to(tl.int64)
+        off = off + s * rank
+        BT = BT + s * rank * out_features
     for j in tl.static_range(R):
         ok = mask & ((cols * 0 + j) < rank)  # this projection's rank may be below the group's widest
         tj = tl.load(T + row * stride_t + off + j + cols * 0, mask=ok, other=0.0).to(tl.float32)
@@ -210,14 +235,17 @@ def _head_with_lora(
     dt: tl.constexpr,
     HAS_LORA: tl.constexpr,
     R: tl.constexpr,
+    ROW_SLOTS,
+    SLOTTED: tl.constexpr,
 ):
     """One head's two halves of a projection's output row (ROW: the row's start), its LoRA expand added
     and rounded to the activation dtype as the unfused addmm_ does; float32 values."""
     x1 = tl.load(ROW + cols, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ROW + HALF + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_LORA:
-        x1 = lora_add_tile(x1, T, t, stride_t, off, rank, BT, out_f, cols, mask, R).to(dt).to(tl.float32)
-        x2 = lora_add_tile(x2, T, t, stride_t, off, rank, BT, out_f, cols + HALF, mask, R)
+        x1 = lora_add_tile(x1, T, t, stride_t, off, rank, BT, out_f, cols, mask, R, ROW_SLOTS, SLOTTED)
+        x1 = x1.to(dt).to(tl.float32)
+        x2 = lora_add_tile(x2, T, t, stride_t, off, rank, BT, out_f, cols + HALF, mask, R, ROW_SLOTS, SLOTTED)
         x2 = x2.to(dt).to(tl.float32)
     return x1, x2
 
@@ -264,8 +292,10 @@ def _rope_lora_kv_kernel(
     rank_v,
     num_heads,
     num_kv_heads,
+    ROW_SLOTS,
     HAS_LORA: tl.constexpr,
     R: tl.constexpr,
+    SLOTTED: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -284,7 +314,7 @@ def _rope_lora_kv_kernel(
         out_f = num_heads * head_dim
         cols = h * head_dim + offs
         x1, x2 = _head_with_lora(Q + t * stride_q, TQ, t, stride_tq, off_q, rank_q, BQ, out_f, cols, mask,
-                                 HALF, dt, HAS_LORA, R)  # fmt: skip
+                                 HALF, dt, HAS_LORA, R, ROW_SLOTS, SLOTTED)  # fmt: skip
         o1, o2 = _rope_half_pair(x1, x2, c1, c2, s1, s2, dt)
         base = QO + t * (num_heads * head_dim) + h * head_dim
         tl.store(base + offs, o1, mask=mask)
@@ -294,9 +324,9 @@ def _rope_lora_kv_kernel(
         out_f = num_kv_heads * head_dim
         cols = j * head_dim + offs
         k1, k2 = _head_with_lora(K + t * stride_k, TK, t, stride_tk, off_k, rank_k, BK, out_f, cols, mask,
-                                 HALF, dt, HAS_LORA, R)  # fmt: skip
+                                 HALF, dt, HAS_LORA, R, ROW_SLOTS, SLOTTED)  # fmt: skip
         v1, v2 = _head_with_lora(V + t * stride_v, TV, t, stride_tv, off_v, rank_v, BV, out_f, cols, mask,
-                                 HALF, dt, HAS_LORA, R)  # fmt: skip
+                                 HALF, dt, HAS_LORA, R, ROW_SLOTS, SLOTTED)  # fmt: skip
         o1, o2 = _rope_half_pair(k1, k2, c1, c2, s1, s2, dt)
         slot = tl.load(SLOTS + t).to(tl.int64)
         k_out = KO + t * out_f + j * head_dim
@@ -328,6 +358,19 @@ def lora_args(expand: Expand | None, like: torch.Tensor) -> tuple:
     return expand.t, expand.b_t, expand.t.stride(0), expand.offset, expand.rank
 
 
+def slot_args(expands: tuple[Expand | None, ...] | Expand | None, like: torch.Tensor) -> tuple:
+    """(ROW_SLOTS, SLOTTED) of a launch: the row slots the expands share (adapter slots), else `like` and
+    False. The expands of one group come from one step: one row_slots tensor, or none."""
+    if isinstance(expands, Expand):
+        expands = (expands,)
+    slots = {id(e.row_slots): e.row_slots for e in expands or () if e is not None and e.row_slots is not None}
+    if not slots:
+        return like, False
+    if len(slots) > 1:
+        raise ValueError("expands of one launch with different row_slots tensors")
+    return next(iter(slots.values())), True
+
+
 def rope_lora_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -354,6 +397,7 @@ def rope_lora_kv(
     tq, bq, stq, oq, rq = lora_args(eq, q)
     tk, bk, stk, ok, rk = lora_args(ek, q)
     tv, bv, stv, ov, rv = lora_args(ev, q)
+    row_slots, slotted = slot_args(lora, positions)
     half = head_dim // 2
     _rope_lora_kv_kernel[(tokens, num_heads + num_kv_heads)](
         q,
@@ -388,8 +432,10 @@ def rope_lora_kv(
         rv,
         num_heads,
         num_kv_heads,
+        row_slots,
         HAS_LORA=lora is not None,
         R=max_rank(lora),
+        SLOTTED=slotted,
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
         num_warps=1,
@@ -415,8 +461,10 @@ def _silu_mul_lora_kernel(
     rank_g,
     rank_u,
     N,
+    ROW_SLOTS,
     HAS_LORA: tl.constexpr,
     R: tl.constexpr,
+    SLOTTED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -426,8 +474,10 @@ def _silu_mul_lora_kernel(
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_LORA:
-        g = lora_add_tile(g, TG, row, stride_tg, off_g, rank_g, BG, N, cols, mask, R).to(dt).to(tl.float32)
-        u = lora_add_tile(u, TU, row, stride_tu, off_u, rank_u, BU, N, cols, mask, R).to(dt).to(tl.float32)
+        g = lora_add_tile(g, TG, row, stride_tg, off_g, rank_g, BG, N, cols, mask, R, ROW_SLOTS, SLOTTED)
+        g = g.to(dt).to(tl.float32)
+        u = lora_add_tile(u, TU, row, stride_tu, off_u, rank_u, BU, N, cols, mask, R, ROW_SLOTS, SLOTTED)
+        u = u.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(OUT + row * N + cols, (act * u).to(dt), mask=mask)
 
@@ -441,6 +491,7 @@ def silu_mul_lora(
     eg, eu = lora if lora is not None else (None, None)
     tg, bg, stg, og, rg = lora_args(eg, gate)
     tu, bu, stu, ou, ru = lora_args(eu, gate)
+    row_slots, slotted = slot_args(lora, gate)
     block = 1024 if lora is None else 256  # with expands: more programs, each reading fewer B rows
     _silu_mul_lora_kernel[(tokens, triton.cdiv(n, block))](
         gate,
@@ -459,8 +510,10 @@ def silu_mul_lora(
         rg,
         ru,
         n,
+        row_slots,
         HAS_LORA=lora is not None,
         R=max_rank(lora),
+        SLOTTED=slotted,
         BLOCK=block,
         num_warps=4,
     )

@@ -334,11 +334,19 @@ class LlamaModel:
         of the kernel's programs is one row and reads its rank rows of B again, rows x B bytes)."""
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
-        masks = self.slot_masks(batch)
         h = F.embedding(batch.input_ids, self.embed)
         # a large step keeps its expands out of the per-row decode kernels (each of their programs reads its
         # rank rows of B again: B's bytes x rows) unless the mode is in_kernels
         settle = batch.input_ids.shape[0] > fd.MAX_TOKENS and mode != "in_kernels"
+        # adapter slots: the per-row kernels read each row's own slot (Expand.row_slots); a settled step's
+        # expands (GEMMs over all rows) read every slot's columns, the others' masked to zeros first
+        slots = self.lora is not None and self.lora.num_slots > 1
+        if slots and batch.adapter_slots is None:
+            raise ValueError(
+                f"adapter_slots: the model has {self.lora.num_slots} adapter slots; name each row's"
+            )  # type: ignore[union-attr]
+        masks = self.slot_masks(batch) if slots and settle else {}
+        row_slots = batch.adapter_slots if slots and not settle else None
         expand_ops = ops if mode == "grouped" else None
         # grouped, large step: every expand inside the kernel that reads its projection's output anyway, on
         # the tensor cores over tiles of rows (q/k/v: RoPE + cache writes; o, down: add + RMSNorm; gate/up:
@@ -362,7 +370,9 @@ class LlamaModel:
                 x = ops.rms_norm(h, layer["input_layernorm"], eps)
             else:
                 h, x = add_norm(h, delta, layer["input_layernorm"], delta_lora)
-            (q, k, v), qkv_lora = self._group_gemm(x, layer, ("q_proj", "k_proj", "v_proj"), groups, masks)
+            (q, k, v), qkv_lora = self._group_gemm(
+                x, layer, ("q_proj", "k_proj", "v_proj"), groups, masks, row_slots
+            )
             k_cache, v_cache = kv_caches[i]
             rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
             if settle and not tiled:
@@ -382,18 +392,20 @@ class LlamaModel:
                 batch.slot_mapping,
             )
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
-            (o,), o_lora = self._group_gemm(attn, layer, ("o_proj",), groups, masks)
+            (o,), o_lora = self._group_gemm(attn, layer, ("o_proj",), groups, masks, row_slots)
             if settle and not tiled:
                 o_lora = _settle_expands((o,), o_lora, expand_ops)
             h, x = add_norm(h, o, layer["post_attention_layernorm"], o_lora and o_lora[0])
-            (gate, up), gu_lora = self._group_gemm(x, layer, ("gate_proj", "up_proj"), groups, masks)
+            (gate, up), gu_lora = self._group_gemm(
+                x, layer, ("gate_proj", "up_proj"), groups, masks, row_slots
+            )
             if tiled and gu_lora is not None:
                 act = ops.silu_mul_expand(gate, up, gu_lora)
             else:
                 if settle:
                     gu_lora = _settle_expands((gate, up), gu_lora, expand_ops)
                 act = fd.silu_mul_lora(gate, up, gu_lora)
-            (delta,), d_lora = self._group_gemm(act, layer, ("down_proj",), groups, masks)
+            (delta,), d_lora = self._group_gemm(act, layer, ("down_proj",), groups, masks, row_slots)
             if settle and not tiled:
                 d_lora = _settle_expands((delta,), d_lora, expand_ops)
             delta_lora = d_lora and d_lora[0]
@@ -410,10 +422,12 @@ class LlamaModel:
         projs: tuple[str, ...],
         groups: dict[str, LoRAGroup],
         masks: dict[str, torch.Tensor],
+        row_slots: torch.Tensor | None = None,
     ):
         """The projections `projs` of x and, when the adapter targets them, the group's shrink t = x·A_catᵀ
         (one launch for a small step), masked to each row's adapter slot (`masks`, `slot_masks`). Returns
-        (outputs in `projs` order, one Expand or None per projection / None)."""
+        (outputs in `projs` order, one Expand or None per projection / None). `row_slots` (adapter slots, a
+        step of the per-row kernels): Expands of one slot's rank that pick each row's slot."""
         group = groups.get(projs[0])
         weights = [layer[p] for p in projs]
         if group is None:
@@ -422,7 +436,10 @@ class LlamaModel:
         mask = masks.get(projs[0])
         if mask is not None:
             t.mul_(mask)
-        by_proj = {p: self.fused.Expand(t, off, rank, b_t) for p, off, rank, b_t in group.targets}
+        k = self.lora.num_slots if row_slots is not None else 1  # type: ignore[union-attr]
+        by_proj = {
+            p: self.fused.Expand(t, off, rank // k, b_t, row_slots) for p, off, rank, b_t in group.targets
+        }
         return outs, tuple(by_proj.get(p) for p in projs)
 
     def _linear_many(self, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:

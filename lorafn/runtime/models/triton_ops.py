@@ -19,6 +19,7 @@ from lorafn.runtime.models.fused_decode import (
     _rope_half_pair,
     lora_add_tile,
     lora_args,
+    slot_args,
 )
 
 MAX_EXPAND_OUTPUTS = 3  # a projection group's members: q/k/v (gate/up: 2, o and down: 1)
@@ -48,6 +49,8 @@ def _add_rms_norm_kernel(
     HAS_RES: tl.constexpr,
     HAS_LORA: tl.constexpr,
     LORA_R: tl.constexpr,
+    ROW_SLOTS,
+    SLOTTED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -57,8 +60,9 @@ def _add_rms_norm_kernel(
         delta = tl.load(R + row * N + offs, mask=mask, other=0.0)
         if HAS_LORA:  # delta + t·Bᵀ, rounded once (the unfused path's addmm_ epilogue)
             delta = lora_add_tile(
-                delta.to(tl.float32), T, row, stride_t, lora_off, lora_rank, BT, N, offs, mask, LORA_R
-            )
+                delta.to(tl.float32), T, row, stride_t, lora_off, lora_rank, BT, N, offs, mask, LORA_R,
+                ROW_SLOTS, SLOTTED,
+            )  # fmt: skip
             delta = delta.to(RES_OUT.dtype.element_ty)
         x = (x.to(tl.float32) + delta.to(tl.float32)).to(RES_OUT.dtype.element_ty)
         tl.store(RES_OUT + row * N + offs, x, mask=mask)
@@ -90,6 +94,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         HAS_RES=False,
         HAS_LORA=False,
         LORA_R=0,
+        ROW_SLOTS=x,
+        SLOTTED=False,
         num_warps=4,
     )
     return out
@@ -104,6 +110,7 @@ def add_rms_norm(
     out = torch.empty_like(h)
     n = h.shape[-1]
     t, b_t, stride_t, off, rank = lora_args(lora, h)
+    row_slots, slotted = slot_args(lora, h)
     _add_rms_norm_kernel[(h.shape[0],)](
         h,
         delta,
@@ -121,6 +128,8 @@ def add_rms_norm(
         HAS_RES=True,
         HAS_LORA=lora is not None,
         LORA_R=lora.rank if lora is not None else 0,
+        ROW_SLOTS=row_slots,
+        SLOTTED=slotted,
         num_warps=16 if lora is not None else 4,  # one program per row reads all of B: more loads in flight
     )
     return res, out

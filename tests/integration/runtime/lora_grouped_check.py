@@ -3,7 +3,9 @@ interpreted on CPU tensors) with each `lora_expand` mode (and the per-step pairs
 "per_projection/grouped") against the plain torch CPU forward (one addmm_ per projection), float32; the
 launches counted show which mode each step ran in.
 
-    python -m tests.integration.runtime.lora_grouped_check MODEL_DIR NAME=ADAPTER_DIR ...
+    python -m tests.integration.runtime.lora_grouped_check [--slots] MODEL_DIR NAME=ADAPTER_DIR ...
+
+`--slots`: only the adapter-slot check (`_check_slots`), the first three adapters in four slots.
 
 Prints one line per check and `ok` last; exits non-zero (an AssertionError) on the first difference.
 """
@@ -18,7 +20,7 @@ import torch
 from lorafn.runtime.config import LORA_EXPANDS, ModelConfig, expand_modes
 from lorafn.runtime.kv_cache import KVCache
 from lorafn.runtime.local_weights import SafetensorsWeightSource
-from lorafn.runtime.lora import LoRAWeights, clear_lora, copy_lora, load_lora, zero_lora
+from lorafn.runtime.lora import LoRAWeights, clear_lora, copy_lora, copy_lora_slot, load_lora, zero_lora
 from lorafn.runtime.models import fused_decode, triton_ops
 from lorafn.runtime.models.llama import ForwardBatch, LlamaModel, PrefillSpan
 
@@ -31,7 +33,7 @@ MODES = (*LORA_EXPANDS, "hybrid", "per_projection/grouped")
 DECODE_ROWS = 18  # the decode-only large step's rows
 
 
-def _steps(cfg: ModelConfig) -> list[ForwardBatch]:
+def _steps(cfg: ModelConfig, num_slots: int = 1) -> list[ForwardBatch]:
     """A 24-token prompt of sequence 0 (above the 16-row limit: a large step), a 21-token prompt of
     sequence 1 beside a decode of sequence 0 (22 rows: a mixed large step), a decode (a small step), then
     a step of 18 decodes only (a large decode step, as a decode graph's bucket 32 runs it): row i at
@@ -83,6 +85,9 @@ def _steps(cfg: ModelConfig) -> list[ForwardBatch]:
             None,
         )
     )
+    if num_slots > 1:  # adapter slots: rows of every slot in each step (the one-row step's in slot 1)
+        for step in steps:
+            step.adapter_slots = (torch.arange(step.input_ids.shape[0]) * 3 + 1) % num_slots
     return steps
 
 
@@ -129,7 +134,7 @@ def _forward(
         setattr(triton_ops, name, counting(fn))
     fused_decode.rope_lora_kv = rope_counted
     try:
-        logits = [model.forward(step, kv.layers) for step in _steps(cfg)]
+        logits = [model.forward(step, kv.layers) for step in _steps(cfg, lora.num_slots if lora else 1)]
     finally:
         for name, fn in real.items():
             setattr(triton_ops, name, fn)
@@ -171,10 +176,40 @@ def _check_skinny(
     print(f"{name} skinny_gemm_rows=64: as per-projection torch (segmented GEMMs up to {most_rows} rows)")
 
 
+def _check_slots(model_dir: Path, cfg: ModelConfig, adapters: list[LoRAWeights], shape: str) -> None:
+    """Adapter slots: the first three adapters in slots of `shape` (the first one's; the other two must fit
+    it) and an empty fourth, rows of every slot
+    in each step; the CUDA code (per-row kernels reading each row's own slot, `Expand.row_slots`; settled
+    large steps with the other slots' columns masked) against the torch forward of the same buffers, which
+    the CPU engine tests hold to transformers + peft row by row."""
+    slots = zero_lora(shape, cfg, DEV, torch.float32, num_slots=4)
+    for s, lora in enumerate(adapters[:3]):
+        copy_lora_slot(slots, lora, s)
+    ref = _forward(model_dir, cfg, slots, triton=False, fused=False, mode="per_projection")
+    one = _forward(model_dir, cfg, adapters[0], triton=False, fused=False, mode="per_projection")
+    assert _rel(ref[0][0], one[0][0]) > 1e-3, "slots: the rows of other slots change nothing"
+    for mode in ("hybrid", "grouped", "in_kernels"):
+        _same(f"slots {mode}", _forward(model_dir, cfg, slots, triton=True, fused=True, mode=mode), ref)
+        print(f"adapter slots, {mode}: as the torch forward of the same slots")
+    _same(
+        "slots skinny",
+        _forward(model_dir, cfg, slots, triton=True, fused=True, mode="hybrid", skinny=64),
+        ref,
+    )
+    print("adapter slots, skinny_gemm_rows=64: as the torch forward of the same slots")
+
+
 def main(argv: list[str]) -> None:
+    slots = argv[0] == "--slots"  # the adapter-slot check alone (its own child: each takes minutes)
+    argv = argv[1:] if slots else argv
     model_dir = Path(argv[0])
     adapters = {name: Path(path) for name, path in (a.split("=", 1) for a in argv[1:])}
     cfg = ModelConfig.from_dir(model_dir)
+    if slots:
+        loras = [load_lora(p, cfg, DEV, torch.float32) for p in adapters.values()]
+        _check_slots(model_dir, cfg, loras, loras[0].shape_key)
+        print("ok")
+        return
     base_ref = _forward(model_dir, cfg, None, triton=False, fused=False, mode="per_projection")
     steps = _steps(cfg)
     # per step: large (more than 16 rows), and whether it has a prefill chunk (else: decodes only)

@@ -5,8 +5,9 @@ rank_pattern, rslora, a rank above the kernel's 64-wide rank block), the unfused
 (every `lora_expand` mode for the first adapter, and the per-step pairs "hybrid" and
 "per_projection/grouped", over steps with a prefill chunk and a large step of decodes only); and a
 standby's prepared buffers: copy_lora of an adapter gives its output through the grouped launches,
-clear_lora the base model's. lora_grouped_check.py does the work in a child process (TRITON_INTERPRET
-must be set before triton is imported); ~5 minutes on a 2-core VM."""
+clear_lora the base model's; and adapter slots (a second child, `--slots`). lora_grouped_check.py does the
+work in a child process (TRITON_INTERPRET must be set before triton is imported); ~5 minutes on a 2-core VM,
+and a few more for the slots."""
 
 from __future__ import annotations
 
@@ -38,14 +39,15 @@ ADAPTERS = {
 }
 
 
-def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Path) -> None:
+def _check(tiny_model_dir: Path, tmp_path: Path, adapters: dict, flags: list[str]) -> str:
+    """Runs lora_grouped_check in a child with Triton's interpreter; its stdout (ending in "ok")."""
     if not (sys.platform == "linux" and platform.machine() == "x86_64"):
         pytest.skip("Triton wheels exist for Linux x86-64 only")
     import triton  # noqa: F401  (a dev dependency on Linux x86-64: its absence is a failure there)
 
     model = write_hf_model(tmp_path / "m", tiny_model_dir, "llama")
-    args = [str(model)]
-    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
+    args = [*flags, str(model)]
+    for i, (name, kwargs) in enumerate(adapters.items()):
         args.append(f"{name}={write_peft_adapter(model, tmp_path / name, seed=11 + i, **kwargs)}")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.integration.runtime.lora_grouped_check", *args],
@@ -58,8 +60,13 @@ def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Pa
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         proc.stdout[-2000:] + proc.stderr[-4000:]
     )
+    return proc.stdout
+
+
+def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Path) -> None:
+    stdout = _check(tiny_model_dir, tmp_path, ADAPTERS, [])
     for i, name in enumerate(ADAPTERS):  # the first adapter in every mode, each in one, fused and not
-        assert proc.stdout.count(f"{name} fused=") == (10 if i == 0 else 2), proc.stdout
+        assert stdout.count(f"{name} fused=") == (10 if i == 0 else 2), stdout
     # hybrid (fused): the two prefill-bearing large steps per projection, the 18-decode step in_kernels (its
     # q/k/v expands inside the per-row RoPE kernel, one per layer): a third of in_kernels' large-step count
     counts = {
@@ -67,11 +74,21 @@ def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Pa
         for mode, *found in re.findall(
             r"r16-all-linear fused=True (\S+): same as per-projection torch \((\d+) grouped launches, (\d+) "
             r"in-kernel",
-            proc.stdout,
+            stdout,
         )
     }
     assert counts["hybrid"][0] == 0 and counts["hybrid"][1] > 0, counts
     assert counts["in_kernels"] == (0, 3 * counts["hybrid"][1]), counts
     assert counts["per_projection/grouped"][0] * 3 == counts["grouped"][0], counts
-    assert "o/down expands inside add + RMSNorm: same" in proc.stdout
-    assert "clear_lora: the base model's output" in proc.stdout
+    assert "o/down expands inside add + RMSNorm: same" in stdout
+    assert "clear_lora: the base model's output" in stdout
+
+
+def test_adapter_slots_on_the_cuda_code(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Adapter slots (r16 all-linear slots: r16, q/v r8 and mixed ranks in three, the fourth empty): the
+    per-row kernels reading each row's slot and the masked settled steps, every lora_expand mode and the
+    skinny GEMM, against the torch forward of the same slots."""
+    names = ("r16-all-linear", "r8-qv", "mixed-ranks")
+    stdout = _check(tiny_model_dir, tmp_path, {n: ADAPTERS[n] for n in names}, ["--slots"])
+    for mode in ("hybrid", "grouped", "in_kernels", "skinny_gemm_rows=64"):
+        assert f"adapter slots, {mode}: as the torch forward of the same slots" in stdout, stdout
