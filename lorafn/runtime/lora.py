@@ -54,8 +54,9 @@ class LoRAWeights:
     # serves rows of K functions (docs/runtime.md#adapter-slots). Each group's a_cat and Bᵀs hold the K
     # slots projection-major: projection p's A rows are [K·off_p + s·r_p, +r_p) for slot s, its Bᵀ rows
     # [s·r_p, +r_p); so a target reads as one expand of rank K·r_p at offset K·off_p, and every kernel
-    # that adds expands runs unchanged. What keeps a row to its own slot is `slot_masks`: the shrink's
-    # columns of the other slots are zeroed before the expands (exact: they add x·0).
+    # that adds expands runs unchanged. What keeps a row to its own slot: in the per-row CUDA kernels, the
+    # row's slot picks its columns and B rows (fused_decode.Expand.row_slots); everywhere else `slot_masks`
+    # zeroes the shrink's columns of the other slots before the expands (exact: they add x·0).
     num_slots: int = 1
     # per group (keyed as `layers`' dicts): the slot of each shrink column, [K·sum of ranks] int64
     col_slots: dict[str, torch.Tensor] = field(default_factory=dict)
