@@ -16,6 +16,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from tests.signals import sigint_default
+
 NAMESPACE = "lorafn-system"
 
 
@@ -166,6 +168,7 @@ class OperatorProcess:
             env=self.env,
             stdout=handle,
             stderr=asyncio.subprocess.STDOUT,
+            preexec_fn=sigint_default,
         )
 
     async def stop(self) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import redis
 
+from tests.signals import sigint_default
+
 
 def lorafn(*args: str, state_dir: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -97,7 +99,7 @@ def local_platform(tmp_path: Path, config: str, cold_start_timeout_s: float) -> 
     command = [sys.executable, "-m", "lorafn.cli", "up", "--config", str(config_file)]
     up = subprocess.Popen(
         [*command, "--state-dir", str(state_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=sigint_default,
     )  # fmt: skip
     running: LocalUp | None = None
     try:

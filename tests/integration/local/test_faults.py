@@ -36,6 +36,7 @@ import pytest
 import redis
 
 from tests.integration.runtime.engine_helpers import write_peft_adapter
+from tests.signals import sigint_default
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +98,7 @@ def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         proc = subprocess.Popen(
             [sys.executable, "-m", "lorafn.cli", "up", "--config", str(config),
              "--state-dir", str(state_dir)],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
+            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=sigint_default,
         )  # fmt: skip
     try:
         state_path = state_dir / "platform.json"

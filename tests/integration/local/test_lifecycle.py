@@ -23,6 +23,7 @@ from lorafn.local.config import PlatformState
 from lorafn.local.lifecycle import gateway_answers
 from lorafn.local.status import collect_status
 from tests.integration.runtime.engine_helpers import write_peft_adapter
+from tests.signals import sigint_default
 
 pytestmark = pytest.mark.slow
 
@@ -232,7 +233,7 @@ def test_logs_of_a_function_the_gateway_and_the_backbone(up: Up) -> None:
     follow = subprocess.Popen(
         [sys.executable, "-P", "-m", "lorafn.cli", "logs", "gateway", "-f", "--tail", "0", "--state-dir",
          str(up.state_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=up.cwd,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=up.cwd, preexec_fn=sigint_default,
     )  # fmt: skip
     try:
         time.sleep(3)

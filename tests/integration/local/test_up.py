@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.runtime.engine_helpers import write_peft_adapter
+from tests.signals import sigint_default
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ def test_up_apply_invoke_status_and_clean_stop(tiny_model_dir: Path, tmp_path: P
         [sys.executable, "-m", "lorafn.cli", "up", "--state-dir", str(state_dir), "--port", "0",
          "--device", "cpu"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=sigint_default,
     )  # fmt: skip
     try:
         state = _wait_for_state(state_dir, up)

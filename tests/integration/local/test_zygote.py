@@ -36,6 +36,7 @@ from tests.integration.gateway.harness import (
     register,
     wait_live_workers,
 )
+from tests.signals import sigint_default
 
 pytestmark = pytest.mark.slow
 
@@ -262,6 +263,7 @@ def _with_up(tmp: Path, zygote: bool, device: str, body: Callable[[Path], None])
             [sys.executable, "-m", "lorafn.cli", "up", "--config", str(cfg), "--state-dir", str(state_dir),
              "--device", device],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=sigint_default,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 120
