@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import ResidentSource, random_prompts, sync
+from bench.engine import ResidentSource, device_and_dtype, model_or_tiny, random_prompts, sync
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from lorafn.runtime.config import ModelConfig
 from lorafn.runtime.lora import write_random_adapter
@@ -79,26 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
 
-    device = torch.device(args.device)
-    tiny = args.tiny or device.type == "cpu"
-    dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype
-        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    )
+    device, tiny, dtype = device_and_dtype(args)
     args.prompt_len = args.prompt_len or (16 if tiny else 128)
     args.decode_tokens = args.decode_tokens or (8 if tiny else 64)
     ks = [int(k) for k in (args.slots or ("1,2,4" if tiny else "1,2,4,8,16")).split(",")]
     if any(k < 1 for k in ks):
         ap.error("--slots: positive integers")
     work = Path(tempfile.mkdtemp(prefix="lorafn-slots-"))
-    model_dir = args.model
-    if model_dir is None:
-        if not tiny:
-            ap.error("--model is required on a GPU (write it with `lorafn model random --preset llama-2-7b`)")
-        from lorafn.models.random_model import write_random_model
-
-        model_dir = write_random_model("tiny", work / "tiny", seed=0, progress=False)
+    model_dir = model_or_tiny(ap, args.model, tiny, work)
     mc = ModelConfig.from_dir(model_dir)
     targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
     adapters = [

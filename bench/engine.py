@@ -100,6 +100,26 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * nbytes / min(times)
 
 
+def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, bool, torch.dtype]:
+    """(device, tiny, dtype) of a bench's `--device`, `--tiny`, `--dtype`: CPU runs are tiny; dtype by default
+    bfloat16 on CUDA, float32 on CPU."""
+    device = torch.device(args.device)
+    tiny = args.tiny or device.type == "cpu"
+    default = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, tiny, getattr(torch, args.dtype) if args.dtype else default
+
+
+def model_or_tiny(ap: argparse.ArgumentParser, model_dir: Path | None, tiny: bool, work: Path) -> Path:
+    """`--model`, else (a tiny run) a random `tiny` preset written under `work`."""
+    if model_dir is not None:
+        return model_dir
+    if not tiny:
+        ap.error("--model is required on a GPU (write it with `lorafn model random --preset llama-2-7b`)")
+    from lorafn.models.random_model import write_random_model
+
+    return write_random_model("tiny", work / "tiny", seed=0, progress=False)
+
+
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab - 10, (batch, length), generator=gen).tolist()
@@ -275,24 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
 
-    device = torch.device(args.device)
-    tiny = args.tiny or device.type == "cpu"
-    dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype
-        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    )
+    device, tiny, dtype = device_and_dtype(args)
     prompt_len = args.prompt_len or (32 if tiny else 512)
     batches = [int(b) for b in (args.batches or ("1,4" if tiny else "1,8,32,64")).split(",")]
     decode_tokens = args.decode_tokens or (8 if tiny else 64)
     work = Path(tempfile.mkdtemp(prefix="lorafn-bench-"))
-    model_dir = args.model
-    if model_dir is None:
-        if not tiny:
-            ap.error("--model is required on a GPU (write it with `lorafn model random --preset llama-2-7b`)")
-        from lorafn.models.random_model import write_random_model
-
-        model_dir = write_random_model("tiny", work / "tiny", seed=0, progress=False)
+    model_dir = model_or_tiny(ap, args.model, tiny, work)
     mc = ModelConfig.from_dir(model_dir)
     adapter = write_random_adapter(
         mc,

@@ -305,9 +305,7 @@ def copy_lora_slot(buffers: LoRAWeights, adapter: LoRAWeights, slot: int) -> Non
     """Copy an adapter into slot `slot` of slot buffers (`zero_lora(num_slots=K)`) of a shape it fits, in
     place; the slot's rows it leaves out (a lower rank, a projection it does not target) are zeroed, the
     other slots are not touched. The buffers' addresses (captured in CUDA graphs) do not change."""
-    k = buffers.num_slots
-    if not 0 <= slot < k:
-        raise ValueError(f"adapter slot: {slot} is not one of the buffers' {k} slots (0..{k - 1})")
+    k = _check_slot(buffers, slot)
     if not fits_shape(adapter, buffers):
         raise ValueError(
             f"adapter shape {adapter.shape_key!r} does not fit the buffers' {buffers.shape_key!r}"
@@ -325,10 +323,10 @@ def copy_lora_slot(buffers: LoRAWeights, adapter: LoRAWeights, slot: int) -> Non
                 src += [s.a_cat, *(b for *_, b in s.targets)]
                 continue
             s_targets = {p: (off, r, b) for p, off, r, b in s.targets} if s is not None else {}
-            for p, k_off, k_rank, b_dst in d.targets:
-                r = k_rank // k  # this projection's rank in one slot
-                a_rows = d.a_cat[k_off + slot * r : k_off + (slot + 1) * r]
-                b_rows = b_dst[slot * r : (slot + 1) * r]
+            for target in d.targets:
+                p = target[0]
+                a_rows, b_rows = _slot_rows(d.a_cat, target, slot, k)
+                r = a_rows.shape[0]  # this projection's rank in one slot
                 if p not in s_targets:
                     zero += [a_rows, b_rows]
                     continue
@@ -345,17 +343,31 @@ def copy_lora_slot(buffers: LoRAWeights, adapter: LoRAWeights, slot: int) -> Non
         torch._foreach_copy_(dst, src)
 
 
-def clear_lora_slot(buffers: LoRAWeights, slot: int) -> None:
-    """Zero one slot of slot buffers in place (a function leaves its slot: nothing of it stays)."""
+def _check_slot(buffers: LoRAWeights, slot: int) -> int:
+    """The buffers' slot count K, once `slot` is one of them (ValueError naming it otherwise)."""
     k = buffers.num_slots
     if not 0 <= slot < k:
         raise ValueError(f"adapter slot: {slot} is not one of the buffers' {k} slots (0..{k - 1})")
+    return k
+
+
+def _slot_rows(
+    a_cat: torch.Tensor, target: tuple[str, int, int, torch.Tensor], slot: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A rows, Bᵀ rows) of one slot of one target (projection, offset, K·rank, Bᵀ) in slot buffers: views."""
+    _p, k_off, k_rank, b_t = target
+    r = k_rank // k
+    return a_cat[k_off + slot * r : k_off + (slot + 1) * r], b_t[slot * r : (slot + 1) * r]
+
+
+def clear_lora_slot(buffers: LoRAWeights, slot: int) -> None:
+    """Zero one slot of slot buffers in place (a function leaves its slot: nothing of it stays)."""
+    k = _check_slot(buffers, slot)
     rows: list[torch.Tensor] = []
     for groups in buffers.layers:
         for d in groups.values():
-            for _p, k_off, k_rank, b_dst in d.targets:
-                r = k_rank // k
-                rows += [d.a_cat[k_off + slot * r : k_off + (slot + 1) * r], b_dst[slot * r : (slot + 1) * r]]
+            for target in d.targets:
+                rows += _slot_rows(d.a_cat, target, slot, k)
     if rows:
         torch._foreach_zero_(rows)
 

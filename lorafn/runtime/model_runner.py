@@ -682,12 +682,14 @@ class ModelRunner:
         slots: list[int] = []
         spans: list[PrefillSpan] = []
         sample_rows: list[int] = []
-        row_slots: list[int] = []
+        row_slots: list[int] = []  # adapter slots only
+        slotted = self.num_adapter_slots > 1
         num_decodes = 0
         for c in chunks:
             offset = len(ids)
             ids += c.seq.token_ids_range(c.start, c.end)
-            row_slots += [c.seq.adapter_slot] * c.num_tokens
+            if slotted:
+                row_slots += [c.seq.adapter_slot] * c.num_tokens
             positions += range(c.start, c.end)
             slots += slot_mapping(c.seq.block_table, c.start, c.num_tokens, bs)
             if c.num_tokens == 1:
@@ -717,11 +719,7 @@ class ModelRunner:
             context_lens=context_lens,
             prefills=spans,
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
-            adapter_slots=(
-                torch.tensor(row_slots, dtype=torch.int64, device=device)
-                if self.num_adapter_slots > 1
-                else None
-            ),
+            adapter_slots=torch.tensor(row_slots, dtype=torch.int64, device=device) if slotted else None,
         )
 
 

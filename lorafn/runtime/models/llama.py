@@ -250,14 +250,20 @@ class LlamaModel:
         attn = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return attn.reshape(q.shape[0], -1)
 
-    def slot_masks(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
-        """The step's adapter-slot masks per shrink group (lora.slot_masks); {} with one adapter slot."""
+    def _row_slots(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """The step's [T] row slots on a model with adapter slots (a step that names none is refused); None
+        with one adapter slot."""
         lora = self.lora
         if lora is None or lora.num_slots == 1:
-            return {}
+            return None
         if batch.adapter_slots is None:
             raise ValueError(f"adapter_slots: the model has {lora.num_slots} adapter slots; name each row's")
-        return slot_masks(lora, batch.adapter_slots, self.dtype)
+        return batch.adapter_slots
+
+    def slot_masks(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        """The step's adapter-slot masks per shrink group (lora.slot_masks); {} with one adapter slot."""
+        rows = self._row_slots(batch)
+        return {} if rows is None else slot_masks(self.lora, rows, self.dtype)  # type: ignore[arg-type]
 
     def expand_mode(self, batch: ForwardBatch) -> str:
         """The LORA_EXPANDS mode of this step: the prefill one when it has a prefill chunk (a mixed step
@@ -340,13 +346,9 @@ class LlamaModel:
         settle = batch.input_ids.shape[0] > fd.MAX_TOKENS and mode != "in_kernels"
         # adapter slots: the per-row kernels read each row's own slot (Expand.row_slots); a settled step's
         # expands (GEMMs over all rows) read every slot's columns, the others' masked to zeros first
-        slots = self.lora is not None and self.lora.num_slots > 1
-        if slots and batch.adapter_slots is None:
-            raise ValueError(
-                f"adapter_slots: the model has {self.lora.num_slots} adapter slots; name each row's"
-            )  # type: ignore[union-attr]
-        masks = self.slot_masks(batch) if slots and settle else {}
-        row_slots = batch.adapter_slots if slots and not settle else None
+        rows = self._row_slots(batch)
+        masks = self.slot_masks(batch) if rows is not None and settle else {}
+        row_slots = None if settle else rows
         expand_ops = ops if mode == "grouped" else None
         # grouped, large step: every expand inside the kernel that reads its projection's output anyway, on
         # the tensor cores over tiles of rows (q/k/v: RoPE + cache writes; o, down: add + RMSNorm; gate/up:
