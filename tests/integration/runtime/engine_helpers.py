@@ -77,7 +77,12 @@ def write_peft_adapter(
     b_std: float = 0.2,
     **extra,
 ) -> Path:
-    """A real PEFT adapter (get_peft_model + save_pretrained) with random non-zero A and B."""
+    """A real PEFT adapter (get_peft_model + save_pretrained) with random non-zero A and B, both from `seed`.
+
+    A is drawn as PEFT draws it (kaiming-uniform: U(-1/sqrt(in), 1/sqrt(in))) but from the seeded generator:
+    PEFT's own draw used the global RNG, whose state depends on what ran before in the process, so the
+    same call wrote different adapters from run to run (a test that needed a non-blank answer failed
+    once in CI)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -96,7 +101,10 @@ def write_peft_adapter(
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
+            if "lora_A" in name:
+                bound = p.shape[1] ** -0.5
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+            elif "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * b_std)
     model.save_pretrained(out)
     return out
