@@ -242,6 +242,8 @@ class Standby:
         runner = getattr(self.engine, "runner", None)
         if runner is None or not getattr(runner, "prepared", False) or runner.lora is None:
             raise ValueError("this standby has no prepared LoRA buffers to pre-load into")
+        if runner.num_adapter_slots > 1:
+            raise ValueError("a standby with adapter slots is not pre-loaded (its bind fills slot 0)")
         from lorafn.runtime.lora import copy_lora, fits_shape, load_lora
 
         loaded = load_lora(record.adapter_dir, runner.model_config, runner.device, runner.dtype)
@@ -324,7 +326,13 @@ class Standby:
         fits = self._holds(function, record.adapter_dir)
         self._preloaded = None
         runner = getattr(self.engine, "runner", None)
-        if fits:
+        if getattr(self.engine, "num_adapter_slots", 1) > 1:
+            # adapter slots (docs/runtime.md#adapter-slots): the function takes slot 0, the others stay empty
+            # for the functions that join it later
+            how = self.engine.load_adapter(0, record.adapter_dir)
+            if runner is not None:
+                runner.prepared = False
+        elif fits:
             runner.prepared = False  # the buffers hold this function's adapter: they are its own now
             how = "pre-loaded"
             self.bound_preloaded = True

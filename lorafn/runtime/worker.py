@@ -149,6 +149,7 @@ def default_worker_id() -> str:
 class _Running:
     request_id: str
     entry_id: str
+    function: str = ""  # whose request stream it came from (a worker with adapter slots serves several)
     completion_tokens: int = 0
     arrival_ms: float = 0.0  # when the gateway enqueued it (the entry id's server time)
     # where the request's time went (`request_timing`): unix ms for what compares with the entry id
@@ -161,6 +162,16 @@ class _Running:
     steps: int = 0  # engine steps until its first token (> 1: chunked, or admission ran decodes only)
     first_of_worker: bool = False  # the first request this worker took (a cold start's request)
     gc_ms_at_read: float = 0.0  # GC_CLOCK when it was read
+
+
+@dataclass
+class _Joined:
+    """A function that joined a worker with adapter slots after its first: its keep-alive (None: serve
+    until stopped), its TTFT SLO in ms (0: none) and when it last had work (the loop's clock)."""
+
+    keep_alive_s: float | None
+    ttft_ms: float
+    last_busy: float
 
 
 class GcClock:
@@ -219,8 +230,8 @@ class Worker:
         self.worker_id = config.worker_id
         self.running: dict[str, _Running] = {}
         self._events: list[tuple[str, ReplyEvent]] = []
-        self._acks: list[str] = []
-        self._counters: dict[str, int] = {}
+        self._acks: list[tuple[str, str]] = []  # (function, entry id)
+        self._counters: dict[str, dict[str, int]] = {}  # function -> stats counter -> increment
         self._draining = False
         self._control_cursor: str | None = None  # read from where the stream ends at start (run)
         # busy, the control stream rides on the read after a step once this (clock) has passed
@@ -257,8 +268,19 @@ class Worker:
         self._kv_grant: int | None = None  # a `kv_budget` command's bytes (None: the start's budget)
         self._kv_start_bytes = 0  # the KV cache's bytes before the first grant (what a park returns to)
         self._expected_tokens = ExpectedTokens(config.expected_tokens_prior)  # runtime.read_cap
+        # Adapter slots (docs/runtime.md#adapter-slots): the functions this worker serves -> their slot. The
+        # first (`function`, bound at start) stays until the process exits; others join with a `bind`
+        # command and leave when idle past their keep-alive (their slot emptied).
+        self.slots: dict[str, int] = {self.function: 0}
+        self.num_slots = int(getattr(engine, "num_adapter_slots", 1) or 1)
+        self._joined: dict[str, _Joined] = {}
 
     # -- public ---------------------------------------------------------------------------------
+    @property
+    def functions(self) -> list[str]:
+        """The functions this worker serves, the first one first."""
+        return list(self.slots)
+
     def drain(self, *_: Any) -> None:
         """Stop reading new requests; finish the running ones, then `run` returns 0 (SIGTERM handler)."""
         if not self._draining:
@@ -317,6 +339,8 @@ class Worker:
                             "worker %s: Redis is back after %.1f s", self.worker_id, now - outage_since
                         )
                         outage_since = None
+                    if self._joined:
+                        self._leave_idle()
                     if now >= next_claim and not self._draining and not self.parked:
                         self._claim_dead()
                         next_claim = now + cfg.claim_interval_s
@@ -382,17 +406,25 @@ class Worker:
             beating.set()
             beater.join(timeout=cfg.heartbeat_s + 5)
             with contextlib.suppress(UNAVAILABLE_ERRORS, redis.ResponseError):
-                self.store.run(workers.deregister(self.keys, self.worker_id, self.function))
-                if not self.running:  # a clean exit holds nothing: leave the consumer group too
-                    self._forget_dead_consumers(only=self.worker_id)
+                self.store.run(
+                    combine(
+                        workers.deregister(self.keys, self.worker_id, self.function),
+                        *(workers.leave(self.keys, self.worker_id, f) for f in self.functions[1:]),
+                    )
+                )
+                if not self.running:  # a clean exit holds nothing: leave the consumer groups too
+                    for function in self.functions:
+                        self._forget_dead_consumers(function, only=self.worker_id)
 
     # -- the loop's parts -----------------------------------------------------------------------
-    def _ensure_group(self) -> None:
-        try:
-            self.store.run(streams.create_group(self.keys, self.function))
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+    def _ensure_group(self, only: str | None = None) -> None:
+        """The consumer group of each function's request stream (or of `only`)."""
+        for function in [only] if only else self.functions:
+            try:
+                self.store.run(streams.create_group(self.keys, function))
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
 
     def _load_batching(self) -> None:
         """The SLO and the stored latency profile (one round trip at start)."""
@@ -452,8 +484,11 @@ class Worker:
             "kv_grant": int(self._kv_grant is not None),
             **({"kv_budget_bytes": self._kv_grant} if self._kv_grant is not None else {}),
         }
+        if self.num_slots > 1:  # what the controller joins functions by (docs/runtime.md#adapter-slots)
+            fields["slots"], fields["free_slots"] = self.num_slots, self.num_slots - len(self.slots)
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
-        store.run(workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields))
+        also = self.functions[1:]
+        store.run(workers.heartbeat(self.keys, self.worker_id, self.function, ttl_ms, fields, also=also))
 
     def _handle_control(self, commands: list[tuple[str, dict[str, str]]]) -> None:
         """Commands sent to this worker (`stop`, `drain`, `park`, `unpark`, `kv_budget`), read by `_read`
@@ -468,9 +503,11 @@ class Worker:
                 self._unpark()
             elif body.get("cmd") == "kv_budget":
                 self._resize_kv(body.get("bytes"))
-            elif body.get("cmd") == "bind" and body.get("function") == self.function:
+            elif body.get("cmd") == "bind" and body.get("function") in self.slots:
                 # the controller's bind for the request this worker (a pre-loaded standby) took itself
-                log.debug("worker %s: already serving %s", self.worker_id, self.function)
+                log.debug("worker %s: already serving %s", self.worker_id, body.get("function"))
+            elif body.get("cmd") == "bind" and body.get("function"):
+                self._join(body["function"])
             else:
                 log.warning("worker %s: ignoring control command %r", self.worker_id, body)
 
@@ -484,13 +521,96 @@ class Worker:
             return {}
         return {"parked": int(self.parked), "park_release_bytes": int(release())}
 
-    def _post(self, kind: str, **fields: Any) -> None:
+    def _post(self, kind: str, function: str | None = None, **fields: Any) -> None:
         gpu = self.config.heartbeat_fields.get("gpu") or self.config.batching.gpu
         self.store.run(
             control.post_event(
-                self.keys, kind, worker=self.worker_id, function=self.function, gpu=gpu, **fields
+                self.keys, kind, worker=self.worker_id, function=function or self.function, gpu=gpu, **fields
             )
         )
+
+    # -- adapter slots: functions joining and leaving (docs/runtime.md#adapter-slots) -------------------
+    def _join(self, function: str) -> None:
+        """A `bind` command for another function: serve it from a free adapter slot, beside the functions
+        this worker serves (its adapter loaded while their requests run on), and answer `bound` (path
+        "join") or `bind_failed` (reason) on the lifecycle stream."""
+        from lorafn.api import LoRAFunctionSpec
+
+        t0 = time.perf_counter()
+        try:
+            record, slot = self._join_check(function)
+            parsed = LoRAFunctionSpec.model_validate(record.spec or {})
+            how = self.engine.load_adapter(slot, record.adapter_dir)  # type: ignore[attr-defined]
+            self._ensure_group(function)
+        except (ValueError, redis.ResponseError) as e:
+            log.warning(
+                "worker %s: cannot serve %s beside %s: %s", self.worker_id, function, self.functions, e
+            )
+            self._post(control.BIND_FAILED, function=function, reason=f"join refused: {e}")
+            return
+        self.slots[function] = slot
+        self._joined[function] = _Joined(
+            float(parsed.scaling.keep_alive_seconds), float(parsed.slo.ttft_ms), self.clock()
+        )
+        self._heartbeat(self.store)  # registered under it now: the gateway sends its requests here
+        ms = (time.perf_counter() - t0) * 1000
+        self._post(control.BOUND, function=function, ms=round(ms, 1), path=control.PATH_JOIN)
+        log.info(
+            "worker %s joined %s into adapter slot %d of %d in %.1f ms (%s); serving %s",
+            self.worker_id, function, slot, self.num_slots, ms, how, ", ".join(self.functions),
+        )  # fmt: skip
+
+    def _join_check(self, function: str) -> tuple[Any, int]:
+        """`function`'s registration and the free slot it takes; ValueError naming why it cannot join."""
+        from lorafn.api import FunctionRef
+        from lorafn.store.registry import get_function
+
+        if self.num_slots < 2:
+            raise ValueError("this worker has no adapter slots (one adapter per process)")
+        if self._draining or self.parked:
+            raise ValueError("the worker is draining" if self._draining else "the worker is parked")
+        ref, first = FunctionRef.parse(function), FunctionRef.parse(self.function)
+        if ref.namespace != first.namespace:
+            # one process is one fault domain: only one namespace's (one tenant's) functions share it
+            raise ValueError(f"namespace {ref.namespace!r}: this worker serves namespace {first.namespace!r}")
+        free = sorted(set(range(self.num_slots)) - set(self.slots.values()))
+        if not free:
+            raise ValueError(f"all {self.num_slots} adapter slots are taken")
+        record = self.store.run(get_function(self.keys, function))
+        if record is None:
+            raise ValueError("not registered")
+        backbone = self.config.heartbeat_fields.get("backbone") or self.config.batching.backbone
+        theirs = str((record.spec or {}).get("backbone") or "")
+        if backbone and theirs != backbone:
+            raise ValueError(f"backbone {theirs!r}: this worker holds {backbone!r}")
+        if not record.adapter_dir:
+            raise ValueError("no adapter directory")
+        return record, free[0]
+
+    def _leave_idle(self) -> None:
+        """Joined functions idle past their keep-alive leave: their slot is emptied and the worker is no
+        longer registered under them (their next request is a cold start elsewhere). The first function
+        stays until the process exits (its keep-alive ends the worker)."""
+        now = self.clock()
+        busy = {run.function for run in self.running.values()}
+        for function, joined in list(self._joined.items()):
+            if function in busy:
+                joined.last_busy = now
+                continue
+            if joined.keep_alive_s is None or now - joined.last_busy < joined.keep_alive_s:
+                continue
+            try:
+                self.engine.load_adapter(self.slots[function], None)  # type: ignore[attr-defined]
+            except ValueError as e:  # a request of it still in the engine
+                log.debug("worker %s: %s stays: %s", self.worker_id, function, e)
+                continue
+            del self.slots[function], self._joined[function]
+            self.store.run(workers.leave(self.keys, self.worker_id, function))
+            self._forget_dead_consumers(function, only=self.worker_id)
+            log.info(
+                "worker %s: %s idle for %.0f s, left its adapter slot; serving %s",
+                self.worker_id, function, joined.keep_alive_s, ", ".join(self.functions),
+            )  # fmt: skip
 
     def _keep_alive_s(self) -> float | None:
         """The keep-alive that applies now: parked, the park command's `keep_alive_s` when it named one
@@ -552,7 +672,7 @@ class Worker:
         self._parked_keep_alive_s = self._parse_keep_alive(keep_alive_s)
         if not self.parked:
             self.parked = True
-            self._counters["parks"] = self._counters.get("parks", 0) + 1
+            self._count("parks")
             log.info(
                 "worker %s parked: released %d bytes (%.1f MiB) in %.0f ms; keep-alive %s s",
                 self.worker_id, released, released / 2**20, ms, self._keep_alive_s(),
@@ -580,7 +700,7 @@ class Worker:
             self._parked_keep_alive_s = None  # the function's keep-alive again
             self._last_busy = self.clock()  # keep-alive counts from here: the unpark is for a request
             self._idle_work = getattr(self.engine, "capture_pending_graph", None)  # the graphs, lazily
-            self._counters["unparks"] = self._counters.get("unparks", 0) + 1
+            self._count("unparks")
             log.info(
                 "worker %s unparked: KV cache of %d bytes (%.1f MiB) back in %.0f ms",
                 self.worker_id, kv_bytes, kv_bytes / 2**20, (time.perf_counter() - t0) * 1000,
@@ -623,7 +743,7 @@ class Worker:
         # at or below the start's cache: no grant held any more (the heartbeat names the start's budget again)
         self._kv_grant = budget if kv_bytes > self._kv_start_bytes else None
         self._idle_work = getattr(self.engine, "capture_pending_graph", None)  # the graphs, lazily
-        self._counters["kv_resizes"] = self._counters.get("kv_resizes", 0) + 1
+        self._count("kv_resizes")
         log.info(
             "worker %s: KV cache resized to %d bytes (%.1f MiB; budget %.1f MiB) in %.0f ms, %d running",
             self.worker_id, kv_bytes, kv_bytes / 2**20, budget / 2**20, (time.perf_counter() - t0) * 1000,
@@ -646,18 +766,22 @@ class Worker:
                 self.keys, self.worker_id, self._control_cursor or "0", block_ms=cfg.control_poll_ms
             )
         )
-        ops.append(control.queue_depths(self.keys, [self.function]))
+        ops.append(control.queue_depths(self.keys, self.functions))
         results = self.store.run(combine(*ops))
         self._sent()
         commands, depths = results[at], results[at + 1]
         self._handle_control(commands)
-        queued = depths[self.function].queued
-        if queued and self.parked:
+        for function, depth in depths.items():
+            if not depth.queued or not self.parked:
+                continue
             recorded = self.store.run(
-                streams.record_demand(self.keys, self.function, "parked", cfg.park_demand_guard_ms)
+                streams.record_demand(self.keys, function, "parked", cfg.park_demand_guard_ms)
             )
             if recorded:
-                log.info("worker %s: parked with %d requests queued; demand recorded", self.worker_id, queued)
+                log.info(
+                    "worker %s: parked with %d requests of %s queued; demand recorded",
+                    self.worker_id, depth.queued, function,
+                )  # fmt: skip
 
     def _caps(self) -> dict[str, int]:
         """What bounds the requests it holds at once: `slot_cap` (`max_running`, or the TPOT SLO's batch) and,
@@ -683,10 +807,15 @@ class Worker:
                     self.keys, self.worker_id, self._events, int(self.config.reply_ttl_s * 1000)
                 )
             )
-        if self._acks:
-            ops.append(streams.ack(self.keys, self.function, self._acks))
-        if self._counters:
-            ops.append(store_stats.add_counters(self.keys, self.function, **self._counters))
+        acks: dict[str, list[str]] = {}
+        for function, entry_id in self._acks:
+            acks.setdefault(function, []).append(entry_id)
+        ops += [streams.ack(self.keys, function, ids) for function, ids in acks.items()]
+        ops += [
+            store_stats.add_counters(self.keys, function, **counters)
+            for function, counters in self._counters.items()
+            if counters
+        ]
         if self._with_next:
             ops.append(combine(*self._with_next))  # one Op: nothing reads results by position from here
         return ops
@@ -713,7 +842,7 @@ class Worker:
         log.info(
             "request rid=%s function=%s finish=%s %s steps=%d prompt_tokens=%d completion_tokens=%d "
             "first_of_worker=%d",
-            run.request_id, self.function, reason,
+            run.request_id, run.function or self.function, reason,
             " ".join(f"{k}_ms={v:.1f}" for k, v in timing.items()),
             run.steps, prompt, completion, int(run.first_of_worker),
         )  # fmt: skip
@@ -743,7 +872,13 @@ class Worker:
             ops.append(cancel.cancelled(self.keys, check))
         if control:
             ops.append(workers.read_control(self.keys, self.worker_id, self._control_cursor or "0"))
-        if free:
+        several = bool(free) and len(self.slots) > 1
+        if several:
+            # XREADGROUP's COUNT is per stream: a share each, so at most len(slots) - 1 over `free` (the
+            # engine queues them)
+            share = -(-free // len(self.slots))
+            ops.append(streams.read_requests_of(self.keys, self.functions, self.worker_id, share, block_ms))
+        elif free:
             ops.append(streams.read_requests(self.keys, self.function, self.worker_id, free, block_ms))
         if not ops:
             return 0
@@ -753,12 +888,18 @@ class Worker:
             self._abort_cancelled(results[at])
             at += 1
         commands = results[at] if control else []
-        entries = results[-1] if free else []
+        entries: list[tuple[str, str, dict[str, str]]] = []
+        if several:
+            entries = results[-1]
+        elif free:
+            entries = [(self.function, entry_id, fields) for entry_id, fields in results[-1]]
         idle_before = not self.running
-        for entry_id, fields in entries:
-            self._admit(entry_id, fields, restart=False)
+        for function, entry_id, fields in entries:
+            self._admit(entry_id, fields, restart=False, function=function)
+            if function in self._joined:
+                self._joined[function].last_busy = self.clock()
         self.batching.arrived(
-            [entry_ms(e) for e, _ in entries], idle_before and bool(self.running), self.config.max_running
+            [entry_ms(e) for _, e, _ in entries], idle_before and bool(self.running), self.config.max_running
         )
         if entries:  # `accepted` at once, not after the next engine step (the gateway's accept deadline)
             self._flush()
@@ -835,8 +976,8 @@ class Worker:
                         completion_tokens=completion,
                     ),
                 )
-                self._counters["prompt_tokens"] = self._counters.get("prompt_tokens", 0) + delta.prompt_tokens
-                self._counters["completion_tokens"] = self._counters.get("completion_tokens", 0) + completion
+                self._count("prompt_tokens", delta.prompt_tokens, run.function)
+                self._count("completion_tokens", completion, run.function)
                 self._done_out.append((run, delta.finish_reason or "stop", delta.prompt_tokens, completion))
                 self._expected_tokens.add(delta.prompt_tokens, completion)
                 del self.running[run.request_id]
@@ -857,11 +998,9 @@ class Worker:
                 run,
                 Done(finish_reason=cancel.ABORT, prompt_tokens=0, completion_tokens=run.completion_tokens),
             )
-            self._counters["cancelled"] = self._counters.get("cancelled", 0) + 1
+            self._count("cancelled", 1, run.function)
             if run.completion_tokens:
-                self._counters["completion_tokens"] = (
-                    self._counters.get("completion_tokens", 0) + run.completion_tokens
-                )
+                self._count("completion_tokens", run.completion_tokens, run.function)
             log.info(
                 "worker %s: %s cancelled by its client after %d tokens",
                 self.worker_id,
@@ -869,23 +1008,31 @@ class Worker:
                 run.completion_tokens,
             )
 
+    def _count(self, name: str, n: int = 1, function: str | None = None) -> None:
+        """Add `n` to a stats counter of `function` (None: the first function's; the worker's own events),
+        sent with the next round trip."""
+        counters = self._counters.setdefault(function or self.function, {})
+        counters[name] = counters.get(name, 0) + n
+
     def _end(self, run: _Running, event: Done | Error) -> None:
         self._events.append((run.request_id, event))
-        self._acks.append(run.entry_id)
+        self._acks.append((run.function or self.function, run.entry_id))
         if isinstance(event, Error):
-            self._counters["errors"] = self._counters.get("errors", 0) + 1
+            self._count("errors", 1, run.function)
 
-    def _admit(self, entry_id: str, fields: dict[str, str], restart: bool) -> None:
-        """Hand one stream entry to the engine, or end it with an error event."""
+    def _admit(self, entry_id: str, fields: dict[str, str], restart: bool, function: str = "") -> None:
+        """Hand one stream entry of `function` (default: the first) to the engine, or end it with an error
+        event."""
+        function = function or self.function
         rid = fields.get("rid")
         if not rid:  # deleted while pending (the gateway gave up on it): nothing to answer
-            self._acks.append(entry_id)
+            self._acks.append((function, entry_id))
             return
         if rid in self.running:
             return
         run = _Running(
-            rid, entry_id, arrival_ms=entry_ms(entry_id), read_ms=time.time() * 1000, read_at=self.clock(),
-            gc_ms_at_read=GC_CLOCK.total_ms,
+            rid, entry_id, function, arrival_ms=entry_ms(entry_id), read_ms=time.time() * 1000,
+            read_at=self.clock(), gc_ms_at_read=GC_CLOCK.total_ms,
         )  # fmt: skip
         try:
             deadline = int(fields.get("deadline") or 0)
@@ -909,12 +1056,18 @@ class Worker:
         if restart:
             self._events.append((rid, Restart(worker=self.worker_id, reason="previous worker died")))
         self._events.append((rid, Accepted(worker=self.worker_id)))
+        prompt = body.prompt_token_ids or body.prompt or ""
         try:
-            self.engine.add_request(body.prompt_token_ids or body.prompt or "", params, request_id=rid)
+            if self.num_slots > 1:  # each function's requests run on its own adapter slot
+                self.engine.add_request(prompt, params, request_id=rid, adapter_slot=self.slots[function])  # type: ignore[call-arg]
+            else:
+                self.engine.add_request(prompt, params, request_id=rid)
         except ValueError as e:
             self._end(run, Error(code="invalid_request", message=str(e)))
             return
-        ttft_ms, set_deadline = self.batching.config.ttft_ms, getattr(self.engine, "set_deadline", None)
+        joined = self._joined.get(function)
+        ttft_ms = joined.ttft_ms if joined is not None else self.batching.config.ttft_ms
+        set_deadline = getattr(self.engine, "set_deadline", None)
         if ttft_ms and callable(set_deadline) and not params.priority:  # batch requests have no TTFT SLO
             set_deadline(rid, (run.arrival_ms + ttft_ms) / 1000)  # the enqueue clock (unix) + the SLO
         run.first_of_worker = self._taken == 0
@@ -923,16 +1076,18 @@ class Worker:
 
     def _claim_dead(self) -> None:
         """Take over entries held by workers without a live heartbeat; restart them from scratch."""
+        for function in self.functions:
+            self._claim_dead_of(function)
+
+    def _claim_dead_of(self, function: str) -> None:
         cfg = self.config
         ttl_ms = int(cfg.heartbeat_ttl_s * 1000)
         now_ms, stale = self.store.run(
-            combine(
-                workers.server_time_ms(), streams.pending(self.keys, self.function, cfg.claim_min_idle_ms)
-            )
+            combine(workers.server_time_ms(), streams.pending(self.keys, function, cfg.claim_min_idle_ms))
         )
         if not stale:
             return
-        live = set(self.store.run(workers.live_workers(self.keys, self.function, ttl_ms, now_ms)))
+        live = set(self.store.run(workers.live_workers(self.keys, function, ttl_ms, now_ms)))
         live.add(self.worker_id)
         dead = [p for p in stale if p.consumer not in live]
         if not dead:
@@ -941,7 +1096,7 @@ class Worker:
         take = dead[:room]
         claimed = self.store.run(
             streams.claim(
-                self.keys, self.function, self.worker_id, cfg.claim_min_idle_ms, [p.entry_id for p in take]
+                self.keys, function, self.worker_id, cfg.claim_min_idle_ms, [p.entry_id for p in take]
             )
         )
         deliveries = {p.entry_id: p.deliveries for p in take}
@@ -949,43 +1104,47 @@ class Worker:
             log.warning("worker %s: claimed %s from a dead worker", self.worker_id, entry_id)
             if deliveries.get(entry_id, 0) >= cfg.max_deliveries and fields.get("rid"):
                 self._end(
-                    _Running(fields["rid"], entry_id),
+                    _Running(fields["rid"], entry_id, function),
                     Error(
                         code="worker_failures",
                         message=f"workers died {deliveries[entry_id]} times while serving this request",
                     ),
                 )
                 continue
-            self._admit(entry_id, fields, restart=True)
+            self._admit(entry_id, fields, restart=True, function=function)
         self._flush()
-        self._forget_dead_consumers(live)
+        self._forget_dead_consumers(function, live)
 
-    def _forget_dead_consumers(self, live: set[str] | None = None, only: str | None = None) -> None:
-        """Remove consumers of dead workers (not in `live`; or just `only`, this worker on exit) that hold
-        nothing any more — deleting one that still held entries would lose them — so the group does not
-        grow with every worker that ever ran. Dead workers receive nothing new, so no entry can slip in."""
-        for name, num_pending, _idle in self.store.run(streams.consumers(self.keys, self.function)):
+    def _forget_dead_consumers(
+        self, function: str, live: set[str] | None = None, only: str | None = None
+    ) -> None:
+        """Remove consumers of dead workers (not in `live`; or just `only`, this worker on exit) from
+        `function`'s group that hold nothing any more — deleting one that still held entries would lose
+        them — so the group does not grow with every worker that ever ran. Dead workers receive nothing new,
+        so no entry can slip in."""
+        for name, num_pending, _idle in self.store.run(streams.consumers(self.keys, function)):
             if num_pending == 0 and (name == only if only else name not in (live or set())):
-                self.store.run(streams.delete_consumer(self.keys, self.function, name))
+                self.store.run(streams.delete_consumer(self.keys, function, name))
 
     def _recover_after_outage(self) -> None:
         """After Redis came back: what this worker still held was aborted; tell and ack (see module doc)."""
         self._ensure_group()
-        held = self.store.run(
-            streams.read_requests(self.keys, self.function, self.worker_id, 1000, None, True)
-        )
-        for entry_id, fields in held:
-            rid = fields.get("rid")
-            if rid and rid not in self.running:
-                self._end(
-                    _Running(rid, entry_id),
-                    Error(
-                        code="data_plane_interrupted",
-                        message="Redis was unreachable while this request ran; it was aborted",
-                    ),
-                )
-            elif not rid:
-                self._acks.append(entry_id)
+        for function in self.functions:
+            held = self.store.run(
+                streams.read_requests(self.keys, function, self.worker_id, 1000, None, True)
+            )
+            for entry_id, fields in held:
+                rid = fields.get("rid")
+                if rid and rid not in self.running:
+                    self._end(
+                        _Running(rid, entry_id, function),
+                        Error(
+                            code="data_plane_interrupted",
+                            message="Redis was unreachable while this request ran; it was aborted",
+                        ),
+                    )
+                elif not rid:
+                    self._acks.append((function, entry_id))
         self._flush()
 
 
@@ -1027,6 +1186,14 @@ class WorkerSettings(SharedSettings):
     shape: str | None = Field(
         default=None,
         description="adapter shape a standby prepares LoRA buffers and graphs for (q_proj:16,...)",
+    )
+    adapter_slots: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="adapters one engine serves in one batch (docs/runtime.md#adapter-slots): the worker takes "
+        "further functions of its namespace and backbone into free slots when the controller binds them to "
+        "it; 1: one function per process",
     )
     kv_budget_mib: int | None = Field(
         default=None,
@@ -1191,6 +1358,9 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
     adapter = settings.adapter or (record.adapter_dir if record else "") or None
     if settings.standby:
         adapter = None  # a standby holds no tenant's adapter until it is bound
+    slots = settings.adapter_slots
+    if slots > 1 and settings.standby and not settings.shape:
+        raise ValueError("--adapter-slots: a standby with adapter slots needs --shape (the slots' shape)")
     if not model:
         raise ValueError(f"no model directory for {settings.function}: register the function or pass --model")
     weight_source = None
@@ -1208,20 +1378,23 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
     engine = Engine(
         EngineConfig(
             model=model,
-            adapter=adapter,
+            adapter=adapter if slots == 1 else None,
+            adapter_slots=slots,
+            adapters=(adapter,) if slots > 1 and adapter else (),
             prefill_graph_tokens=token_buckets(settings.prefill_graph_tokens),
             device=settings.device,
             dtype=settings.dtype,
             max_num_seqs=settings.max_running,
             weight_source=weight_source,
             kv_cache_memory_bytes=settings.kv_budget_mib << 20 if settings.kv_budget_mib else None,
-            lora_shape=settings.shape if settings.standby else None,
+            lora_shape=settings.shape if settings.standby or (slots > 1 and not adapter) else None,
             cuda_stack_bytes=settings.cuda_stack_bytes,
             kv_offload=OffloadConfig(host_budget_bytes=settings.host_kv_mib << 20),
             # a fresh worker serves before its decode graphs are captured; a standby captures them while
             # it waits for a bind anyway
             lazy_graphs=settings.lazy_graphs and not settings.standby,
-            graph_archives=settings.graph_archives,
+            # an archive holds one adapter slot's graphs: a slot engine captures its own
+            graph_archives=settings.graph_archives and slots == 1,
             graph_archive_dir=settings.graph_archive_dir,
             deadline_order=settings.deadline_order,
         )
@@ -1449,6 +1622,9 @@ def serve(
     shape: str = typer.Option(None, "--shape", help="adapter shape a standby prepares (q_proj:16,v_proj:16)"),
     kv_budget_mib: int = typer.Option(
         None, "--kv-budget-mib", help="KV-cache budget granted by the controller"
+    ),
+    adapter_slots: int = typer.Option(
+        None, "--adapter-slots", help="adapters one batch serves: functions of one namespace share the worker"
     ),
 ) -> None:
     """Serve one function (--function), or wait as a standby (--standby --backbone B) until bound to one:

@@ -35,7 +35,9 @@ from lorafn.store.streams import stream_entries
 BOUND, BIND_FAILED, START_FAILED, POD_EXITED = "bound", "bind_failed", "start_failed", "pod_exited"
 PARKED, PARK_REFUSED, UNPARKED = "parked", "park_refused", "unparked"
 KV_RESIZED, KV_RESIZE_REFUSED = "kv_resized", "kv_resize_refused"
-PATH_STANDBY, PATH_FRESH = "standby", "fresh"
+# how a function's worker came: a standby bound, a fresh process, or a worker with adapter slots that took
+# it into a free slot beside its other functions (docs/runtime.md#adapter-slots)
+PATH_STANDBY, PATH_FRESH, PATH_JOIN = "standby", "fresh", "join"
 
 _RENEW = """
 local holder = redis.call('GET', KEYS[1])

@@ -25,6 +25,7 @@ holds only queued and running work.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,6 +210,31 @@ def read_requests(
             GROUP, consumer, {keys.requests(function): "0" if history else ">"}, count=count, block=block_ms
         ),
         lambda r: stream_entries(r[0]),
+    )
+
+
+def read_requests_of(
+    keys: Keys, functions: Sequence[str], consumer: str, count: int, block_ms: int | None
+) -> Op[list[tuple[str, str, dict[str, str]]]]:
+    """New entries of several functions' request streams for this consumer, in one XREADGROUP: (function,
+    entry id, fields), stream by stream (a worker with adapter slots serves them all, docs/runtime.md).
+    `count` applies to each stream, as XREADGROUP's COUNT does."""
+    by_key = {keys.requests(f): f for f in functions}
+    if len(by_key) != len(functions) or not functions:
+        raise ValueError(f"functions: a non-empty list without repeats, got {list(functions)!r}")
+
+    def parse(r: list[Any]) -> list[tuple[str, str, dict[str, str]]]:
+        return [
+            (by_key[key], entry_id, fields)
+            for key, entries in entries_by_stream(r[0]).items()
+            for entry_id, fields in entries
+        ]
+
+    return Op(
+        lambda pipe: pipe.xreadgroup(
+            GROUP, consumer, dict.fromkeys(by_key, ">"), count=count, block=block_ms
+        ),
+        parse,
     )
 
 

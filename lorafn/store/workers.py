@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lorafn.store.client import Op, eval_script
@@ -16,8 +17,12 @@ def heartbeat(
     ttl_ms: int,
     fields: dict[str, Any],
     only_if_alone: bool = False,
+    also: Sequence[str] = (),
 ) -> Op[int]:
     """Register or refresh a worker (lua/heartbeat.lua); returns the server time written (ms).
+
+    `also`: the other functions it serves (a worker with adapter slots, docs/runtime.md#adapter-slots): it is
+    registered under each of them too, and its hash lists them all in `functions` (`function` first).
 
     `only_if_alone`: register under `function` only while it has no other live worker, atomically; 0 (and
     nothing written) when it has one. A pre-loaded standby takes its function's first request so: of
@@ -27,8 +32,12 @@ def heartbeat(
     worker_keys = [keys.worker(worker_id), keys.workers()]
     if function:
         worker_keys.append(keys.function_workers(function))
+    if also and not function:
+        raise ValueError("a heartbeat naming other functions needs its first one")
+    worker_keys += [keys.function_workers(f) for f in also if f != function]
+    served = ",".join([function, *(f for f in also if f != function)]) if function else ""
     args: list[Any] = [worker_id, int(ttl_ms), "1" if only_if_alone else "0"]
-    for k, v in {**fields, "function": function or ""}.items():
+    for k, v in {**fields, "function": function or "", "functions": served}.items():
         args += [k, str(v)]
     return Op(lambda pipe: eval_script(pipe, "heartbeat", worker_keys, args), lambda r: int(r[0]))
 
@@ -43,6 +52,13 @@ def deregister(keys: Keys, worker_id: str, function: str | None) -> Op[None]:
             pipe.zrem(keys.function_workers(function), worker_id)
 
     return Op(build, lambda r: None)
+
+
+def leave(keys: Keys, worker_id: str, function: str) -> Op[None]:
+    """A worker stops serving one of its functions (a slot emptied, keep-alive): the gateway and the
+    controller no longer count it as that function's worker; its next heartbeat leaves it out of
+    `functions`."""
+    return Op(lambda pipe: pipe.zrem(keys.function_workers(function), worker_id), lambda r: None)
 
 
 def server_time_ms() -> Op[int]:
