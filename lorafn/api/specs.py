@@ -105,6 +105,16 @@ class BackboneSpec(_Spec):
     dtype: Dtype = Field(default="bfloat16", description="dtype of the shared weights on the GPU")
     placement: Placement = Field(default_factory=Placement, description="which GPUs hold a copy")
     warm_pool: WarmPool = Field(default_factory=WarmPool, description="standby workers per GPU")
+    adapter_slots: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="adapters one worker process serves in one batch (opt-in; 1: one function per process). "
+        "Above 1, functions of one namespace on this backbone share a worker: a function's cold start joins "
+        "a live worker of its namespace with a free slot (milliseconds, no new process), and their decode "
+        "steps read the backbone once for all of them. They share that process's faults and KV budget; "
+        "other namespaces never share it",
+    )
 
 
 class AdapterRef(_Spec):

@@ -180,6 +180,9 @@ class Controller:
         self.store, self.keys, self.executor, self.config = store, keys, executor, config
         self.reader = SnapshotReader(store, keys, sizing, config.heartbeat_ttl_s)
         self._binds: dict[str, _PendingBind] = {}
+        # joins sent to bound workers with a free adapter slot (Bind.join), until their heartbeat lists the
+        # function: (worker, function) -> when sent
+        self._joins: dict[tuple[str, str], float] = {}
         self._events_cursor: str | None = None
         self._counter = 0
         self._waiting: set[str] = set()
@@ -413,6 +416,7 @@ class Controller:
                     self._learn_fresh_start(seconds)
         elif kind in (control.BIND_FAILED, control.START_FAILED) and function:
             self._binds.pop(wid, None)
+            self._joins.pop((wid, function), None)
             self._failed(function, event.get("reason", kind))
 
     def _learn_fresh_start(self, seconds: float) -> None:
@@ -441,6 +445,10 @@ class Controller:
             if now - pending.sent_at > self.config.bind_timeout_s:
                 log.warning("controller: bind of %s to %s was never confirmed", wid, pending.function)
                 del self._binds[wid]
+        for key, sent_at in list(self._joins.items()):
+            if now - sent_at > self.config.bind_timeout_s:
+                log.warning("controller: join of %s into %s was never confirmed", key[1], key[0])
+                del self._joins[key]
         for wid, pending in list(self._preloads.items()):
             if now - pending.sent_at > self.config.preload_timeout_s:
                 del self._preloads[wid]  # not seen in its heartbeat: the next plan may send it again
@@ -460,6 +468,7 @@ class Controller:
                 del self._resizes[wid]
         if not (
             self._binds
+            or self._joins
             or self._preloads
             or self._stops_sent
             or self._parks
@@ -490,6 +499,7 @@ class Controller:
                 )
             elif pending is not None and w.state == "bound":
                 del self._binds[w.id]  # its heartbeat says bound: confirmed
+            w = self._with_pending_joins(w)
             stopped = self._stops_sent.get(w.id)
             if stopped is not None and w.state in ("standby", "bound", "starting"):
                 # told to stop, still heartbeating (or starting) for a moment: its memory is held, but it
@@ -511,6 +521,25 @@ class Controller:
                     w = dataclasses.replace(w, preloaded=preload.function)
             patched.append(w)
         return dataclasses.replace(snapshot, workers=tuple(patched))
+
+    def _with_pending_joins(self, w: Worker) -> Worker:
+        """``w`` with the functions joined into its adapter slots that its heartbeat does not list yet (the
+        next round must neither join another function into that slot nor start a worker for them)."""
+        if not self._joins or w.state != "bound":
+            return w
+        for (wid, function), _ in list(self._joins.items()):
+            if wid != w.id:
+                continue
+            if function in w.functions:
+                del self._joins[(wid, function)]  # its heartbeat lists it: confirmed
+            else:
+                w = dataclasses.replace(
+                    w,
+                    joined=(*w.joined, function),
+                    free_slots=max(0, w.free_slots - 1),
+                    running=max(1, w.running),
+                )
+        return w
 
     def _with_pending_park(self, w: Worker) -> Worker:
         """``w`` as a park it acknowledged, or an unpark sent to it, left it (its heartbeat, up to a second
@@ -690,9 +719,12 @@ class Controller:
         entry_id = self.store.run(
             workers.send_control(self.keys, action.worker_id, "bind", function=action.function)
         )
-        self._binds[action.worker_id] = _PendingBind(action.function, time.monotonic())
-        self._bound_at[action.gpu] = time.monotonic()
-        self._preloads.pop(action.worker_id, None)
+        if action.join:  # a bound worker takes it into a free adapter slot: no standby used up
+            self._joins[(action.worker_id, action.function)] = time.monotonic()
+        else:
+            self._binds[action.worker_id] = _PendingBind(action.function, time.monotonic())
+            self._bound_at[action.gpu] = time.monotonic()
+            self._preloads.pop(action.worker_id, None)
         self.metrics.binds.labels("fast" if fast else "round", "yes" if action.preloaded else "no").inc()
         # request -> bind command, both on Redis's clock (the control entry's id is its server time)
         at_ms = self._demand_at.pop(action.function, None)
@@ -702,9 +734,9 @@ class Controller:
             self.metrics.demand_to_bind.labels("fast" if fast else "round").observe(ms / 1000)
             waited = f", {ms} ms after its demand"
         log.info(
-            "controller: bind %s -> %s (%s%s%s)",
-            action.worker_id, action.function, "fast path" if fast else "round",
-            ", adapter pre-loaded" if action.preloaded else "", waited,
+            "controller: %s %s -> %s (%s%s%s)",
+            "join" if action.join else "bind", action.worker_id, action.function,
+            "fast path" if fast else "round", ", adapter pre-loaded" if action.preloaded else "", waited,
         )  # fmt: skip
 
     def _apply_parks(self, parks: list[Park], fast: bool) -> list[Park]:

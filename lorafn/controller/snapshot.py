@@ -265,6 +265,7 @@ class SnapshotReader:
                     bytes=size,
                     min_standby_per_gpu=spec.warm_pool.min_standby,
                     max_standby_per_gpu=spec.warm_pool.max_standby,
+                    adapter_slots=spec.adapter_slots,
                 )
             )
         if costs is None:
@@ -436,6 +437,13 @@ class SnapshotReader:
                 function = None
             elif policy_state == "bound" and not function:
                 continue
+            # the functions a worker with adapter slots took in besides its first (workers.heartbeat)
+            joined = tuple(
+                f for f in (h.get("functions") or "").split(",") if f and f != function
+            ) if policy_state == "bound" else ()  # fmt: skip
+            free_slots = 0
+            with contextlib.suppress(ValueError):
+                free_slots = max(0, int(h.get("free_slots") or 0))
             out.append(
                 Worker(
                     id=wid,
@@ -459,6 +467,8 @@ class SnapshotReader:
                     kv_bytes=kv_reports.get(wid, 0),
                     kv_grant=str(h.get("kv_grant", "")) == "1",
                     kv_limited=_kv_limited(h),
+                    joined=joined,
+                    free_slots=free_slots if policy_state == "bound" else 0,
                 )
             )
         return LiveView(

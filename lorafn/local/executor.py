@@ -179,6 +179,8 @@ class LocalExecutor:
             argv += ["--standby", "--backbone", action.backbone]
             if action.shape:
                 argv += ["--shape", action.shape]
+        if action.adapter_slots > 1:  # docs/runtime.md#adapter-slots (the policy sets it only with a shape)
+            argv += ["--adapter-slots", str(action.adapter_slots)]
         env = {**self.env(), **self.worker_extra_env}
         if self.device == "cuda":
             # A GPU worker needs few CPU threads, and dozens of workers each starting one OpenMP thread per

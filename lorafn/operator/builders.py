@@ -555,6 +555,8 @@ def build_standby_pod(
             "--backbone",
             backbone,
             *(["--shape", shape] if shape else []),
+            # adapter slots are sized by a shape (docs/runtime.md#adapter-slots)
+            *(["--adapter-slots", str(spec.adapter_slots)] if shape and spec.adapter_slots > 1 else []),
         ],
         env=_worker_env(config, spec),
         resources=config.standby_resources,
@@ -607,6 +609,11 @@ def build_worker_pod(
             str(kv_budget_mib or config.default_kv_mib),
             "--function",
             str(ref),
+            *(
+                ["--adapter-slots", str(backbone_spec.adapter_slots)]
+                if backbone_spec.adapter_slots > 1
+                else []
+            ),
         ],
         env=_worker_env(
             config,

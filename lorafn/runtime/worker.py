@@ -1191,9 +1191,9 @@ class WorkerSettings(SharedSettings):
         default=1,
         ge=1,
         le=64,
-        description="adapters one engine serves in one batch (docs/runtime.md#adapter-slots): the worker takes "
-        "further functions of its namespace and backbone into free slots when the controller binds them to "
-        "it; 1: one function per process",
+        description="adapters one engine serves in one batch (docs/runtime.md#adapter-slots): the worker "
+        "takes further functions of its namespace and backbone into free slots when the controller binds "
+        "them to it; 1: one function per process",
     )
     kv_budget_mib: int | None = Field(
         default=None,

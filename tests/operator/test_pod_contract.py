@@ -181,6 +181,27 @@ def test_a_standby_pod_sized_by_the_controller_parses_with_its_budget() -> None:
     assert parsed.params["shape"] == "q_proj:16"
 
 
+def test_adapter_slots_reach_the_worker_command_line() -> None:
+    """A Backbone with `adapterSlots` (docs/runtime.md#adapter-slots): its shaped standby pods and its
+    functions' worker pods pass `--adapter-slots`, and the worker settings they parse into build a slot
+    engine's config; a shape-agnostic standby gets none (slots are sized by a shape)."""
+    from lorafn.runtime.worker import WorkerSettings
+
+    spec = BackboneSpec.model_validate({**BACKBONE["spec"], "adapterSlots": 8})
+    slot, config = GPUSlot("node-1", 0, uuid="GPU-1234"), OperatorConfig()
+    ref = FunctionRef(namespace="team-a", name="french")
+    fn_spec = LoRAFunctionSpec.model_validate(FUNCTION_SPEC)
+    shaped = builders.build_standby_pod(BACKBONE, spec, slot, 1, config, "q_proj:16,v_proj:16")
+    agnostic = builders.build_standby_pod(BACKBONE, spec, slot, 2, config)
+    worker = builders.build_worker_pod(ref, 1, fn_spec, BACKBONE, spec, slot, config)
+    for pod, slots in ((shaped, 8), (agnostic, None), (worker, 8)):
+        parsed = check_pod(pod["spec"]["containers"][0])
+        assert parsed.params["adapter_slots"] == slots
+        given = {k: v for k, v in parsed.params.items() if v is not None}
+        settings = WorkerSettings(**{k: v for k, v in given.items() if k in WorkerSettings.model_fields})
+        assert settings.adapter_slots == (slots or 1)
+
+
 def test_the_contract_refuses_what_the_cli_does_not_know() -> None:
     """The checks above can fail: an unknown option, sub-command or env name is caught."""
     with pytest.raises(UsageError):

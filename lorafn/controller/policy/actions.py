@@ -27,13 +27,16 @@ WaitCause = Literal["backoff", "no_backbone", "standby_warming", "start_slot", "
 @dataclass(frozen=True)
 class Bind:
     """Send bind(function) to standby worker ``worker_id``. ``prepared``: it has the shape's graphs;
-    ``preloaded``: it holds the function's adapter already (the bind is registration only)."""
+    ``preloaded``: it holds the function's adapter already (the bind is registration only). ``join``: the
+    worker is a bound one with a free adapter slot, serving other functions of the same namespace; it takes
+    ``function`` in beside them (docs/runtime.md#adapter-slots)."""
 
     worker_id: str
     function: str
     gpu: str
     prepared: bool = True
     preloaded: bool = False
+    join: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class Start:
     function: str | None
     mem_bytes: int
     reason: str
+    # adapters its engine serves at once (`Backbone.adapter_slots`; docs/runtime.md#adapter-slots): 1 for a
+    # shape-agnostic standby (slots are sized by a shape)
+    adapter_slots: int = 1
 
 
 @dataclass(frozen=True)

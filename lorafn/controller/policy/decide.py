@@ -85,7 +85,7 @@ from lorafn.controller.policy.actions import (
 )
 from lorafn.controller.policy.backoff import backoff_reason, backoff_remaining_s
 from lorafn.controller.policy.config import PolicyConfig
-from lorafn.controller.policy.model import Function, Snapshot, Worker
+from lorafn.controller.policy.model import Function, Snapshot, Worker, shape_holds
 from lorafn.controller.policy.offload import (
     candidates,
     choose_parks,
@@ -134,12 +134,15 @@ class _Round:
             if w.state == "starting":
                 self.starting[w.gpu] += 1
             if _live(w):
-                self.live[w.function or ""].append(w)
+                for name in w.functions:  # a worker with adapter slots is the live worker of each
+                    self.live[name].append(w)
             elif w.state == "standby":
                 self.standbys[w.backbone].append(w)
         self.served: set[str] = set()  # functions given a worker in this plan (or memory it waits for)
         self.room_used: set[str] = set()  # exiting workers whose coming memory a Wait of this plan counts
         self.stopped_for: dict[str, str] = {}  # workers stopped in this plan -> the function it made room for
+        # adapter slots this plan's joins took, per worker (docs/runtime.md#adapter-slots)
+        self.slots_taken: dict[str, int] = defaultdict(int)
 
     def stop(
         self,
@@ -159,7 +162,9 @@ class _Round:
         # the same round died of OOM creating its CUDA context on the H100). It is *coming* memory: a
         # function may wait for it (`room_coming`), the account frees it once the worker is gone.
         if _live(w):
-            self.live[w.function or ""].remove(w)
+            for name in w.functions:
+                if w in self.live.get(name, ()):
+                    self.live[name].remove(w)
 
     def live_count(self, name: str) -> int:
         return len(self.live.get(name, ()))
@@ -204,7 +209,7 @@ class _Round:
                 or w.running > 0
                 or w.id in self.gone
                 or fn is None
-                or fn.queued > 0
+                or any(f.queued > 0 for f in (self.functions.get(n) for n in w.functions) if f is not None)
                 or w.idle_s < after
             ):
                 continue
@@ -290,7 +295,9 @@ class _Round:
     # -- step 2 ------------------------------------------------------------------------------
     def retire(self) -> None:
         for name in sorted(self.live):
-            workers = self.live[name]
+            # a worker with adapter slots is retired by its first function: the ones that joined it leave
+            # their slot on their own keep-alive (the worker does that), never stopping the others' process
+            workers = [w for w in self.live[name] if w.function == name]
             fn = self.functions.get(name)
             if fn is None:
                 for w in sorted(workers, key=lambda w: w.id):
@@ -372,10 +379,11 @@ class _Round:
                     need -= 1
                 need = min(need, fn.max_replicas - self.live_count(fn.name))  # new ones: parked count
             while need > 0:
-                standby = self.pick_standby(fn, gpus, prepared_only=True)
-                if standby is None:
+                # a free adapter slot of a live worker first (no process, no memory), then a standby
+                worker = self.pick_slot(fn, gpus) or self.pick_standby(fn, gpus, prepared_only=True)
+                if worker is None:
                     break
-                self.bind(fn, standby)
+                self.bind(fn, worker)
                 need -= 1
             rest.append((fn, need, cause))
         for fn, need, cause in rest:
@@ -429,7 +437,7 @@ class _Round:
                 Wait(fn.name, f"backbone {fn.backbone} is not loaded on any GPU", "no_backbone")
             )
             return False
-        standby = self.pick_standby(fn, set(gpus))
+        standby = self.pick_slot(fn, set(gpus)) or self.pick_standby(fn, set(gpus))
         if standby is not None:
             self.bind(fn, standby)
             return True
@@ -478,7 +486,8 @@ class _Round:
             return False
         self.ledger.take(best, fn.mem_bytes)
         self.starting[best] += 1
-        self.actions.append(Start(best, fn.backbone, fn.shape, fn.name, fn.mem_bytes, "demand"))
+        slots = self.backbones[fn.backbone].adapter_slots
+        self.actions.append(Start(best, fn.backbone, fn.shape, fn.name, fn.mem_bytes, "demand", slots))
         self.served.add(fn.name)
         # A placeholder so that live counts and later offloading see the new worker.
         self.live[fn.name].append(
@@ -600,13 +609,52 @@ class _Round:
         )
 
     def bind(self, fn: Function, standby: Worker) -> None:
+        """Bind ``fn`` to ``standby``, or join it into a free adapter slot of a bound worker (`pick_slot`)."""
+        join = standby.state == "bound"
         self.actions.append(
-            Bind(standby.id, fn.name, standby.gpu, standby.shape == fn.shape, standby.preloaded == fn.name)
-        )
-        self.standbys[fn.backbone].remove(standby)
+            Bind(
+                standby.id, fn.name, standby.gpu, join or standby.shape == fn.shape,
+                standby.preloaded == fn.name, join,
+            )
+        )  # fmt: skip
+        if join:
+            self.slots_taken[standby.id] += 1
+        else:
+            self.standbys[fn.backbone].remove(standby)
         self.protected.add(standby.id)
         self.served.add(fn.name)
         self.live[fn.name].append(standby)
+
+    def pick_slot(self, fn: Function, gpus: set[str]) -> Worker | None:
+        """A bound worker that can take ``fn`` into a free adapter slot (docs/runtime.md#adapter-slots): on
+        ``fn``'s backbone with ``adapter_slots`` above 1 (the opt-in), on a GPU of ``gpus``, serving
+        functions of ``fn``'s namespace only (one process is one fault domain: one tenant's functions share
+        it), not parked, not stopped in this plan, not serving ``fn`` already, whose slots' shape holds
+        ``fn``'s adapter. The one with the fewest requests running first (the batch it joins is the
+        smallest), then the most free slots."""
+        backbone = self.backbones.get(fn.backbone)
+        if backbone is None or backbone.adapter_slots < 2:
+            return None
+        namespace = fn.name.partition("/")[0]
+        best, best_rank = None, None
+        for w in self.snapshot.workers:
+            free = w.free_slots - self.slots_taken[w.id]
+            if (
+                w.state != "bound"
+                or w.parked
+                or free <= 0
+                or w.id in self.gone
+                or w.backbone != fn.backbone
+                or w.gpu not in gpus
+                or fn.name in w.functions
+                or any(f.partition("/")[0] != namespace for f in w.functions)
+                or not shape_holds(w.shape, fn.shape)
+            ):
+                continue
+            rank = (w.running, -free, w.id)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = w, rank
+        return best
 
     def warming_standby(self, fn: Function, gpus: set[str]) -> Worker | None:
         """A pool worker still starting that could take ``fn`` (its shape, or shape-agnostic, big enough),
@@ -900,7 +948,8 @@ def fast_binds(
             continue
         if backoff_remaining_s(fn, r.config.backoff_base_s, r.config.backoff_cap_s) > 0:
             continue
-        standby = r.pick_standby(fn, set(r.where.get(fn.backbone, ())))
+        gpus = set(r.where.get(fn.backbone, ()))
+        standby = r.pick_slot(fn, gpus) or r.pick_standby(fn, gpus)
         if standby is not None:
             r.bind(fn, standby)
     return [a for a in r.actions if isinstance(a, Bind)]

@@ -12,8 +12,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lorafn.api.sizing import parse_shape_key
+
 WorkerState = Literal["starting", "standby", "bound", "draining"]
 WORKER_STATES: tuple[str, ...] = ("starting", "standby", "bound", "draining")
+
+
+def shape_holds(slots_shape: str | None, shape: str) -> bool:
+    """Whether adapter buffers of shape key ``slots_shape`` hold an adapter of shape key ``shape``: every
+    projection it targets is there with at least its rank (the runtime zero-pads the rest, `fits_shape`).
+    False for None or a key that does not parse."""
+    if not slots_shape or not shape:
+        return False
+    try:
+        have, want = parse_shape_key(slots_shape), parse_shape_key(shape)
+    except ValueError:
+        return False
+    return all(have.get(module, 0) >= rank for module, rank in want.items())
 
 
 def _is_int(value: object) -> bool:
@@ -87,6 +102,8 @@ class Worker:
     lately: the driver says so); it can still be stopped, and unparked when parked. ``kv_bytes``: its KV
     budget as it reports it (0: not known); ``kv_grant``: True while it holds more KV than it started with,
     granted for an offline batch or a burst (`PolicyConfig.batch_kv_bytes`, ``burst_kv_bytes``).
+    ``joined``: the functions a worker with adapter slots serves besides ``function`` (they joined it,
+    docs/runtime.md#adapter-slots); ``free_slots``: its empty adapter slots (0: none, or no slots).
     ``kv_limited``: its KV cache, not its batch slots (``max_running`` or the TPOT SLO's batch), bounds the
     requests it holds at once (True where it does not say): only then does more KV serve a burst sooner.
     """
@@ -110,10 +127,25 @@ class Worker:
     kv_bytes: int = 0
     kv_grant: bool = False
     kv_limited: bool = True
+    joined: tuple[str, ...] = ()
+    free_slots: int = 0
+
+    @property
+    def functions(self) -> tuple[str, ...]:
+        """Every function it serves: ``function`` first, then ``joined``."""
+        return ((self.function,) if self.function else ()) + self.joined
 
     def __post_init__(self) -> None:
         owner = f"Worker {self.id}"
         _check_bytes(owner, "kv_bytes", self.kv_bytes)
+        object.__setattr__(self, "joined", tuple(self.joined))
+        if self.joined and (self.state != "bound" or self.function in self.joined or not all(self.joined)):
+            raise ValueError(
+                f"{owner}.joined: functions besides its own on a bound worker only, got {self.joined!r} on a "
+                f"{self.state} worker serving {self.function!r}"
+            )
+        if not _is_int(self.free_slots) or self.free_slots < 0:
+            raise ValueError(f"{owner}.free_slots must be an integer >= 0, got {self.free_slots!r}")
         if self.parked and self.state != "bound":
             raise ValueError(
                 f"{owner}.parked must be False on a {self.state} worker (only a bound one parks)"
@@ -210,6 +242,9 @@ class Backbone:
 
     ``gpus``: GPU ids it is placed on (allowed); empty = any GPU. A GPU *holds* the backbone when
     it is in ``gpus`` (or ``gpus`` is empty) and the GPU lists it in ``GPU.backbones`` (loaded).
+    ``adapter_slots``: adapters one worker of it serves at once (`BackboneSpec.adapter_slots`; 1: one
+    function per process): its workers start with that many slots, and a cold start of a function joins a
+    worker of its namespace that has one free (`decide`).
     """
 
     name: str
@@ -217,6 +252,7 @@ class Backbone:
     min_standby_per_gpu: int = 0
     max_standby_per_gpu: int = 4
     gpus: tuple[str, ...] = ()
+    adapter_slots: int = 1
 
     def __post_init__(self) -> None:
         owner = f"Backbone {self.name}"
@@ -227,6 +263,8 @@ class Backbone:
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 raise ValueError(f"{owner}.{name} must be an integer >= 0, got {value!r}")
+        if not _is_int(self.adapter_slots) or self.adapter_slots < 1:
+            raise ValueError(f"{owner}.adapter_slots must be an integer >= 1, got {self.adapter_slots!r}")
         if self.min_standby_per_gpu > self.max_standby_per_gpu:
             raise ValueError(
                 f"{owner}.min_standby_per_gpu ({self.min_standby_per_gpu}) must be <= "

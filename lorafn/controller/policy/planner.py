@@ -345,6 +345,7 @@ def plan_pool(
     cap); a standby without a slot is planned again next round and its target waits with it."""
     where = holds(snapshot) if where is None else where
     claimed = claimed or {}
+    adapter_slots = {b.name: b.adapter_slots for b in snapshot.backbones}
     pp = pool_problem(snapshot, ledger.free, pool, cold, config, where, claimed)
     solution = greedy(pp.problem)
     room = dict(pp.problem.capacity)
@@ -487,7 +488,8 @@ def plan_pool(
             if nodes is not None:
                 nodes[node_of[gpu]] -= 1
             ledger.take(gpu, size)
-            actions.append(Start(gpu, backbone, shape, None, size, "warm pool"))
+            num_slots = adapter_slots.get(backbone, 1) if shape is not None else 1
+            actions.append(Start(gpu, backbone, shape, None, size, "warm pool", num_slots))
     keys = set(target) | set(existing)
     pool_targets = [
         PoolTarget(g, b, s, target.get((g, b, s), 0)) for (g, b, s) in sorted(keys, key=_key_order)

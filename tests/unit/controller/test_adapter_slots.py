@@ -1,0 +1,136 @@
+"""The policy's side of adapter slots (docs/runtime.md#adapter-slots, issue 13): a cold function joins a
+bound worker of its namespace that has a free slot of a shape holding its adapter, on a Backbone that opted
+in (`adapter_slots` > 1); never one of another namespace, a parked one, or a full one; a joined function
+counts that worker as its live one; a worker is retired by its first function only; workers started for a
+slot backbone carry the slot count."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafn.controller.policy import Backbone, Bind, PolicyConfig, Start, Stop, decide
+from lorafn.controller.policy.decide import fast_binds
+from lorafn.controller.policy.model import shape_holds
+from tests.unit.controller.helpers import GiB, bound, fn, gpu, snap, standby
+
+SHAPE = "q_proj:16,v_proj:16"
+SLOTS = (Backbone("llama", 13 * GiB, min_standby_per_gpu=0, max_standby_per_gpu=4, adapter_slots=4),)
+NO_SLOTS = (Backbone("llama", 13 * GiB, min_standby_per_gpu=0, max_standby_per_gpu=4),)
+# no park, no warm pool refills: the plans hold only what these tests are about
+CONFIG = PolicyConfig(park_idle=False)
+
+
+def _binds(plan) -> list[Bind]:
+    return list(plan.of_type(Bind))
+
+
+def _slot_worker(**kw) -> object:
+    return bound("w1", "g0", "team-a/first", shape=SHAPE, free_slots=3, idle_s=1.0, **kw)
+
+
+def test_a_cold_function_joins_a_free_slot_of_its_namespace() -> None:
+    snapshot = snap(
+        [gpu("g0")],
+        [fn("team-a/first", SHAPE), fn("team-a/second", "q_proj:8,v_proj:8", queued=1)],
+        [_slot_worker(), standby("s1", "g0", SHAPE)],
+        SLOTS,
+    )
+    plan = decide(snapshot, CONFIG)
+    assert [(b.worker_id, b.function, b.join) for b in _binds(plan)] == [("w1", "team-a/second", True)]
+    assert not plan.of_type(Start)
+    # the fast path (demand just recorded) joins too
+    assert [(b.worker_id, b.join) for b in fast_binds(snapshot, ["team-a/second"], CONFIG)] == [("w1", True)]
+
+
+@pytest.mark.parametrize(
+    ("why", "function", "worker_kw", "backbones"),
+    [
+        ("another namespace", fn("team-b/other", SHAPE, queued=1), {}, SLOTS),
+        ("a shape its slots cannot hold", fn("team-a/big", "q_proj:32,v_proj:16", queued=1), {}, SLOTS),
+        ("a projection its slots lack", fn("team-a/mlp", "q_proj:16,up_proj:16", queued=1), {}, SLOTS),
+        ("no free slot", fn("team-a/second", SHAPE, queued=1), {"free_slots": 0}, SLOTS),
+        ("a parked worker", fn("team-a/second", SHAPE, queued=1), {"parked": True}, SLOTS),
+        ("a backbone that did not opt in", fn("team-a/second", SHAPE, queued=1), {}, NO_SLOTS),
+    ],
+)
+def test_no_join_into(why: str, function, worker_kw: dict, backbones) -> None:
+    kw = {"free_slots": 3, **worker_kw}
+    worker = bound("w1", "g0", "team-a/first", shape=SHAPE, idle_s=1.0, **kw)
+    snapshot = snap(
+        [gpu("g0")], [fn("team-a/first", SHAPE), function], [worker, standby("s1", "g0", SHAPE)], backbones
+    )
+    binds = _binds(decide(snapshot, CONFIG))
+    assert [(b.worker_id, b.join) for b in binds] == [("s1", False)], why
+
+
+def test_joins_take_free_slots_once_each_in_a_round() -> None:
+    """One free slot, two cold functions: one joins, the other takes the standby."""
+    snapshot = snap(
+        [gpu("g0")],
+        [fn("team-a/first", SHAPE), fn("team-a/b", SHAPE, queued=1), fn("team-a/c", SHAPE, queued=1)],
+        [
+            bound("w1", "g0", "team-a/first", shape=SHAPE, free_slots=1, idle_s=1.0),
+            standby("s1", "g0", SHAPE),
+        ],
+        SLOTS,
+    )
+    binds = sorted((b.worker_id, b.join) for b in _binds(decide(snapshot, CONFIG)))
+    assert binds == [("s1", False), ("w1", True)]
+
+
+def test_the_least_busy_slot_worker_is_joined() -> None:
+    snapshot = snap(
+        [gpu("g0")],
+        [fn("team-a/first", SHAPE), fn("team-a/third", SHAPE), fn("team-a/second", SHAPE, queued=1)],
+        [
+            bound("busy", "g0", "team-a/first", shape=SHAPE, free_slots=3, running=5),
+            bound("calm", "g0", "team-a/third", shape=SHAPE, free_slots=1, running=1),
+        ],
+        SLOTS,
+    )
+    assert [(b.worker_id, b.join) for b in _binds(decide(snapshot, CONFIG))] == [("calm", True)]
+
+
+def test_a_joined_function_counts_the_worker_as_its_own() -> None:
+    """No start for a joined function with requests queued while its (shared) worker keeps up."""
+    worker = bound("w1", "g0", "team-a/first", shape=SHAPE, free_slots=2, joined=("team-a/second",))
+    snapshot = snap(
+        [gpu("g0")], [fn("team-a/first", SHAPE), fn("team-a/second", SHAPE, queued=1)], [worker], SLOTS
+    )
+    plan = decide(snapshot, CONFIG)
+    assert not plan.of_type(Start) and not _binds(plan)
+
+
+def test_a_slot_worker_is_retired_by_its_first_function_only() -> None:
+    functions = [fn("team-a/first", SHAPE, keep_alive_s=60.0), fn("team-a/second", SHAPE, keep_alive_s=1.0)]
+    shared = {"shape": SHAPE, "free_slots": 2, "joined": ("team-a/second",)}
+    young = bound("w1", "g0", "team-a/first", idle_s=10.0, **shared)
+    assert not decide(snap([gpu("g0")], functions, [young], SLOTS), CONFIG).of_type(Stop)
+    old = bound("w1", "g0", "team-a/first", idle_s=61.0, **shared)
+    assert [
+        s.worker_id for s in decide(snap([gpu("g0")], functions, [old], SLOTS), CONFIG).of_type(Stop)
+    ] == ["w1"]
+
+
+def test_starts_on_a_slot_backbone_carry_the_slot_count() -> None:
+    plan = decide(snap([gpu("g0")], [fn("team-a/first", SHAPE, queued=1)], [], SLOTS), CONFIG)
+    assert [(s.function, s.adapter_slots) for s in plan.of_type(Start)] == [("team-a/first", 4)]
+    plan = decide(snap([gpu("g0")], [fn("team-a/first", SHAPE, queued=1)], [], NO_SLOTS), CONFIG)
+    assert [(s.function, s.adapter_slots) for s in plan.of_type(Start)] == [("team-a/first", 1)]
+
+
+def test_shape_holds() -> None:
+    assert shape_holds("q_proj:16,v_proj:16", "q_proj:8")
+    assert shape_holds("q_proj:16,v_proj:16", "q_proj:16,v_proj:16")
+    assert not shape_holds("q_proj:16,v_proj:16", "q_proj:16,v_proj:32")
+    assert not shape_holds("q_proj:16", "k_proj:4")
+    assert not shape_holds(None, "q_proj:8") and not shape_holds("r16", "q_proj:8")
+
+
+def test_joined_functions_only_on_a_bound_worker() -> None:
+    with pytest.raises(ValueError, match="joined"):
+        standby("s1", "g0", SHAPE, joined=("team-a/x",))
+    with pytest.raises(ValueError, match="joined"):
+        bound("w1", "g0", "team-a/first", joined=("team-a/first",))
+    with pytest.raises(ValueError, match="free_slots"):
+        bound("w1", "g0", "team-a/first", free_slots=-1)
