@@ -151,7 +151,8 @@ def phase(workers: list[WorkerView], queued: int, wait_reason: str) -> str:
 def _worker(wid: str, fields: dict[str, str]) -> WorkerView:
     return WorkerView(
         id=wid,
-        function=fields.get("function", ""),
+        # a worker with adapter slots serves several functions: all of them, the first first
+        function=fields.get("functions") or fields.get("function", ""),
         state=fields.get("state", ""),
         gpu=fields.get("gpu", ""),
         backbone=fields.get("backbone", ""),
@@ -191,7 +192,7 @@ def collect(store: Store, keys: Keys, gateway_url: str = "", redis_url: str = ""
             continue
         stats = store.run(counters(keys, name))
         st = status_of.get(name, {})
-        bound = [w for w in out.workers if w.function == name and w.state in BOUND_STATES]
+        bound = [w for w in out.workers if name in w.function.split(",") and w.state in BOUND_STATES]
         depth = depths.get(name)
         queued = depth.queued if depth else 0
         cold_ms = st.get("last_cold_start_ms")

@@ -36,3 +36,10 @@ def test_busy_workers_per_device_leave_out_idle_and_parked_ones() -> None:
         PlatformStatus("http://gw", "redis://r", workers=[_w("2", "cuda:0")]), Console(file=quiet, width=160)
     )
     assert "busy workers" not in quiet.getvalue()
+
+
+def test_a_worker_with_adapter_slots_shows_every_function_it_serves() -> None:
+    """A worker that functions joined (docs/runtime.md#adapter-slots) lists them all in its heartbeat."""
+    fields = {"state": "serving", "function": "a/f", "functions": "a/f,a/g"}
+    assert _worker("w", fields).function == "a/f,a/g"
+    assert _worker("w", {"state": "serving", "function": "a/f"}).function == "a/f"
