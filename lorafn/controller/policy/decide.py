@@ -143,6 +143,13 @@ class _Round:
         self.stopped_for: dict[str, str] = {}  # workers stopped in this plan -> the function it made room for
         # adapter slots this plan's joins took, per worker (docs/runtime.md#adapter-slots)
         self.slots_taken: dict[str, int] = defaultdict(int)
+        # workers starting for a function on a backbone with adapter slots (this plan's Starts added): their
+        # free slots are promised to functions of that namespace waiting for them (`slot_coming`)
+        self.slot_starts: list[Worker] = [
+            w
+            for w in snapshot.workers
+            if w.state == "starting" and w.function and self._num_slots(w.backbone) > 1
+        ]
 
     def stop(
         self,
@@ -165,6 +172,10 @@ class _Round:
             for name in w.functions:
                 if w in self.live.get(name, ()):
                     self.live[name].remove(w)
+
+    def _num_slots(self, backbone: str) -> int:
+        b = self.backbones.get(backbone)
+        return b.adapter_slots if b is not None else 1
 
     def live_count(self, name: str) -> int:
         return len(self.live.get(name, ()))
@@ -459,6 +470,22 @@ class _Round:
                 )
             )
             return True
+        coming = self.slot_coming(fn, set(gpus))
+        if coming is not None:
+            # A worker with adapter slots is starting for a function of its namespace: it takes this one into
+            # a free slot once it is up (`pick_slot`), as soon as a fresh start of its own would be ready and
+            # with no memory of its own (a burst over many cold functions of one tenant starts one process)
+            self.slots_taken[coming.id] += 1
+            self.protected.add(coming.id)
+            self.served.add(fn.name)
+            self.actions.append(
+                Wait(
+                    fn.name,
+                    f"joins a worker with adapter slots that is starting for {coming.function}",
+                    "standby_warming",
+                )
+            )
+            return True
         fits_now = any(self.start_slot(g) and self.ledger.free[g] >= fn.mem_bytes for g in gpus)
         if not fits_now and self.room_coming(fn, gpus):
             return False
@@ -490,18 +517,38 @@ class _Round:
         self.actions.append(Start(best, fn.backbone, fn.shape, fn.name, fn.mem_bytes, "demand", slots))
         self.served.add(fn.name)
         # A placeholder so that live counts and later offloading see the new worker.
-        self.live[fn.name].append(
-            Worker(
-                f"<new:{fn.name}:{len(self.actions)}>",
-                best,
-                fn.backbone,
-                "starting",
-                fn.shape,
-                fn.name,
-                fn.mem_bytes,
-            )
+        new = Worker(
+            f"<new:{fn.name}:{len(self.actions)}>",
+            best,
+            fn.backbone,
+            "starting",
+            fn.shape,
+            fn.name,
+            fn.mem_bytes,
         )
+        self.live[fn.name].append(new)
+        if slots > 1:
+            self.slot_starts.append(new)
         return True
+
+    def slot_coming(self, fn: Function, gpus: set[str]) -> Worker | None:
+        """A worker starting for another function of ``fn``'s namespace on its backbone (with adapter slots),
+        on a GPU of ``gpus``, whose slot shape holds ``fn``'s adapter and whose slots are not all promised
+        yet (`slots_taken`): ``fn`` waits for it instead of starting a process of its own."""
+        slots = self._num_slots(fn.backbone)
+        namespace = fn.name.partition("/")[0]
+        for w in self.slot_starts:
+            if (
+                w.id not in self.gone
+                and w.backbone == fn.backbone
+                and w.gpu in gpus
+                and w.function != fn.name
+                and (w.function or "").partition("/")[0] == namespace
+                and shape_holds(w.shape, fn.shape)
+                and self.slots_taken[w.id] < slots - 1
+            ):
+                return w
+        return None
 
     def coming(self, fn: Function, gpu: str) -> list[Worker]:
         """Workers on ``gpu`` that are exiting (draining, or stopped in this plan) and whose memory ``fn`` may

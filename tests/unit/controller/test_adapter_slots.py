@@ -6,6 +6,8 @@ slot backbone carry the slot count."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lorafn.controller.policy import Backbone, Bind, PolicyConfig, Start, Stop, decide
@@ -134,3 +136,27 @@ def test_joined_functions_only_on_a_bound_worker() -> None:
         bound("w1", "g0", "team-a/first", joined=("team-a/first",))
     with pytest.raises(ValueError, match="free_slots"):
         bound("w1", "g0", "team-a/first", free_slots=-1)
+
+
+def test_a_burst_of_cold_functions_of_a_namespace_starts_one_process_per_slots() -> None:
+    """Five cold functions of one namespace, four slots a worker: one start takes the first, three wait to
+    join it, the fifth starts a second worker; once the first is up the three join it."""
+    from lorafn.controller.policy import Wait
+
+    config = PolicyConfig(park_idle=False, max_fresh_starts_per_gpu=4)
+    names = [f"team-a/f{i}" for i in range(5)]
+    functions = [fn(n, SHAPE, queued=1) for n in names]
+    plan = decide(snap([gpu("g0")], functions, [], SLOTS), config)
+    starts = [s for s in plan.of_type(Start) if s.function]
+    assert [(s.function, s.adapter_slots) for s in starts] == [("team-a/f0", 4), ("team-a/f4", 4)]
+    waits = [w for w in plan.of_type(Wait) if "adapter slots" in w.reason]
+    assert sorted(w.function for w in waits) == names[1:4]
+    # the next round, f0's worker still starting: the three keep waiting for it, nothing else starts
+    starting = dataclasses.replace(bound("w0", "g0", "team-a/f0", shape=SHAPE), state="starting")
+    plan = decide(snap([gpu("g0")], functions, [starting], SLOTS), config)
+    assert [s.function for s in plan.of_type(Start) if s.function] == ["team-a/f4"]
+    assert sorted(w.function for w in plan.of_type(Wait) if "adapter slots" in w.reason) == names[1:4]
+    # up (3 free slots): the three join it
+    up = bound("w0", "g0", "team-a/f0", shape=SHAPE, free_slots=3)
+    plan = decide(snap([gpu("g0")], functions, [up], SLOTS), config)
+    assert sorted((b.function, b.join) for b in _binds(plan)) == [(n, True) for n in names[1:4]]
