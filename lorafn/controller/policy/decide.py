@@ -486,8 +486,9 @@ class _Round:
                 )
             )
             return True
-        fits_now = any(self.start_slot(g) and self.ledger.free[g] >= fn.mem_bytes for g in gpus)
-        if not fits_now and self.room_coming(fn, gpus):
+        need = self.start_bytes(fn)
+        fits_now = any(self.start_slot(g) and self.ledger.free[g] >= need for g in gpus)
+        if not fits_now and self.room_coming(fn, gpus, need):
             return False
         open_gpus = [g for g in gpus if self.start_slot(g)]
         if not open_gpus:
@@ -496,11 +497,11 @@ class _Round:
                 return False
             open_gpus = list(gpus)  # over the cap: waiting would make its oldest request miss its deadline
         free = self.ledger.free
-        best = max((g for g in open_gpus if free[g] >= fn.mem_bytes), key=lambda g: free[g], default=None)
+        best = max((g for g in open_gpus if free[g] >= need), key=lambda g: free[g], default=None)
         if best is None:
-            best = self.park_for(fn, open_gpus, fn.mem_bytes)  # None unless park_idle
+            best = self.park_for(fn, open_gpus, need)  # None unless park_idle
         if best is None and self.config.offloading:
-            made = self.offload_for(fn, open_gpus, cause)
+            made = self.offload_for(fn, open_gpus, cause, need)
             if made is not None:
                 # Start once the victims have exited, not now: their processes hold the memory until then,
                 # and a worker started at once created its CUDA context first and died of OOM (H100, 110
@@ -511,25 +512,26 @@ class _Round:
         if best is None:
             self.actions.append(Wait(fn.name, self.no_room_reason(fn, gpus), "no_room"))
             return False
-        self.ledger.take(best, fn.mem_bytes)
+        self.ledger.take(best, need)
         self.starting[best] += 1
-        slots = self.backbones[fn.backbone].adapter_slots
-        self.actions.append(Start(best, fn.backbone, fn.shape, fn.name, fn.mem_bytes, "demand", slots))
+        slots = self._num_slots(fn.backbone)
+        self.actions.append(Start(best, fn.backbone, fn.shape, fn.name, need, "demand", slots))
         self.served.add(fn.name)
         # A placeholder so that live counts and later offloading see the new worker.
         new = Worker(
-            f"<new:{fn.name}:{len(self.actions)}>",
-            best,
-            fn.backbone,
-            "starting",
-            fn.shape,
-            fn.name,
-            fn.mem_bytes,
+            f"<new:{fn.name}:{len(self.actions)}>", best, fn.backbone, "starting", fn.shape, fn.name, need
         )
         self.live[fn.name].append(new)
         if slots > 1:
             self.slot_starts.append(new)
         return True
+
+    def start_bytes(self, fn: Function) -> int:
+        """What a worker started for ``fn`` reserves: ``fn.mem_bytes``, and on a backbone with K adapter
+        slots the KV budget and adapter buffers of the K - 1 functions that may join it (a shared worker
+        holds what K workers' budgets would, less K - 1 CUDA contexts and backbone mappings)."""
+        extra = (self._num_slots(fn.backbone) - 1) * (fn.kv_bytes + fn.lora_bytes)
+        return fn.mem_bytes + extra
 
     def slot_coming(self, fn: Function, gpus: set[str]) -> Worker | None:
         """A worker starting for another function of ``fn``'s namespace on its backbone (with adapter slots),
