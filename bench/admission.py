@@ -13,7 +13,9 @@ slack; docs/scheduler.md#decode-gating), `edf` with each worker's pending prefil
 late behind them; docs/scheduler.md#deadline-order) and no admission, `on-edf` with both (the workers bid
 for the budget with the deadline of the first prompt their plan serves on time), `on-edf-oldest` as
 `on-edf` but bidding with the oldest waiting request's deadline (`LORAFN_BID_DEADLINE=oldest`, the rule
-before issue 13). Printed per
+before issue 13), `slots` with deadline order and every function in one worker of adapter slots (the
+Backbone's `adapterSlots` = the number of functions, docs/runtime.md#adapter-slots: one batch and one read
+of the backbone per step for all of them; the worker holds every function's KV budget). Printed per
 function and overall: TTFT p50/p99, TPOT p50/p99, SLO
 violations (an error or a first token later than the function's SLO), throughput (completion tokens/s),
 the budget's grants, and per mode the gating counters (urgent grants, gated decode steps, their total and
@@ -93,18 +95,18 @@ NAMESPACE = "adm"
 
 def manifest(
     model_dir: Path, dtype: str, functions: list[str], adapters: list[Path], slos: dict[str, int],
-    keys: dict[str, str], kv_mib: int | None = None,
+    keys: dict[str, str], kv_mib: int | None = None, adapter_slots: int = 1,
 ) -> str:  # fmt: skip
     """The replay's manifest (a Backbone without a warm pool, a Secret of keys, the LoRAFunctions), each
     function warm from the start (minReplicas = maxReplicas = 1, kept an hour) with its own TTFT SLO, in
-    the namespace `adm`."""
+    the namespace `adm`. `adapter_slots` > 1: the functions share workers of that many adapter slots."""
     setup = FunctionSetup(
         slo_ttft_ms=max(slos.values()), keep_alive_s=3600, max_replicas=1, kv_cache_mib=kv_mib
     )
     config = ReplayConfig("admission", "bench/admission.py", min_replicas=1, warm_pool_fallback=(0, 0))
     return replay_manifest(
         model_dir, dtype, functions, adapters, keys, setup, config, True,
-        namespace=NAMESPACE, secret="adm-keys", slos=slos,
+        namespace=NAMESPACE, secret="adm-keys", slos=slos, adapter_slots=adapter_slots,
     )  # fmt: skip
 
 
@@ -128,8 +130,10 @@ def figures(
 
 
 # admission; none; admission + decode gating; deadline order in each worker (no admission); both; both with
-# the bid of the oldest waiting request (before issue 13)
-MODES = ("on", "off", "gate", "edf", "on-edf", "on-edf-oldest")
+# the bid of the oldest waiting request (before issue 13); deadline order with every function in one worker
+# of adapter slots (issue 13: one batch, one read of the backbone per step, for all of them)
+MODES = ("on", "off", "gate", "edf", "on-edf", "on-edf-oldest", "slots")
+EDF_MODES = ("edf", "on-edf", "on-edf-oldest", "slots")
 
 
 def run_one(
@@ -153,7 +157,7 @@ def run_one(
         settings["device_memory_mib"] = args.device_memory_mib
     env = {"LORAFN_GPU_PREFILL_TOKENS": str(args.prefill_tokens)} if args.prefill_tokens else {}
     env["LORAFN_DECODE_GATING"] = "true" if mode == "gate" else "false"
-    env["LORAFN_DEADLINE_ORDER"] = "true" if mode in ("edf", "on-edf", "on-edf-oldest") else "false"
+    env["LORAFN_DEADLINE_ORDER"] = "true" if mode in EDF_MODES else "false"
     env["LORAFN_BID_DEADLINE"] = "oldest" if mode == "on-edf-oldest" else "plan"
     if args.gate_tpot_ms:
         env["LORAFN_GATE_TPOT_MS"] = str(args.gate_tpot_ms)
@@ -162,7 +166,8 @@ def run_one(
     out: list[dict[str, Any]] = []
     try:
         state = platform.start(timeout_s=args.start_timeout_s)
-        platform.apply(manifest(model_dir, args.dtype, functions, adapters, slos, keys, args.kv_mib))
+        slots = len(functions) if mode == "slots" else 1
+        platform.apply(manifest(model_dir, args.dtype, functions, adapters, slos, keys, args.kv_mib, slots))
         settled = platform.settle(
             functions, 1, want_standby=False, shared=True, timeout_s=args.start_timeout_s
         )
@@ -230,8 +235,9 @@ def summarize(
             gating[k] = gating.get(k, 0.0) + v
     return {
         "mode": mode, "admission": mode in ("on", "gate", "on-edf", "on-edf-oldest"),
-        "decode_gating": mode == "gate", "deadline_order": mode in ("edf", "on-edf", "on-edf-oldest"),
-        "bid_deadline": "oldest" if mode == "on-edf-oldest" else "plan", "gating": gating,
+        "decode_gating": mode == "gate", "deadline_order": mode in EDF_MODES,
+        "adapter_slots": mode == "slots", "bid_deadline": "oldest" if mode == "on-edf-oldest" else "plan",
+        "gating": gating,
         "overall": overall, "functions": per_fn, "duration_s": duration,
         "repeats": len(parts), "grants": len(grants), "contested_grants": len(contested),
         "slot": slot_figures(grants, releases), "unanswered": sum(not r.ok for r in results),

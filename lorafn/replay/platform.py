@@ -114,16 +114,20 @@ def manifest(
     namespace: str = NAMESPACE,
     secret: str = "replay-keys",
     slos: Mapping[str, int] | None = None,
+    adapter_slots: int = 1,
 ) -> str:
     """The YAML `lorafn apply -f` would take: a Backbone, a Secret of keys and the LoRAFunctions (in
     `namespace`, the keys in the Secret `secret`; other benchmarks, e.g. bench/batch.py, use their own).
     `slos`: a TTFT SLO (ms) per function, for those it names (bench/admission.py); the others get
-    `setup.slo_ttft_ms`."""
+    `setup.slo_ttft_ms`. `adapter_slots`: the Backbone's (docs/runtime.md#adapter-slots; 1: one function
+    per worker)."""
     # file:// URIs must hold absolute paths (the spec refuses others): a bench's relative --workdir too
     backbone_spec: dict[str, Any] = {"model": {"uri": f"file://{model_dir.resolve()}"}, "dtype": dtype}
     if warm_pool_off_by_spec and config.warm_pool_fallback is not None:
         low, high = config.warm_pool_fallback
         backbone_spec["warmPool"] = {"minStandby": low, "maxStandby": high}
+    if adapter_slots > 1:
+        backbone_spec["adapterSlots"] = adapter_slots
     docs: list[dict[str, Any]] = [
         {
             "apiVersion": "lorafn.io/v1alpha1",
@@ -258,8 +262,13 @@ class ManagedPlatform:
             # zygote's
             sockets = [p for p in (self.state_dir / "sockets").glob("*.sock") if p.name != "zygote.sock"]
             standby = sum(h.get("state") == "standby" for h in ws.values())
+            # a worker with adapter slots counts for every function it serves (`functions`, first one first)
             bound = {
-                fn: sum(h.get("function") == fn and h.get("state") != "standby" for h in ws.values())
+                fn: sum(
+                    fn in (h.get("functions") or h.get("function") or "").split(",")
+                    and h.get("state") != "standby"
+                    for h in ws.values()
+                )
                 for fn in functions
             }
             found = {
