@@ -17,7 +17,7 @@ StopReason = Literal["offload", "scale_down", "pool_shrink", "keep_alive"]
 # more worker for a function whose queue grows (a burst)
 OffloadCause = Literal["cold_start", "min_replicas", "scale_up"]
 # why a ResizeKV: more KV for an offline batch or a burst, or a grant given back
-ResizeCause = Literal["batch", "burst", "return"]
+ResizeCause = Literal["batch", "burst", "return", "join"]
 # why a function with demand gets no worker this round: its start backoff after failures, its backbone
 # unknown or loaded nowhere, a standby for it still warming up, every start slot taken
 # (max_fresh_starts_per_gpu), workers stopped for its memory still exiting, or no memory anywhere

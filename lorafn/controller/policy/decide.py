@@ -901,6 +901,30 @@ class _Round:
                     queue = f"{fn.queued} queued ({fn.oldest_wait_s:.1f} s)"
                     self.grant(w, fn, delta, f"burst: {queue} behind {len(serving)} busy worker(s)", "burst")
 
+    def slot_kv(self) -> None:
+        """A worker with adapter slots holding less KV than the functions it serves would hold alone (a
+        standby of a slot backbone, sized for one function, that others joined; joins of this plan counted)
+        gets the difference, as far as `grant_room` allows: each function brings its KV budget."""
+        joining: dict[str, list[str]] = defaultdict(list)
+        for a in self.actions:
+            if isinstance(a, Bind) and a.join:
+                joining[a.worker_id].append(a.function)
+        for w in sorted(self.snapshot.workers, key=lambda w: w.id):
+            names = [*w.functions, *joining.get(w.id, ())]
+            if len(names) < 2 or w.state != "bound" or w.parked or w.id in self.gone or w.kv_bytes <= 0:
+                continue
+            if any(isinstance(a, (Park, ResizeKV)) and a.worker_id == w.id for a in self.actions):
+                continue
+            want = self.set_kv_bytes(names)
+            delta = min(want - w.kv_bytes, self.grant_room(w.gpu)) // MIB * MIB
+            first = self.functions.get(names[-1])
+            if delta >= MIB and first is not None:
+                self.grant(w, first, delta, f"{len(names)} functions share its slots", "join")
+
+    def set_kv_bytes(self, names: Iterable[str]) -> int:
+        """The KV budgets of these functions together (those the snapshot knows)."""
+        return sum(f.kv_bytes for f in (self.functions.get(n) for n in names) if f is not None)
+
     def grant_room(self, gpu: str) -> int:
         """What a KV grant may take on ``gpu``: its free memory less one more standby's, in whole MiB."""
         return (self.ledger.free[gpu] - self.costs.default_standby_bytes) // MIB * MIB
@@ -941,17 +965,20 @@ class _Round:
         has been idle ``kv_grant_idle_s`` with nothing queued and no batch backlog (whatever granted it)."""
         for w in sorted(self.snapshot.workers, key=lambda w: w.id):
             fn = self.functions.get(w.function or "")
+            # a worker with adapter slots keeps the KV of every function it serves (`slot_kv`)
+            own = max(fn.kv_bytes, self.set_kv_bytes(w.functions)) if fn is not None else 0
+            served = [f for f in (self.functions.get(n) for n in w.functions) if f is not None]
             if (
                 fn is None or w.state != "bound" or w.parked or w.id in self.gone or not w.kv_grant
-                or w.running > 0 or fn.queued > 0 or fn.batch_backlog > 0
-                or w.idle_s < self.config.kv_grant_idle_s or not 0 < fn.kv_bytes < w.kv_bytes
+                or w.running > 0 or any(f.queued > 0 or f.batch_backlog > 0 for f in served)
+                or w.idle_s < self.config.kv_grant_idle_s or not 0 < own < w.kv_bytes
                 or any(isinstance(a, (Park, ResizeKV)) and a.worker_id == w.id for a in self.actions)
             ):  # fmt: skip
                 continue
             self.actions.append(
                 ResizeKV(
-                    w.id, fn.name, w.gpu, fn.kv_bytes, fn.kv_bytes - w.kv_bytes,
-                    f"grant done (idle {w.idle_s:.0f} s): KV {_mib(w.kv_bytes)} -> {_mib(fn.kv_bytes)}",
+                    w.id, fn.name, w.gpu, own, own - w.kv_bytes,
+                    f"grant done (idle {w.idle_s:.0f} s): KV {_mib(w.kv_bytes)} -> {_mib(own)}",
                     "return",
                 )
             )  # fmt: skip
@@ -963,6 +990,7 @@ def decide(snapshot: Snapshot, config: PolicyConfig | None = None) -> Plan:
     r.retire()
     r.park_idle_workers()
     r.demand()
+    r.slot_kv()
     r.burst_kv()
     pool = r.warm_pool()
     r.preload()

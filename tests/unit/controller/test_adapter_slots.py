@@ -164,3 +164,25 @@ def test_a_burst_of_cold_functions_of_a_namespace_starts_one_process_per_slots()
     up = bound("w0", "g0", "team-a/f0", shape=SHAPE, free_slots=3)
     plan = decide(snap([gpu("g0")], functions, [up], SLOTS), config)
     assert sorted((b.function, b.join) for b in _binds(plan)) == [(n, True) for n in names[1:4]]
+
+
+def test_functions_that_join_bring_their_kv_budget() -> None:
+    """A worker whose KV was sized for one function (a standby of a slot backbone) gets each joined
+    function's KV budget as a grant, in the round of the join and in later ones; one already holding the KV
+    of all its functions (a worker started for a slot backbone) gets none."""
+    from lorafn.controller.policy import ResizeKV
+
+    first = fn("team-a/first", SHAPE, kv_bytes=GiB)
+    second = fn("team-a/second", SHAPE, queued=1, kv_bytes=GiB)
+    small = bound("w1", "g0", "team-a/first", shape=SHAPE, free_slots=3, idle_s=1.0, kv_bytes=GiB)
+    plan = decide(snap([gpu("g0")], [first, second], [small], SLOTS), CONFIG)
+    assert [(b.function, b.join) for b in _binds(plan)] == [("team-a/second", True)]
+    assert [(r.worker_id, r.delta_bytes, r.cause) for r in plan.of_type(ResizeKV)] == [("w1", GiB, "join")]
+    joined = bound(
+        "w1", "g0", "team-a/first", shape=SHAPE, free_slots=2, joined=("team-a/second",), kv_bytes=GiB
+    )
+    plan = decide(snap([gpu("g0")], [first, dataclasses.replace(second, queued=0)], [joined], SLOTS), CONFIG)
+    assert [(r.delta_bytes, r.cause) for r in plan.of_type(ResizeKV)] == [(GiB, "join")]
+    big = dataclasses.replace(joined, kv_bytes=4 * GiB)
+    plan = decide(snap([gpu("g0")], [first, dataclasses.replace(second, queued=0)], [big], SLOTS), CONFIG)
+    assert not plan.of_type(ResizeKV)
