@@ -24,6 +24,9 @@ class ReplayConfig:
     # Backbone spec.warmPool (min, max) when the LocalConfig switch it stands for is missing (None: default)
     warm_pool_fallback: tuple[int, int] | None = None
     brief: str = ""  # a few words for `--configs --help` (configs_help)
+    # the Backbone's spec.adapterSlots (docs/runtime.md#adapter-slots): the functions of the replay's one
+    # namespace share workers of this many adapter slots (1: a worker each)
+    adapter_slots: int = 1
 
     @property
     def shares_backbone(self) -> bool:
@@ -91,6 +94,16 @@ CONFIGS: dict[str, ReplayConfig] = {
             "up to 1 GiB, out of free GPU memory (burst_kv_mib: 1024)",
             {"gpu_admission": True, "park_idle": True, "burst_kv_mib": 1024},
             brief="full + busy workers grow their KV for their queue",
+        ),
+        # issue 13: the replay's functions (one namespace) share workers of 8 adapter slots, one batch and one
+        # read of the backbone a step for all of a worker's functions
+        ReplayConfig(
+            "slots",
+            "full, and the functions share workers of 8 adapter slots (Backbone adapterSlots: 8): a cold "
+            "function joins a live worker's free slot; one batch serves them all",
+            {"gpu_admission": True, "park_idle": True},
+            brief="full + functions share workers of 8 adapter slots",
+            adapter_slots=8,
         ),
         ReplayConfig(
             "no-sharing",

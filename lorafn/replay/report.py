@@ -163,7 +163,7 @@ def _pct(value: float | None) -> str:
 
 WARMUP_ROW = "  warm-up"  # the warm-up's row, under its configuration's
 # the request paths the resources table counts (stats.assign_paths; `unparked`: a parked worker got its KV)
-ROUTES = ("warm", "unparked", "standby", "fresh", "queued")
+ROUTES = ("warm", "unparked", "join", "standby", "fresh", "queued")
 
 
 def window_title(workload: dict[str, Any]) -> str:

@@ -179,7 +179,12 @@ def _run_managed(
     started = time.monotonic()
     try:
         state = platform.start()
-        platform.apply(manifest(model_dir, dtype, functions, adapters, keys, m.setup, config, spec_fallback))
+        platform.apply(
+            manifest(
+                model_dir, dtype, functions, adapters, keys, m.setup, config, spec_fallback,
+                adapter_slots=config.adapter_slots,
+            )
+        )  # fmt: skip
         warm_pool = settings.get("warm_pool", True) and not spec_fallback
         settled = platform.settle(
             functions, config.min_replicas, warm_pool, config.shares_backbone, m.settle_timeout_s

@@ -16,7 +16,9 @@ import numpy as np
 QUANTILES = (50, 90, 99)
 # The paths a request can take (docs/replay.md#paths). `cold` is a cold request whose cold start left no
 # `bound` event the replay could match (e.g. the run ended first); `none`: it never reached a worker.
-PATHS = ("warm", "unparked", "standby", "fresh", "queued", "cold", "none")
+# how a request found its worker; "join": a cold start into a free adapter slot of a live worker
+# (docs/runtime.md#adapter-slots)
+PATHS = ("warm", "unparked", "join", "standby", "fresh", "queued", "cold", "none")
 MiB = 1 << 20
 # The replay's clock: 0 is the measured window's start; a warm-up runs at negative times before it.
 WINDOW_START_S = 0.0
@@ -89,7 +91,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class BoundEvent:
-    """A cold start completed: a worker took `function` by `path` (standby | fresh) at `t_s`; or (path
+    """A cold start completed: a worker took `function` by `path` (standby | fresh | join) at `t_s`; or (path
     `unparked`) a parked worker of `function` took its KV cache back (`PolicyConfig.park_idle`)."""
 
     t_s: float

@@ -115,7 +115,8 @@ def test_a_warmed_run_says_so_in_its_tables_and_shows_the_warmup_apart() -> None
     (lat_warm, res_warm) = [line for line in text.splitlines() if "warm-up " in line and "│" in line]
     assert "7,777" in lat_warm and "100%" in lat_warm  # its TTFT, over the 1000 ms SLO
     cells = [c.strip() for c in res_warm.split("│")]
-    assert cells[1:7] == ["warm-up", "0", "0", "0", "1", "0"]  # warm, unparked, standby, fresh: one fresh
+    # warm, unparked, join, standby, fresh, queued: one fresh
+    assert cells[1:8] == ["warm-up", "0", "0", "0", "0", "1", "0"]
     # without a warm-up the tables say the window starts cold, and there is no warm-up row
     cold_run = {"config": "full", **config_figures(
         window, samples[1:], 10.0, {"a/x": 1000.0}, {"g0": 1000 * MiB}, {"bb": 100 * MiB}, True, 0, 3.6
