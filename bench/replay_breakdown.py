@@ -355,10 +355,11 @@ def main() -> None:
             )
     print(f"   fresh start estimates the controller learned: {[round(e, 1) for _, e in estimates]}")
     starting_at_fork = [in_flight(list(workers.values()), w.decided) for w in fresh]
-    print(
-        f"   starts in flight at each decision: max {max(starting_at_fork)}, "
-        f"distribution {sorted(Counter(starting_at_fork).items())}"
-    )
+    if starting_at_fork:  # (a run with no fresh start in its window, e.g. functions joining slot workers)
+        print(
+            f"   starts in flight at each decision: max {max(starting_at_fork)}, "
+            f"distribution {sorted(Counter(starting_at_fork).items())}"
+        )
 
     # 3. offload churn
     print("\n3. offload churn")
