@@ -15,9 +15,7 @@ client, and the real Engine on a tiny Llama with real PEFT adapters (CPU, fp32):
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +26,12 @@ from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from lorafn.store import Keys, Store, control, workers
 from tests.integration.gateway.harness import gateway, register, worker_thread
 from tests.integration.runtime.engine_helpers import write_hf_model, write_peft_adapter
+from tests.waits import until as _until
 
 FIRST, SECOND, THIRD, OTHER_NS = "team-a/first", "team-a/second", "team-a/third", "team-b/other"
 KEYS = {FIRST: "sk-slots-first-0123", SECOND: "sk-slots-second-012", THIRD: "sk-slots-third-0123"}
 PROMPTS = ["The quick brown fox", "one two three four five", "lorafn serves", "Hello"]
 MAX_NEW = 8
-WAIT_S = 60  # generous bound of every wait (a loaded 2-core VM); no assertion is on time
-
-
-def _until(what: str, probe: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,20 +34,10 @@ from tests.integration.gateway.harness import (
     stop_process,
     wait_live_workers,
 )
+from tests.waits import until as _until
 
 FN = "team-a/parking"
 WAIT_S = 60  # generous bound of every wait (a loaded 2-core VM); no assertion is on time
-
-
-def _until(what: str, probe: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        time.sleep(0.02)
 
 
 def _send(store: Store, keys: Keys, rid: str, prompt: str, max_tokens: int = 8) -> None:
