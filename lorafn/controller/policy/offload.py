@@ -140,6 +140,8 @@ def candidates(
             fn = functions.get(w.function or "")
             if fn is not None and (fn.queued > 0 or spare.get(fn.name, 0) <= fn.min_replicas):
                 continue
+            if _joined_queued(w, functions):
+                continue
             guarded = guard_s > 0 and expected_return_s(w, fn) < guard_s
             if guarded and not allow_guarded:
                 continue
@@ -217,7 +219,7 @@ def park_candidates(
         if w.state != "bound" or w.parked or not w.parkable or w.running > 0 or w.id in protected:
             continue
         fn = functions.get(w.function or "")
-        if fn is not None and fn.queued > 0:
+        if (fn is not None and fn.queued > 0) or _joined_queued(w, functions):
             continue
         release = release_bytes(w, fraction)
         if release <= 0:
@@ -227,6 +229,11 @@ def park_candidates(
         out.append(ParkCandidate(w, GUARDED if guarded else IDLE_BOUND, density, release))
     out.sort(key=lambda c: c.rank)
     return out
+
+
+def _joined_queued(w: Worker, functions: Mapping[str, Function]) -> bool:
+    """Whether a function that joined ``w``'s adapter slots has requests queued (``w`` reads them next)."""
+    return any((f := functions.get(name)) is not None and f.queued > 0 for name in w.joined)
 
 
 def choose_parks(ordered: list[ParkCandidate], need_bytes: int) -> list[ParkCandidate] | None:

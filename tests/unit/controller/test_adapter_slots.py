@@ -186,3 +186,23 @@ def test_functions_that_join_bring_their_kv_budget() -> None:
     big = dataclasses.replace(joined, kv_bytes=4 * GiB)
     plan = decide(snap([gpu("g0")], [first, dataclasses.replace(second, queued=0)], [big], SLOTS), CONFIG)
     assert not plan.of_type(ResizeKV)
+
+
+def test_a_shared_worker_is_neither_offloaded_nor_parked_while_a_joined_function_has_requests_queued() -> (
+    None
+):
+    from lorafn.controller.policy.offload import candidates, park_candidates
+    from lorafn.controller.policy.planner import ColdDemand
+    from tests.unit.controller.helpers import COSTS
+
+    functions = {
+        "team-a/first": fn("team-a/first", SHAPE),
+        "team-a/second": fn("team-a/second", SHAPE, queued=2),
+    }
+    shared = bound("w1", "g0", "team-a/first", shape=SHAPE, joined=("team-a/second",), idle_s=100.0)
+    alone = bound("w2", "g0", "team-a/first", shape=SHAPE, idle_s=100.0)
+    live = {"team-a/first": 2, "team-a/second": 1}
+    victims = candidates([shared, alone], functions, live, ColdDemand({}, {}), COSTS, set())
+    assert [v.worker.id for v in victims] == ["w2"]
+    parks = park_candidates([shared, alone], functions, set(), unpark_s=0.1, fraction=0.5)
+    assert [c.worker.id for c in parks] == ["w2"]
