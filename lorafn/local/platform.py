@@ -259,8 +259,9 @@ class LocalPlatform:
         reader = self.controller.reader
         size = reader.sizes.get(action.function or "")
         if size is not None:
-            # (a worker with adapter slots too: the functions that join it bring their KV as grants)
-            return size.kv_bytes
+            # a worker with adapter slots holds the KV of every function that may join it (`decide`'s
+            # start_bytes): one budget shared by their requests
+            return size.kv_bytes * action.adapter_slots
         # a standby: its KV is what its grant holds beyond the rest (the planner sized it for the largest
         # cold function of its shape; with the default KV it could never take a function of a larger budget)
         return reader.standby_kv_bytes(action.mem_bytes, action.shape, action.backbone)

@@ -579,10 +579,10 @@ def build_worker_pod(
     kv_budget_mib: int | None = None,
 ) -> dict[str, Any]:
     """Bound worker `replica` of a function, on one GPU that holds its backbone. `kv_budget_mib`: its KV
-    budget (the function's spec.resources, else the default; never sized from the GPU's free memory; with
-    adapter slots, the functions that join it bring theirs as KV grants from the controller)."""
+    budget (the function's spec.resources, else the default; never sized from the GPU's free memory); on a
+    backbone with adapter slots, that times the slots (the functions that may join it bring theirs)."""
     backbone = backbone_body["metadata"]["name"]
-    kv_mib = kv_budget_mib or config.default_kv_mib
+    kv_mib = (kv_budget_mib or config.default_kv_mib) * backbone_spec.adapter_slots
     adapter_volume, adapter_mount, adapter_path = _artifact_volume(fn_spec.adapter.uri, "adapter")
     return _gpu_pod(
         name=worker_pod_name(ref, replica),

@@ -200,8 +200,8 @@ def test_adapter_slots_reach_the_worker_command_line() -> None:
         given = {k: v for k, v in parsed.params.items() if v is not None}
         settings = WorkerSettings(**{k: v for k, v in given.items() if k in WorkerSettings.model_fields})
         assert settings.adapter_slots == (slots or 1)
-    # its own function's KV budget: the functions that join it bring theirs (the controller's KV grants)
-    assert check_pod(worker["spec"]["containers"][0]).params["kv_budget_mib"] == config.default_kv_mib
+    # the worker holds the KV of every function that may join it
+    assert check_pod(worker["spec"]["containers"][0]).params["kv_budget_mib"] == 8 * config.default_kv_mib
 
 
 def test_the_contract_refuses_what_the_cli_does_not_know() -> None:

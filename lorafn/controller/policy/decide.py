@@ -528,9 +528,10 @@ class _Round:
 
     def start_bytes(self, fn: Function) -> int:
         """What a worker started for ``fn`` reserves: ``fn.mem_bytes``, and on a backbone with K adapter
-        slots the buffers of the K - 1 other slots (the engine allocates them at start). The KV of the
-        functions that join it comes with each join (`slot_kv`), so memory follows the functions served."""
-        return fn.mem_bytes + (self._num_slots(fn.backbone) - 1) * fn.lora_bytes
+        slots the KV budget and adapter buffers of the K - 1 functions that may join it (a shared worker
+        holds what K workers' budgets would, less K - 1 CUDA contexts and backbone mappings)."""
+        extra = (self._num_slots(fn.backbone) - 1) * (fn.kv_bytes + fn.lora_bytes)
+        return fn.mem_bytes + extra
 
     def slot_coming(self, fn: Function, gpus: set[str]) -> Worker | None:
         """A worker starting for another function of ``fn``'s namespace on its backbone (with adapter slots),

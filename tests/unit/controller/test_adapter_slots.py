@@ -114,14 +114,13 @@ def test_a_slot_worker_is_retired_by_its_first_function_only() -> None:
     ] == ["w1"]
 
 
-def test_starts_on_a_slot_backbone_carry_the_slot_count_and_reserve_the_slots_buffers() -> None:
-    """A worker with 4 slots reserves the adapter buffers of its 3 other slots; the KV of the functions that
-    join it comes with them (`slot_kv`)."""
+def test_starts_on_a_slot_backbone_carry_the_slot_count_and_reserve_every_slot_s_kv() -> None:
+    """A worker with 4 slots reserves the KV and adapter buffers of the 3 functions that may join it."""
     first = fn("team-a/first", SHAPE, queued=1, kv_bytes=GiB, lora_bytes=GiB // 8)
     plan = decide(snap([gpu("g0")], [first], [], SLOTS), CONFIG)
     starts = [s for s in plan.of_type(Start) if s.function]
     assert [(s.function, s.adapter_slots) for s in starts] == [("team-a/first", 4)]
-    assert starts[0].mem_bytes == first.mem_bytes + 3 * (GiB // 8)
+    assert starts[0].mem_bytes == first.mem_bytes + 3 * (GiB + GiB // 8)
     plan = decide(snap([gpu("g0")], [fn("team-a/first", SHAPE, queued=1)], [], NO_SLOTS), CONFIG)
     assert [(s.function, s.adapter_slots) for s in plan.of_type(Start)] == [("team-a/first", 1)]
 
