@@ -1,0 +1,146 @@
+"""Decode attention (issue 12): the split kernel with its reduce fused in (the last split of a sequence's
+KV head combines the partials) against the two-kernel form it replaced (split kernel + reduce kernel), as
+the engine runs them: one call per layer, a CUDA graph of all layers, each layer its own paged KV cache
+(so nothing stays in L2 from one layer to the next), block tables shuffled like a long-lived cache's.
+
+    python bench/decode_attention.py                     # llama-2-7b (32/32 heads) and llama-3-8b (32/8)
+    python bench/decode_attention.py --batches 1,8 --contexts 512 --json out.json
+
+Prints µs per layer of each variant, its ratio to the two-kernel baseline, and the KV read rate of the
+fused kernel (K and V bytes of every token over its time). Every variant's output is checked against the
+torch reference before it is timed (bf16 tolerance). Needs CUDA and Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lorafn.runtime.attention.reference import paged_decode_attention_ref
+from lorafn.runtime.attention.triton_decode import (
+    TARGET_PROGRAMS,
+    decode_tickets,
+    num_splits,
+    paged_decode_attention_triton,
+)
+
+SHAPES = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # heads, KV heads, head dim
+# name -> keyword arguments of paged_decode_attention_triton; the first is the baseline
+VARIANTS = {
+    "two-kernel": {"fused_reduce": False},
+    "fused": {},
+    "fused, 2x splits": {"target_programs": 2 * TARGET_PROGRAMS},
+}
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def all_layers(qs, caches, tables, lens, scale, tickets, kw: dict) -> None:
+    """One decode step's attention: every layer's queries against its own cache."""
+    for q, (k, v) in zip(qs, caches, strict=True):
+        paged_decode_attention_triton(q, k, v, tables, lens, scale, tickets, **kw)
+
+
+def time_graph(fn, replays: int, rounds: int) -> float:
+    """Median ms of one replay of a graph of `fn` (warmed up eagerly, then captured)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    del graph
+    return statistics.median(times)
+
+
+def run_shape(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
+    heads, kv_heads, dim = SHAPES[name]
+    page, layers = args.page, args.layers
+    dtype = torch.bfloat16
+    max_tokens = args.max_tokens
+    blocks = max_tokens // page + 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    caches = []
+    for _ in range(layers):  # [blocks, page, Hkv, D] each, filled once for every configuration
+        k = torch.empty(blocks, page, kv_heads, dim, device="cuda", dtype=dtype).normal_(generator=gen)
+        caches.append((k, torch.empty_like(k).normal_(generator=gen)))
+    tickets = decode_tickets("cuda", 4 * TARGET_PROGRAMS)
+    for ctx in args.contexts:
+        for batch in args.batches:
+            if batch * ctx > max_tokens:
+                continue
+            per_seq = -(-ctx // page)
+            perm = torch.randperm(blocks - 1, device="cuda", generator=gen)[: batch * per_seq] + 1
+            tables = perm.view(batch, per_seq).int().contiguous()
+            lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+            qs = [torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=gen) for _ in caches]
+            ref = paged_decode_attention_ref(qs[0], *caches[0], tables, lens, dim**-0.5).float()
+            row = {"shape": name, "batch": batch, "context": ctx, "splits": num_splits(batch, kv_heads)}
+            for label, kw in VARIANTS.items():
+                out = paged_decode_attention_triton(qs[0], *caches[0], tables, lens, dim**-0.5, tickets, **kw)
+                err = (out.float() - ref).abs().max().item()
+                if err > 2e-2 * max(1.0, ref.abs().max().item()):
+                    raise SystemExit(f"{name} batch {batch} context {ctx} {label}: max error {err:.3g}")
+
+                step = partial(all_layers, qs, caches, tables, lens, dim**-0.5, tickets, kw)
+                row[label] = time_graph(step, args.replays, args.rounds) * 1000 / layers  # µs per layer
+            kv_bytes = batch * ctx * kv_heads * dim * 2 * dtype.itemsize
+            row["fused_tb_s"] = kv_bytes / (row["fused"] * 1e-6) / 1e12
+            rows.append(row)
+            base = row["two-kernel"]
+            cells = "  ".join(f"{label} {row[label]:6.2f} ({row[label] / base:4.2f}x)" for label in VARIANTS)
+            print(
+                f"{name:10s} batch {batch:3d} ctx {ctx:5d} splits {row['splits']:2d}  {cells}  "
+                f"fused reads KV at {row['fused_tb_s']:.2f} TB/s",
+                flush=True,
+            )
+    caches.clear()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama-2-7b,llama-3-8b", help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("--batches", type=ints, default=ints("1,2,4,8,16,32,64"))
+    ap.add_argument("--contexts", type=ints, default=ints("512,2048"))
+    ap.add_argument("--max-tokens", type=int, default=32768, help="cached tokens per layer at most")
+    ap.add_argument("--page", type=int, default=16, help="KV block size (EngineConfig.block_size)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/decode_attention.py needs CUDA (its kernels are Triton's)")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; µs per layer (ratio to two-kernel)")
+    rows: list[dict] = []
+    for name in args.shapes.split(","):
+        if name not in SHAPES:
+            raise SystemExit(f"--shapes: unknown {name!r}; known: {', '.join(SHAPES)}")
+        run_shape(name, args, rows)
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
