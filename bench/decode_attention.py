@@ -1,14 +1,15 @@
-"""Decode attention (issue 12): the split kernel with its reduce fused in (the last split of a sequence's
-KV head combines the partials) against the two-kernel form it replaced (split kernel + reduce kernel), as
-the engine runs them: one call per layer, a CUDA graph of all layers, each layer its own paged KV cache
-(so nothing stays in L2 from one layer to the next), block tables shuffled like a long-lived cache's.
+"""Decode attention (issue 12): the engine's split kernel (SIMT: float32 products and sums) against the
+same kernel on tensor cores (`kernel="dot"`) and other launch settings, as the engine runs them: one call
+per layer, a CUDA graph of all layers, each layer its own paged KV cache (so nothing stays in L2 from one
+layer to the next), block tables shuffled like a long-lived cache's; and against the floor, the K and V
+bytes read over the device's measured copy bandwidth.
 
     python bench/decode_attention.py                     # llama-2-7b (32/32 heads) and llama-3-8b (32/8)
     python bench/decode_attention.py --batches 1,8 --contexts 512 --json out.json
 
-Prints µs per layer of each variant, its ratio to the two-kernel baseline, and the KV read rate of the
-fused kernel (K and V bytes of every token over its time). Every variant's output is checked against the
-torch reference before it is timed (bf16 tolerance). Needs CUDA and Triton.
+Prints µs per layer of each variant and its ratio to the engine's kernel ("simt"), the floor, and the best
+variant's share of the copy bandwidth. Every variant's output is checked against the torch reference before
+it is timed (bf16 tolerance). Needs CUDA and Triton.
 """
 
 from __future__ import annotations
@@ -25,19 +26,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lorafn.runtime.attention.reference import paged_decode_attention_ref
-from lorafn.runtime.attention.triton_decode import (
-    TARGET_PROGRAMS,
-    decode_tickets,
-    num_splits,
-    paged_decode_attention_triton,
-)
+from lorafn.runtime.attention.triton_decode import TARGET_PROGRAMS, num_splits, paged_decode_attention_triton
 
 SHAPES = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # heads, KV heads, head dim
 # name -> keyword arguments of paged_decode_attention_triton; the first is the baseline
 VARIANTS = {
-    "two-kernel": {"fused_reduce": False},
-    "fused": {},
-    "fused, 2x splits": {"target_programs": 2 * TARGET_PROGRAMS},
+    "simt": {},
+    "simt 4x programs": {"target_programs": 4 * TARGET_PROGRAMS, "max_splits": 64},
+    "simt 8 warps": {"num_warps": 8},
+    "dot": {"kernel": "dot"},
+    "dot 4x programs": {"kernel": "dot", "target_programs": 4 * TARGET_PROGRAMS, "max_splits": 64},
+    "dot n128 8 warps": {"kernel": "dot", "block_n": 128, "num_warps": 8},
 }
 
 
@@ -45,10 +44,26 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def all_layers(qs, caches, tables, lens, scale, tickets, kw: dict) -> None:
+def all_layers(qs, caches, tables, lens, scale, kw: dict) -> None:
     """One decode step's attention: every layer's queries against its own cache."""
     for q, (k, v) in zip(qs, caches, strict=True):
-        paged_decode_attention_triton(q, k, v, tables, lens, scale, tickets, **kw)
+        paged_decode_attention_triton(q, k, v, tables, lens, scale, **kw)
+
+
+def copy_bandwidth(num_bytes: int = 4 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted), the best of 5."""
+    src = torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return num_bytes / best
 
 
 def time_graph(fn, replays: int, rounds: int) -> float:
@@ -73,7 +88,7 @@ def time_graph(fn, replays: int, rounds: int) -> float:
     return statistics.median(times)
 
 
-def run_shape(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
+def run_shape(name: str, args: argparse.Namespace, rows: list[dict], bandwidth: float) -> None:
     heads, kv_heads, dim = SHAPES[name]
     page, layers = args.page, args.layers
     dtype = torch.bfloat16
@@ -84,7 +99,6 @@ def run_shape(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
     for _ in range(layers):  # [blocks, page, Hkv, D] each, filled once for every configuration
         k = torch.empty(blocks, page, kv_heads, dim, device="cuda", dtype=dtype).normal_(generator=gen)
         caches.append((k, torch.empty_like(k).normal_(generator=gen)))
-    tickets = decode_tickets("cuda", 4 * TARGET_PROGRAMS)
     for ctx in args.contexts:
         for batch in args.batches:
             if batch * ctx > max_tokens:
@@ -97,21 +111,25 @@ def run_shape(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
             ref = paged_decode_attention_ref(qs[0], *caches[0], tables, lens, dim**-0.5).float()
             row = {"shape": name, "batch": batch, "context": ctx, "splits": num_splits(batch, kv_heads)}
             for label, kw in VARIANTS.items():
-                out = paged_decode_attention_triton(qs[0], *caches[0], tables, lens, dim**-0.5, tickets, **kw)
+                out = paged_decode_attention_triton(qs[0], *caches[0], tables, lens, dim**-0.5, **kw)
                 err = (out.float() - ref).abs().max().item()
                 if err > 2e-2 * max(1.0, ref.abs().max().item()):
                     raise SystemExit(f"{name} batch {batch} context {ctx} {label}: max error {err:.3g}")
 
-                step = partial(all_layers, qs, caches, tables, lens, dim**-0.5, tickets, kw)
+                step = partial(all_layers, qs, caches, tables, lens, dim**-0.5, kw)
                 row[label] = time_graph(step, args.replays, args.rounds) * 1000 / layers  # µs per layer
             kv_bytes = batch * ctx * kv_heads * dim * 2 * dtype.itemsize
-            row["fused_tb_s"] = kv_bytes / (row["fused"] * 1e-6) / 1e12
+            row["floor"] = kv_bytes / bandwidth * 1e6  # µs per layer
+            best = min(VARIANTS, key=lambda label: row[label])
+            row["best"], row["best_share_of_copy_bw"] = best, row["floor"] / row[best]
             rows.append(row)
-            base = row["two-kernel"]
-            cells = "  ".join(f"{label} {row[label]:6.2f} ({row[label] / base:4.2f}x)" for label in VARIANTS)
+            base = row["simt"]
+            cells = "  ".join(f"{label} {row[label]:6.1f} ({row[label] / base:4.2f}x)" for label in VARIANTS)
             print(
-                f"{name:10s} batch {batch:3d} ctx {ctx:5d} splits {row['splits']:2d}  {cells}  "
-                f"fused reads KV at {row['fused_tb_s']:.2f} TB/s",
+                f"{name} b{batch:<3d} ctx {ctx:5d} splits {row['splits']:2d}  {cells}"
+                f"  floor {row['floor']:6.1f}"
+                f"  best {best}: {row['best_share_of_copy_bw']:.0%} of copy bw, "
+                f"{row[best] * layers / 1000:.2f} ms a {layers}-layer step (simt {base * layers / 1000:.2f})",
                 flush=True,
             )
     caches.clear()
@@ -132,14 +150,20 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_attention.py needs CUDA (its kernels are Triton's)")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; µs per layer (ratio to two-kernel)")
+    bandwidth = copy_bandwidth()
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
+        f"{bandwidth / 1e12:.2f} TB/s;"
+        " µs per layer (ratio to simt, the engine's kernel)"
+    )
     rows: list[dict] = []
     for name in args.shapes.split(","):
         if name not in SHAPES:
             raise SystemExit(f"--shapes: unknown {name!r}; known: {', '.join(SHAPES)}")
-        run_shape(name, args, rows)
+        run_shape(name, args, rows, bandwidth)
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        report = {"device": torch.cuda.get_device_name(), "copy_bytes_s": bandwidth, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

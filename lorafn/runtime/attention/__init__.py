@@ -5,15 +5,10 @@ from lorafn.runtime.attention.reference import paged_decode_attention_ref, prefi
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "prefill_attention", "write_kv"]
 
 
-def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, context_lens, scale, use_triton: bool, tickets=None
-):
-    """q [B, H, D] attends to its sequence's cached keys/values; returns [B, H, D]. See reference.py.
-    tickets: the model's `triton_decode.decode_tickets` (the Triton kernel's reduce counters)."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton: bool):
+    """q [B, H, D] attends to its sequence's cached keys/values; returns [B, H, D]. See reference.py."""
     if use_triton:
         from lorafn.runtime.attention.triton_decode import paged_decode_attention_triton
 
-        return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale, tickets=tickets
-        )
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)

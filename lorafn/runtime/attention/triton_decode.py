@@ -1,20 +1,21 @@
 """Paged decode attention in Triton (flash-decoding: the context is split across programs, then reduced).
 
-Grid: (batch, kv_head, split). Each program takes the GROUP query heads that share one KV head, walks its
-share of the context BLOCK_N tokens at a time (each token's page looked up in the block table, so BLOCK_N
-need not equal the page size), and keeps an online softmax in float32. With one split it writes the
-output itself. With several it writes a partial (max, sum, acc) per query head, and the splits of one
-(sequence, KV head) are combined by whichever of their programs finishes last: each takes a ticket from an
-int32 counter (`decode_tickets`, one per sequence × KV head) after its partials are written, and the one
-that draws the last ticket reduces them and sets the counter back to 0 for the next call. That saves the
-second launch (and its wait) of a reduce kernel per layer, which at batch 1 was about a third of the
-attention's time on the H100 (`bench/decode_attention.py` measures both). `fused_reduce=False` keeps the
-two-kernel form as the benchmark's baseline.
+Grid of the main kernel: (batch, kv_head, split). Each program takes the GROUP query heads that share
+one KV head, walks its share of the context BLOCK_N tokens at a time (each token's page looked up in
+the block table, so BLOCK_N need not equal the page size), and keeps an online softmax in float32.
+It writes a partial (max, sum, acc) per query head; the reduce kernel (grid: batch, head) combines
+the splits. No host sync and shapes fixed by (batch, splits), so it is captured in CUDA graphs.
 
-No host sync and shapes fixed by (batch, splits), so it is captured in CUDA graphs. The number of splits
-depends only on the batch size and head counts (never on context lengths), so a graph captured for a
-bucket stays valid for every context length. The ticket counters must not be shared by two launches in
-flight at once: one buffer per model, whose kernels run in stream order.
+The number of splits depends only on the batch size and head counts (never on context lengths), so a
+graph captured for a bucket stays valid for every context length.
+
+Measured on an H200 (bench/decode_attention.py, docs/benchmarks.md): this kernel reads the KV cache at
+only 0.8 TB/s at batch 1 and 1.2-1.6 TB/s at batch 16-64 (llama-2-7b shapes; the device copies at ~4.3),
+so at batch 64 and 512 tokens a step's attention takes ~10 ms, more than its weights. `kernel="dot"` runs
+the same split kernel on tensor cores (the GROUP query heads padded to 16 rows, two tl.dot per block,
+which Triton's pipeliner can overlap with the next block's loads) for the benchmark to compare; it is not
+measured yet. A reduce fused into the split kernel (the last split combines) was measured and gained
+at most 2% (18% lost on GQA at batch 1), so it was not kept.
 """
 
 from __future__ import annotations
@@ -25,18 +26,16 @@ import triton.language as tl
 
 TARGET_PROGRAMS = 264  # about two waves on an H100 (132 SMs)
 MAX_SPLITS = 16
-# counters a call with several splits needs: batch × KV heads ≤ TARGET_PROGRAMS // 2 whenever splits ≥ 2
-NUM_TICKETS = TARGET_PROGRAMS
+KERNELS = ("simt", "dot")
+DOT_ROWS = 16  # tl.dot's smallest M: the dot kernel pads a KV head's query heads to this many rows
+# tl.dot's precision per cache dtype: float32 engines (the exactness tests) get IEEE float32, not tf32
+DOT_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32", torch.float32: "ieee"}
 
 
-def num_splits(batch: int, num_kv_heads: int, target_programs: int = TARGET_PROGRAMS) -> int:
-    return max(1, min(MAX_SPLITS, target_programs // max(1, batch * num_kv_heads)))
-
-
-def decode_tickets(device: torch.device | str, count: int = NUM_TICKETS) -> torch.Tensor:
-    """The zeroed int32 counters of the fused reduce ([count]); allocate them before any graph capture
-    (a model does at its start) and keep them for every call of that model."""
-    return torch.zeros(count, dtype=torch.int32, device=device)
+def num_splits(
+    batch: int, num_kv_heads: int, target_programs: int = TARGET_PROGRAMS, max_splits: int = MAX_SPLITS
+) -> int:
+    return max(1, min(max_splits, target_programs // max(1, batch * num_kv_heads)))
 
 
 @triton.jit
@@ -49,8 +48,6 @@ def _decode_split_kernel(
     M_OUT,
     L_OUT,
     ACC_OUT,
-    Out,
-    Tickets,
     scale,
     stride_qb,
     stride_qh,
@@ -61,17 +58,19 @@ def _decode_split_kernel(
     stride_vt,
     stride_vh,
     stride_btb,
-    stride_ob,
-    stride_oh,
     NUM_SPLITS: tl.constexpr,
-    REDUCE: tl.constexpr,  # 0: partials only (a reduce kernel follows); 1: the last split reduces
     GROUP: tl.constexpr,
     PAD_G: tl.constexpr,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr = False,  # kernel "dot": PAD_G ≥ DOT_ROWS query rows a tl.dot
+    PRECISION: tl.constexpr = "ieee",  # the dots' (DOT_PRECISION)
 ):
+    """Per BLOCK_N tokens: scores s = q·kᵀ [G, N] and acc += p·v [G, D], in float32 elementwise products
+    and sums ("simt"), or as two tl.dot ("dot"; p rounded to the cache's dtype for the second, as flash
+    attention does; float32 caches: IEEE dots, nothing rounded)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,11 +84,14 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     gmask = offs_g < GROUP
     dmask = offs_d < HEAD_DIM
-    gd_mask = gmask[:, None] & dmask[None, :]
     heads = kvh * GROUP + offs_g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gd_mask, other=0.0).to(
-        tl.float32
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
     )  # [G, D]
+    if not USE_DOT:
+        q = q.to(tl.float32)
 
     m_i = tl.full([PAD_G], float("-inf"), tl.float32)
     l_i = tl.zeros([PAD_G], tl.float32)
@@ -104,58 +106,34 @@ def _decode_split_kernel(
             K + page[:, None] * stride_kn + within[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(tl.float32)  # [N, D]
+        )  # [N, D]
         v = tl.load(
             V + page[:, None] * stride_vn + within[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
+        )
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
+        else:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
 
-    out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    if NUM_SPLITS == 1:  # the whole context in this program (every decode has ≥ 1 token: l_i > 0)
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=gd_mask)
-    else:
-        # partial results: [B, H, NUM_SPLITS] for m, l; [B, H, NUM_SPLITS, D] for acc
-        num_heads = tl.num_programs(1) * GROUP
-        base = (b * num_heads + heads) * NUM_SPLITS  # [G]: this sequence's heads' split 0
-        tl.store(M_OUT + base + split, m_i, mask=gmask)
-        tl.store(L_OUT + base + split, l_i, mask=gmask)
-        tl.store(ACC_OUT + (base + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gd_mask)
-        if REDUCE:
-            # every thread's partials are written before one thread releases them with its ticket (the
-            # pattern of a grid-wide barrier: a CTA barrier, then a release at GPU scope)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(Tickets + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
-            if ticket == NUM_SPLITS - 1:  # the others' partials are visible (acquire): combine them
-                m_max = tl.full([PAD_G], float("-inf"), tl.float32)
-                for s_ in range(NUM_SPLITS):
-                    m_s = tl.load(M_OUT + base + s_, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                    m_max = tl.maximum(m_max, m_s)
-                total = tl.zeros([PAD_G], tl.float32)
-                out = tl.zeros([PAD_G, BLOCK_D], tl.float32)
-                for s_ in range(NUM_SPLITS):
-                    m_s = tl.load(M_OUT + base + s_, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(L_OUT + base + s_, mask=gmask, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(
-                        ACC_OUT + (base + s_)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=gd_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max))  # empty splits weigh 0
-                    total += l_s * w
-                    out += a_s * w[:, None]
-                total = tl.where(gmask, total, 1.0)
-                tl.store(out_ptrs, (out / total[:, None]).to(Out.dtype.element_ty), mask=gd_mask)
-                tl.atomic_xchg(Tickets + b * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
+    # partial results: [B, H, NUM_SPLITS] for m, l; [B, H, NUM_SPLITS, D] for acc
+    num_heads = tl.num_programs(1) * GROUP
+    row = (b * num_heads + heads) * NUM_SPLITS + split
+    tl.store(M_OUT + row, m_i, mask=gmask)
+    tl.store(L_OUT + row, l_i, mask=gmask)
+    tl.store(ACC_OUT + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -201,17 +179,20 @@ def paged_decode_attention_triton(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    tickets: torch.Tensor | None = None,
-    fused_reduce: bool = True,
+    kernel: str = "simt",
     target_programs: int = TARGET_PROGRAMS,
+    max_splits: int = MAX_SPLITS,
     block_n: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention_ref: q [B, H, D] -> [B, H, D].
 
-    tickets: `decode_tickets` counters, zero between calls ([≥ B·Hkv] int32), for the fused reduce; None
-    allocates them for this call (not while a CUDA graph is being captured: the model passes its own).
-    fused_reduce=False, target_programs, block_n and num_warps are for bench/decode_attention.py."""
+    The keywords are bench/decode_attention.py's (the engine uses the defaults): `kernel` "simt" or "dot"
+    (module doc), the split heuristic's `target_programs` / `max_splits`, the tokens a block (`block_n`),
+    and Triton's launch options for the split kernel."""
+    if kernel not in KERNELS:
+        raise ValueError(f"paged decode attention: kernel {kernel!r}, not one of {KERNELS}")
     bsz, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -220,29 +201,21 @@ def paged_decode_attention_triton(
         raise ValueError(f"paged decode attention: {num_heads} query heads over {num_kv_heads} KV heads")
     q = q.contiguous()
     group = num_heads // num_kv_heads
-    splits = num_splits(bsz, num_kv_heads, target_programs)
+    splits = num_splits(bsz, num_kv_heads, target_programs, max_splits)
+    m = torch.empty(bsz, num_heads, splits, device=q.device, dtype=torch.float32)
+    lse = torch.empty_like(m)
+    acc = torch.empty(bsz, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(head_dim)
     pad_g = max(triton.next_power_of_2(group), 1)
-    block_n = block_n or max(16, min(64, 8192 // (pad_g * block_d)))
-    out = torch.empty_like(q)
-    reduce_in_kernel = fused_reduce and splits > 1
-    if reduce_in_kernel:
-        if tickets is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise ValueError("paged decode attention: pass the model's tickets when capturing a graph")
-            tickets = decode_tickets(q.device, bsz * num_kv_heads)
-        if tickets.dtype != torch.int32 or tickets.numel() < bsz * num_kv_heads:
-            raise ValueError(
-                f"paged decode attention: tickets must be ≥ {bsz * num_kv_heads} int32 counters, got "
-                f"{tickets.numel()} {tickets.dtype}"
-            )
-    if splits > 1:
-        m = torch.empty(bsz, num_heads, splits, device=q.device, dtype=torch.float32)
-        lse = torch.empty_like(m)
-        acc = torch.empty(bsz, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
-    else:  # the kernel writes `out` itself; the partial pointers are never read
-        m = lse = acc = out
-    extra = {"num_warps": num_warps} if num_warps else {}
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
+    if kernel == "dot":
+        if k_cache.dtype not in DOT_PRECISION or q.dtype != k_cache.dtype:
+            raise ValueError(f"paged decode attention: kernel 'dot' takes {list(DOT_PRECISION)} q and cache")
+        pad_g = max(pad_g, DOT_ROWS)
+        launch.update(USE_DOT=True, PRECISION=DOT_PRECISION[k_cache.dtype])
+        block_n = block_n or 64
+    else:
+        block_n = block_n or max(16, min(64, 8192 // (pad_g * block_d)))
     _decode_split_kernel[(bsz, num_kv_heads, splits)](
         q,
         k_cache,
@@ -252,8 +225,6 @@ def paged_decode_attention_triton(
         m,
         lse,
         acc,
-        out,
-        tickets if reduce_in_kernel else out,
         scale,
         q.stride(0),
         q.stride(1),
@@ -264,29 +235,26 @@ def paged_decode_attention_triton(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
         NUM_SPLITS=splits,
-        REDUCE=int(reduce_in_kernel),
         GROUP=group,
         PAD_G=pad_g,
         PAGE=page,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        **extra,
+        **launch,
     )
-    if splits > 1 and not reduce_in_kernel:
-        _decode_reduce_kernel[(bsz, num_heads)](
-            m,
-            lse,
-            acc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            NUM_SPLITS=splits,
-            PAD_S=triton.next_power_of_2(splits),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-        )
+    out = torch.empty_like(q)
+    _decode_reduce_kernel[(bsz, num_heads)](
+        m,
+        lse,
+        acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=splits,
+        PAD_S=triton.next_power_of_2(splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+    )
     return out

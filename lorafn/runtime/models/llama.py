@@ -149,13 +149,10 @@ class LlamaModel:
         self.use_triton_attention = use_triton_attention
         # On CUDA with Triton: fused RMSNorm(+residual), RoPE and SiLU·up (models/triton_ops.py).
         self.ops = None
-        self.attention_tickets = None  # the decode attention's reduce counters, made before any capture
         if use_triton_attention:
-            from lorafn.runtime.attention.triton_decode import decode_tickets
             from lorafn.runtime.models import triton_ops
 
             self.ops = triton_ops
-            self.attention_tickets = decode_tickets(device)
         names = set(source.names())
 
         def get(name: str) -> torch.Tensor:
@@ -240,7 +237,6 @@ class LlamaModel:
                     batch.context_lens,
                     self.scale,
                     self.use_triton_attention,
-                    self.attention_tickets,
                 )
             )
         for span in batch.prefills:

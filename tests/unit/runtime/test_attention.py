@@ -84,36 +84,33 @@ def test_sdpa_prefill_matches_reference_decode_on_last_token() -> None:
 _TRITON_CHECK = """
 import torch
 from lorafn.runtime.attention.reference import paged_decode_attention_ref
-from lorafn.runtime.attention.triton_decode import decode_tickets, paged_decode_attention_triton
+from lorafn.runtime.attention.triton_decode import paged_decode_attention_triton
 import tests.unit.runtime.test_attention as t
-# (batch, heads, kv_heads, dim, page, target programs): 16, 16, 16, 1, 3 and 3 splits; 16-token blocks, so
+# (batch, heads, kv_heads, dim, page, target programs): 16, 16, 16, 1 and 3 splits; 16-token blocks, so
 # that contexts of up to 36 tokens span several splits (with the default 64 one split held them all)
 cases = [(3, 4, 2, 32, 4, 264), (2, 8, 8, 16, 16, 264), (1, 6, 2, 48, 8, 264), (5, 4, 2, 32, 4, 8),
-         (2, 4, 1, 32, 4, 6), (3, 4, 2, 32, 4, 18)]
+         (3, 4, 2, 32, 4, 18)]
 for seed, (batch, heads, kv_heads, dim, page, programs) in enumerate(cases):
     q, k, v, tables, lens = t._paged_case(seed, batch, heads, kv_heads, dim, page)
     lens[-1] = tables.shape[1] * page  # one sequence fills its table: every split of it has tokens
     ref = paged_decode_attention_ref(q, k, v, tables, lens, 0.2)
-    tickets = decode_tickets("cpu", 64)
-    for fused in (True, False):
-        # the counters are back at zero after a call: the next one with them is exact too; the queries
-        # alternate so that partials left in reused memory by the call before could not pass for new ones
-        for sign in (1.0, -1.0, 1.0):
+    for kernel in ("simt", "dot"):
+        # the queries alternate so that partials left in reused memory by the call before cannot pass
+        for sign in (1.0, -1.0):
             out = paged_decode_attention_triton(
-                sign * q, k, v, tables, lens, 0.2, tickets=tickets, fused_reduce=fused,
-                target_programs=programs, block_n=16,
+                sign * q, k, v, tables, lens, 0.2, kernel=kernel, target_programs=programs, block_n=16
             )
             expected = ref if sign > 0 else paged_decode_attention_ref(-q, k, v, tables, lens, 0.2)
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-            assert int(tickets.abs().sum()) == 0, tickets
-    out = paged_decode_attention_triton(q, k, v, tables, lens, 0.2, target_programs=programs, block_n=16)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-try:
-    paged_decode_attention_triton(q, k, v, tables, lens, 0.2, tickets=decode_tickets("cpu", 1))
-except ValueError as e:
-    assert "tickets" in str(e), e
-else:
-    raise AssertionError("too few tickets were taken")
+out = paged_decode_attention_triton(q, k, v, tables, lens, 0.2)  # the engine's defaults
+torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+for bad in ({"kernel": "mma"}, {"kernel": "dot", "q": q.double()}):
+    try:
+        paged_decode_attention_triton(bad.pop("q", q), k, v, tables, lens, 0.2, **bad)
+    except ValueError as e:
+        assert "paged decode attention" in str(e), e
+    else:
+        raise AssertionError(f"accepted {bad}")
 print("ok")
 """
 
