@@ -12,16 +12,10 @@ from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from tests.integration.runtime.engine_helpers import (
     hf_greedy,
     mixed_prompts,
-    write_hf_model,
     write_peft_adapter,
 )
 
 MAX_NEW = 10
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_hf_model(tmp_path_factory.mktemp("llama") / "m", tiny_model_dir, "llama")
 
 
 @pytest.fixture(scope="module")

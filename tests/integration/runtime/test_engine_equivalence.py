@@ -19,11 +19,6 @@ MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_hf_model(tmp_path_factory.mktemp("llama") / "m", tiny_model_dir, "llama")
-
-
-@pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     return mixed_prompts()
 

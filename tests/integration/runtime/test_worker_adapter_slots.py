@@ -25,18 +25,13 @@ import pytest
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from lorafn.store import Keys, Store, control, workers
 from tests.integration.gateway.harness import gateway, register, worker_thread
-from tests.integration.runtime.engine_helpers import write_hf_model, write_peft_adapter
+from tests.integration.runtime.engine_helpers import write_peft_adapter
 from tests.waits import until as _until
 
 FIRST, SECOND, THIRD, OTHER_NS = "team-a/first", "team-a/second", "team-a/third", "team-b/other"
 KEYS = {FIRST: "sk-slots-first-0123", SECOND: "sk-slots-second-012", THIRD: "sk-slots-third-0123"}
 PROMPTS = ["The quick brown fox", "one two three four five", "lorafn serves", "Hello"]
 MAX_NEW = 8
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_hf_model(tmp_path_factory.mktemp("llama") / "m", tiny_model_dir, "llama")
 
 
 @pytest.fixture(scope="module")
