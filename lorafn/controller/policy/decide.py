@@ -93,6 +93,7 @@ from lorafn.controller.policy.offload import (
     lost_value,
     park_candidates,
     release_bytes,
+    served_functions,
 )
 from lorafn.controller.policy.planner import cold_demand, holds, is_pool_worker, plan_pool, refill_s
 from lorafn.controller.policy.preload import plan_preload
@@ -220,7 +221,7 @@ class _Round:
                 or w.running > 0
                 or w.id in self.gone
                 or fn is None
-                or any(f.queued > 0 for f in (self.functions.get(n) for n in w.functions) if f is not None)
+                or any(f.queued > 0 for f in served_functions(w, self.functions))
                 or w.idle_s < after
             ):
                 continue
@@ -967,10 +968,10 @@ class _Round:
             fn = self.functions.get(w.function or "")
             # a worker with adapter slots keeps the KV of every function it serves (`slot_kv`)
             own = max(fn.kv_bytes, self.set_kv_bytes(w.functions)) if fn is not None else 0
-            served = [f for f in (self.functions.get(n) for n in w.functions) if f is not None]
             if (
                 fn is None or w.state != "bound" or w.parked or w.id in self.gone or not w.kv_grant
-                or w.running > 0 or any(f.queued > 0 or f.batch_backlog > 0 for f in served)
+                or w.running > 0
+                or any(f.queued > 0 or f.batch_backlog > 0 for f in served_functions(w, self.functions))
                 or w.idle_s < self.config.kv_grant_idle_s or not 0 < own < w.kv_bytes
                 or any(isinstance(a, (Park, ResizeKV)) and a.worker_id == w.id for a in self.actions)
             ):  # fmt: skip

@@ -8,10 +8,11 @@ Candidates on one GPU, least valuable first:
    function's pre-loaded adapter adds that adapter's value (`preload.preload_value`), so the standbys
    of cold shapes and those pre-loaded with cold functions go first;
 2. idle bound workers (``running == 0``) before their keep-alive ends, by value density = their
-   function's arrival rate x fresh-start seconds (what its next request pays) / bytes; among equals the
-   longest idle first. A function's last ``min_replicas`` workers and the workers of functions with
-   queued requests are not candidates (stopping them would be undone next round);
-3. idle bound workers whose function is expected back within ``guard_s`` (`expected_return_s`): stopping
+   functions' arrival rate x fresh-start seconds (what each next request pays) / bytes; among equals the
+   longest idle first. A worker with adapter slots is valued by every function it serves (the sum of their
+   rates), since it is the worker of each. A function's last ``min_replicas`` workers and the workers of
+   functions with queued requests are not candidates (stopping them would be undone next round);
+3. idle bound workers expected to have work again within ``guard_s`` (`expected_return_s`): stopping
    one makes its function start cold again at once (the thrash of the H100 replay at 1 GiB of KV: 32
    functions that did not all fit, 74 offloads and 81 fresh starts in 120 s). They are candidates only
    with ``allow_guarded`` (the caller's call: a request whose deadline a start now still meets), and
@@ -26,11 +27,11 @@ Parking (`PolicyConfig.park_idle`, issue 16): before any worker is stopped, idle
 *parked* (`park_candidates`): each releases its KV cache and graph pools (`release_bytes`) and stays its
 function's worker, whose next request pays an unpark (~0.1-0.3 s) instead of a fresh start (1-3 s). The
 order is the offloading order of idle bound workers: tier (expected back soon last), then value density =
-arrival rate x unpark seconds / bytes released, longest idle first among equals. Unlike a stop, a park may
-take a function's last ``min_replicas`` workers and one expected back soon (it stays a worker), but never a
-worker with requests in flight, one whose function has requests queued (they would unpark it at once), one
-parked already, or one the plan binds, unparks or keeps. `choose_parks` is `choose_victims` by released
-bytes.
+arrival rate (of all its functions) x unpark seconds / bytes released, longest idle first among equals.
+Unlike a stop, a park may take a function's last ``min_replicas`` workers and one expected back soon (it
+stays a worker), but never a worker with requests in flight, one whose functions have requests queued
+(they would unpark it at once), one parked already, or one the plan binds, unparks or keeps.
+`choose_parks` is `choose_victims` by released bytes.
 """
 
 from __future__ import annotations
@@ -96,18 +97,33 @@ def victim_rate(function: Function | None, which: VictimRate = "window") -> floa
     raise ValueError(f"victim rate must be one of {VICTIM_RATES}, got {which!r}")
 
 
+def served_functions(worker: Worker, functions: Mapping[str, Function]) -> list[Function]:
+    """The known functions a bound worker serves: its own, then those that joined its adapter slots."""
+    return [f for name in worker.functions if (f := functions.get(name)) is not None]
+
+
+def served_rate(worker: Worker, functions: Mapping[str, Function], rate: VictimRate = "window") -> float:
+    """The arrival rate a bound worker's value is ranked by: the sum over every function it serves (a worker
+    with adapter slots is the worker of each; stopping or parking it sends all their next requests to the
+    cold path), each by `victim_rate`."""
+    return sum(victim_rate(f, rate) for f in served_functions(worker, functions))
+
+
 def bound_density(
-    worker: Worker, function: Function | None, costs: Costs, rate: VictimRate = "window"
+    worker: Worker, functions: Mapping[str, Function], costs: Costs, rate: VictimRate = "window"
 ) -> float:
-    return victim_rate(function, rate) * costs.fresh_start_s / max(1, worker.mem_bytes)
+    """Value density of an idle bound worker: its functions' arrival rate x what each next request pays
+    without it (a fresh start) / bytes."""
+    return served_rate(worker, functions, rate) * costs.fresh_start_s / max(1, worker.mem_bytes)
 
 
-def expected_return_s(worker: Worker, function: Function | None) -> float:
-    """Seconds until an idle bound worker's function is expected back: the sooner of its mean
-    inter-arrival time (1 / rate) and the time it has been idle. The second because arrivals are bursty
-    (the code trace's inter-arrival CoV is ~13): a function idle for s seconds is, on such a trace, about
-    as likely to be back within s more as not, and a 60 s rate of one or two arrivals says little."""
-    rate = function.arrival_rate if function is not None else 0.0
+def expected_return_s(worker: Worker, functions: Mapping[str, Function]) -> float:
+    """Seconds until an idle bound worker is expected to have work again: the sooner of its functions' mean
+    inter-arrival time (1 / the sum of their rates) and the time it has been idle. The second because
+    arrivals are bursty (the code trace's inter-arrival CoV is ~13): a worker idle for s seconds is, on such
+    a trace, about as likely to be needed within s more as not, and a 60 s rate of one or two arrivals says
+    little."""
+    rate = sum(f.arrival_rate for f in served_functions(worker, functions))
     return min(1.0 / rate if rate > 0 else math.inf, worker.idle_s)
 
 
@@ -137,25 +153,26 @@ def candidates(
         if w.state == "standby" or (w.state == "starting" and w.function is None):
             out.append(Victim(w, STANDBY, standby_density(w, cold, costs, functions)))
         elif w.state == "bound":
-            fn = functions.get(w.function or "")
-            if fn is not None and (fn.queued > 0 or spare.get(fn.name, 0) <= fn.min_replicas):
+            # every function it serves: none with requests queued (it reads them next), none at its floor
+            mine = served_functions(w, functions)
+            if any(f.queued > 0 or spare.get(f.name, 0) <= f.min_replicas for f in mine):
                 continue
-            if _joined_queued(w, functions):
-                continue
-            guarded = guard_s > 0 and expected_return_s(w, fn) < guard_s
+            guarded = guard_s > 0 and expected_return_s(w, functions) < guard_s
             if guarded and not allow_guarded:
                 continue
-            out.append(Victim(w, GUARDED if guarded else IDLE_BOUND, bound_density(w, fn, costs, rate)))
+            density = bound_density(w, functions, costs, rate)
+            out.append(Victim(w, GUARDED if guarded else IDLE_BOUND, density))
     out.sort(key=lambda v: v.rank)
     # min_replicas: of a function's idle workers only those above its floor may go; take the least
-    # valuable first (the sort above) and count them off.
+    # valuable first (the sort above) and count them off (a shared worker off each function it serves).
     kept = []
     for v in out:
-        if v.tier != STANDBY and v.worker.function in functions:
-            name = v.worker.function or ""
-            if spare.get(name, 0) <= functions[name].min_replicas:
+        if v.tier != STANDBY:
+            names = [f.name for f in served_functions(v.worker, functions)]
+            if any(spare.get(name, 0) <= functions[name].min_replicas for name in names):
                 continue
-            spare[name] = spare.get(name, 0) - 1
+            for name in names:
+                spare[name] = spare.get(name, 0) - 1
         kept.append(v)
     return kept
 
@@ -218,22 +235,16 @@ def park_candidates(
     for w in workers:
         if w.state != "bound" or w.parked or not w.parkable or w.running > 0 or w.id in protected:
             continue
-        fn = functions.get(w.function or "")
-        if (fn is not None and fn.queued > 0) or _joined_queued(w, functions):
+        if any(f.queued > 0 for f in served_functions(w, functions)):
             continue
         release = release_bytes(w, fraction)
         if release <= 0:
             continue
-        guarded = guard_s > 0 and expected_return_s(w, fn) < guard_s
-        density = victim_rate(fn, rate) * unpark_s / release
+        guarded = guard_s > 0 and expected_return_s(w, functions) < guard_s
+        density = served_rate(w, functions, rate) * unpark_s / release
         out.append(ParkCandidate(w, GUARDED if guarded else IDLE_BOUND, density, release))
     out.sort(key=lambda c: c.rank)
     return out
-
-
-def _joined_queued(w: Worker, functions: Mapping[str, Function]) -> bool:
-    """Whether a function that joined ``w``'s adapter slots has requests queued (``w`` reads them next)."""
-    return any((f := functions.get(name)) is not None and f.queued > 0 for name in w.joined)
 
 
 def choose_parks(ordered: list[ParkCandidate], need_bytes: int) -> list[ParkCandidate] | None:

@@ -14,6 +14,7 @@ from lorafn.controller.policy.offload import (
     Victim,
     candidates,
     choose_victims,
+    park_candidates,
     victim_rate,
 )
 from lorafn.controller.policy.planner import cold_demand
@@ -315,3 +316,73 @@ def test_a_worker_stopped_for_keep_alive_is_room_coming_not_free_memory():
     exiting, gone = next_rounds(before, plan)
     assert not exiting.of_type(Stop) and not exiting.of_type(Start)  # still waiting for b-old
     assert [a.function for a in gone.of_type(Start)] == ["ns/a"]
+
+
+# -- a worker with adapter slots is the worker of every function it serves -------------------------------
+def _shared_candidates(workers, functions, guard_s=0.0, allow_guarded=True):
+    """`candidates` with each worker counted as a live worker of every function it serves (as decide does)."""
+    fs = {f.name: f for f in functions}
+    live: dict[str, int] = {}
+    for w in workers:
+        for name in w.functions:
+            live[name] = live.get(name, 0) + 1
+    cold = cold_demand(functions, set(), COSTS.fresh_start_s)
+    return candidates(workers, fs, live, cold, COSTS, set(), guard_s=guard_s, allow_guarded=allow_guarded)
+
+
+def test_a_shared_worker_is_valued_by_every_function_it_serves():
+    # w-shared serves three functions of 0.1 req/s each (0.3 in all); w-alone one of 0.2 req/s. Valued by its
+    # first function alone (0.1), w-shared would go first and send three functions to the cold path.
+    functions = [
+        fn("team/a", arrival_rate=0.1),
+        fn("team/b", arrival_rate=0.1),
+        fn("team/c", arrival_rate=0.1),
+        fn("other/x", arrival_rate=0.2),
+    ]
+    workers = [
+        bound("w-shared", "g0", "team/a", joined=("team/b", "team/c"), idle_s=100.0),
+        bound("w-alone", "g0", "other/x", idle_s=100.0),
+    ]
+    order = _shared_candidates(workers, functions)
+    assert [v.worker.id for v in order] == ["w-alone", "w-shared"]
+    assert order[1].density == pytest.approx(3 * order[0].density / 2)
+    assert choose_victims(order, 2 * GiB)[0].worker.id == "w-alone"
+
+
+def test_a_shared_worker_is_not_a_victim_while_a_joined_function_is_at_its_floor():
+    functions = [fn("team/a", arrival_rate=0.0), fn("team/b", arrival_rate=0.0, min_replicas=1)]
+    workers = [bound("w-shared", "g0", "team/a", joined=("team/b",), idle_s=100.0)]
+    assert _shared_candidates(workers, functions) == []
+    # a second worker of team/b: one of the two may go, never both (team/b keeps its floor); of equal value,
+    # the tie goes by id
+    workers.append(bound("w-b", "g0", "team/b", idle_s=100.0))
+    assert [v.worker.id for v in _shared_candidates(workers, functions)] == ["w-b"]
+    workers[1] = bound("w-b", "g0", "team/b", idle_s=500.0)  # idle longer: it goes first either way
+    assert [v.worker.id for v in _shared_candidates(workers, functions)] == ["w-b"]
+    workers[0] = bound("w-shared", "g0", "team/a", joined=("team/b",), idle_s=900.0)
+    assert [v.worker.id for v in _shared_candidates(workers, functions)] == ["w-shared"]
+
+
+def test_a_shared_worker_is_guarded_when_a_joined_function_is_expected_back():
+    # its own function is quiet; the joined one arrives every 2 s: the worker is expected to have work again
+    # within the guard, so it goes last, and not at all without allow_guarded
+    functions = [fn("team/a", arrival_rate=0.0), fn("team/b", arrival_rate=0.5)]
+    workers = [bound("w-shared", "g0", "team/a", joined=("team/b",), idle_s=100.0)]
+    (victim,) = _shared_candidates(workers, functions, guard_s=10.0)
+    assert victim.tier != IDLE_BOUND
+    assert _shared_candidates(workers, functions, guard_s=10.0, allow_guarded=False) == []
+
+
+def test_parking_values_a_shared_worker_by_every_function_it_serves():
+    functions = {
+        f.name: f
+        for f in (fn("team/a", arrival_rate=0.1), fn("team/b", arrival_rate=0.3), fn("o/x", arrival_rate=0.2))
+    }
+    workers = [
+        bound("w-shared", "g0", "team/a", joined=("team/b",), idle_s=100.0, parkable=True),
+        bound("w-alone", "g0", "o/x", idle_s=100.0, parkable=True),
+    ]
+    order = park_candidates(workers, functions, set(), unpark_s=0.2, fraction=0.5)
+    assert [c.worker.id for c in order] == ["w-alone", "w-shared"]  # 0.2 < 0.1 + 0.3
+    queued = {**functions, "team/b": fn("team/b", arrival_rate=0.3, queued=1)}
+    assert [c.worker.id for c in park_candidates(workers, queued, set(), 0.2, 0.5)] == ["w-alone"]
