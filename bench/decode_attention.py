@@ -9,7 +9,8 @@ bytes read over the device's measured copy bandwidth.
 
 Prints µs per layer of each variant and its ratio to the engine's kernel ("simt"), the floor, and the best
 variant's share of the copy bandwidth. Every variant's output is checked against the torch reference before
-it is timed (bf16 tolerance). Needs CUDA and Triton.
+it is timed (bf16 tolerance); one that does not build or does not match is shown FAILED, not timed, listed
+at the end, and the exit status is 1. Needs CUDA and Triton.
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def time_graph(fn, replays: int, rounds: int) -> float:
     return statistics.median(times)
 
 
-def run_shape(name: str, args: argparse.Namespace, rows: list[dict], bandwidth: float) -> None:
+def run_shape(
+    name: str, args: argparse.Namespace, rows: list[dict], bandwidth: float, problems: list[str]
+) -> None:
     heads, kv_heads, dim = SHAPES[name]
     page, layers = args.page, args.layers
     dtype = torch.bfloat16
@@ -111,25 +114,42 @@ def run_shape(name: str, args: argparse.Namespace, rows: list[dict], bandwidth: 
             ref = paged_decode_attention_ref(qs[0], *caches[0], tables, lens, dim**-0.5).float()
             row = {"shape": name, "batch": batch, "context": ctx, "splits": num_splits(batch, kv_heads)}
             for label, kw in VARIANTS.items():
-                out = paged_decode_attention_triton(qs[0], *caches[0], tables, lens, dim**-0.5, **kw)
+                row[label] = None  # a variant that fails to build or to match the reference is not timed
+                try:
+                    out = paged_decode_attention_triton(qs[0], *caches[0], tables, lens, dim**-0.5, **kw)
+                except Exception as e:  # Triton's compile and resource errors share no narrower base
+                    problems.append(f"{name} batch {batch} context {ctx} {label}: {type(e).__name__}: {e}")
+                    continue
                 err = (out.float() - ref).abs().max().item()
                 if err > 2e-2 * max(1.0, ref.abs().max().item()):
-                    raise SystemExit(f"{name} batch {batch} context {ctx} {label}: max error {err:.3g}")
-
+                    problems.append(f"{name} batch {batch} context {ctx} {label}: max error {err:.3g}")
+                    continue
                 step = partial(all_layers, qs, caches, tables, lens, dim**-0.5, kw)
                 row[label] = time_graph(step, args.replays, args.rounds) * 1000 / layers  # µs per layer
             kv_bytes = batch * ctx * kv_heads * dim * 2 * dtype.itemsize
             row["floor"] = kv_bytes / bandwidth * 1e6  # µs per layer
-            best = min(VARIANTS, key=lambda label: row[label])
-            row["best"], row["best_share_of_copy_bw"] = best, row["floor"] / row[best]
+            timed = [label for label in VARIANTS if row[label] is not None]
+            best = min(timed, key=lambda label: row[label]) if timed else None
+            row["best"] = best
+            row["best_share_of_copy_bw"] = row["floor"] / row[best] if best else None
             rows.append(row)
             base = row["simt"]
-            cells = "  ".join(f"{label} {row[label]:6.1f} ({row[label] / base:4.2f}x)" for label in VARIANTS)
+
+            def cell(label: str, base: float | None = base, row: dict = row) -> str:
+                if row[label] is None:
+                    return f"{label} FAILED"
+                ratio = f" ({row[label] / base:4.2f}x)" if base else ""
+                return f"{label} {row[label]:6.1f}{ratio}"
+
+            summary = "nothing timed"
+            if best:
+                share, step_ms = row["best_share_of_copy_bw"], row[best] * layers / 1000
+                summary = f"best {best}: {share:.0%} of copy bw, {step_ms:.2f} ms a {layers}-layer step"
+                summary += f" (simt {base * layers / 1000:.2f})" if base else ""
             print(
-                f"{name} b{batch:<3d} ctx {ctx:5d} splits {row['splits']:2d}  {cells}"
-                f"  floor {row['floor']:6.1f}"
-                f"  best {best}: {row['best_share_of_copy_bw']:.0%} of copy bw, "
-                f"{row[best] * layers / 1000:.2f} ms a {layers}-layer step (simt {base * layers / 1000:.2f})",
+                f"{name} b{batch:<3d} ctx {ctx:5d} splits {row['splits']:2d}  "
+                + "  ".join(cell(label) for label in VARIANTS)
+                + f"  floor {row['floor']:6.1f}  {summary}",
                 flush=True,
             )
     caches.clear()
@@ -157,13 +177,18 @@ def main() -> None:
         " µs per layer (ratio to simt, the engine's kernel)"
     )
     rows: list[dict] = []
+    problems: list[str] = []  # variants that failed: printed at the end, and the exit status is 1
     for name in args.shapes.split(","):
         if name not in SHAPES:
             raise SystemExit(f"--shapes: unknown {name!r}; known: {', '.join(SHAPES)}")
-        run_shape(name, args, rows, bandwidth)
+        run_shape(name, args, rows, bandwidth, problems)
     if args.json:
         report = {"device": torch.cuda.get_device_name(), "copy_bytes_s": bandwidth, "rows": rows}
-        args.json.write_text(json.dumps(report, indent=1))
+        args.json.write_text(json.dumps({**report, "problems": problems}, indent=1))
+    for line in problems:
+        print(f"FAILED {line}", file=sys.stderr)
+    if problems:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
