@@ -102,28 +102,26 @@ def served_functions(worker: Worker, functions: Mapping[str, Function]) -> list[
     return [f for name in worker.functions if (f := functions.get(name)) is not None]
 
 
-def served_rate(worker: Worker, functions: Mapping[str, Function], rate: VictimRate = "window") -> float:
-    """The arrival rate a bound worker's value is ranked by: the sum over every function it serves (a worker
-    with adapter slots is the worker of each; stopping or parking it sends all their next requests to the
-    cold path), each by `victim_rate`."""
-    return sum(victim_rate(f, rate) for f in served_functions(worker, functions))
+def served_rate(served: list[Function], rate: VictimRate = "window") -> float:
+    """The arrival rate a bound worker's value is ranked by: the sum over every function it serves
+    (`served_functions`; a worker with adapter slots is the worker of each, and stopping or parking it sends
+    all their next requests to the cold path), each by `victim_rate`."""
+    return sum(victim_rate(f, rate) for f in served)
 
 
-def bound_density(
-    worker: Worker, functions: Mapping[str, Function], costs: Costs, rate: VictimRate = "window"
-) -> float:
-    """Value density of an idle bound worker: its functions' arrival rate x what each next request pays
-    without it (a fresh start) / bytes."""
-    return served_rate(worker, functions, rate) * costs.fresh_start_s / max(1, worker.mem_bytes)
+def bound_density(worker: Worker, served: list[Function], costs: Costs, rate: VictimRate = "window") -> float:
+    """Value density of an idle bound worker serving ``served``: their arrival rate x what each next request
+    pays without it (a fresh start) / bytes."""
+    return served_rate(served, rate) * costs.fresh_start_s / max(1, worker.mem_bytes)
 
 
-def expected_return_s(worker: Worker, functions: Mapping[str, Function]) -> float:
+def expected_return_s(worker: Worker, served: list[Function]) -> float:
     """Seconds until an idle bound worker is expected to have work again: the sooner of its functions' mean
     inter-arrival time (1 / the sum of their rates) and the time it has been idle. The second because
     arrivals are bursty (the code trace's inter-arrival CoV is ~13): a worker idle for s seconds is, on such
     a trace, about as likely to be needed within s more as not, and a 60 s rate of one or two arrivals says
     little."""
-    rate = sum(f.arrival_rate for f in served_functions(worker, functions))
+    rate = sum(f.arrival_rate for f in served)
     return min(1.0 / rate if rate > 0 else math.inf, worker.idle_s)
 
 
@@ -157,11 +155,10 @@ def candidates(
             mine = served_functions(w, functions)
             if any(f.queued > 0 or spare.get(f.name, 0) <= f.min_replicas for f in mine):
                 continue
-            guarded = guard_s > 0 and expected_return_s(w, functions) < guard_s
+            guarded = guard_s > 0 and expected_return_s(w, mine) < guard_s
             if guarded and not allow_guarded:
                 continue
-            density = bound_density(w, functions, costs, rate)
-            out.append(Victim(w, GUARDED if guarded else IDLE_BOUND, density))
+            out.append(Victim(w, GUARDED if guarded else IDLE_BOUND, bound_density(w, mine, costs, rate)))
     out.sort(key=lambda v: v.rank)
     # min_replicas: of a function's idle workers only those above its floor may go; take the least
     # valuable first (the sort above) and count them off (a shared worker off each function it serves).
@@ -235,13 +232,14 @@ def park_candidates(
     for w in workers:
         if w.state != "bound" or w.parked or not w.parkable or w.running > 0 or w.id in protected:
             continue
-        if any(f.queued > 0 for f in served_functions(w, functions)):
+        mine = served_functions(w, functions)
+        if any(f.queued > 0 for f in mine):
             continue
         release = release_bytes(w, fraction)
         if release <= 0:
             continue
-        guarded = guard_s > 0 and expected_return_s(w, functions) < guard_s
-        density = served_rate(w, functions, rate) * unpark_s / release
+        guarded = guard_s > 0 and expected_return_s(w, mine) < guard_s
+        density = served_rate(mine, rate) * unpark_s / release
         out.append(ParkCandidate(w, GUARDED if guarded else IDLE_BOUND, density, release))
     out.sort(key=lambda c: c.rank)
     return out

@@ -207,12 +207,13 @@ def paged_decode_attention_triton(
     acc = torch.empty(bsz, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(head_dim)
     pad_g = max(triton.next_power_of_2(group), 1)
-    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
+    # Triton's launch options where given, and the dot kernel's constexprs
+    options = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     if kernel == "dot":
         if k_cache.dtype not in DOT_PRECISION or q.dtype != k_cache.dtype:
             raise ValueError(f"paged decode attention: kernel 'dot' takes {list(DOT_PRECISION)} q and cache")
         pad_g = max(pad_g, DOT_ROWS)
-        launch.update(USE_DOT=True, PRECISION=DOT_PRECISION[k_cache.dtype])
+        options.update(USE_DOT=True, PRECISION=DOT_PRECISION[k_cache.dtype])
         block_n = block_n or 64
     else:
         block_n = block_n or max(16, min(64, 8192 // (pad_g * block_d)))
@@ -242,7 +243,7 @@ def paged_decode_attention_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        **launch,
+        **options,
     )
     out = torch.empty_like(q)
     _decode_reduce_kernel[(bsz, num_heads)](
