@@ -38,6 +38,9 @@ VARIANTS = {
     "dot": {"kernel": "dot"},
     "dot 4x programs": {"kernel": "dot", "target_programs": 4 * TARGET_PROGRAMS, "max_splits": 64},
     "dot n128 8 warps": {"kernel": "dot", "block_n": 128, "num_warps": 8},
+    "dot 8 warps": {"kernel": "dot", "num_warps": 8},
+    "dot 4 stages": {"kernel": "dot", "num_stages": 4},
+    "dot n32": {"kernel": "dot", "block_n": 32},
 }
 
 

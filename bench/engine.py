@@ -17,6 +17,9 @@ so the modes other than the default measure those only (`--expand-modes` picks t
 through cuBLAS + a shrink GEMM per group, the path before the default became 64); `--repeats N` runs every
 engine once per round, N rounds, and prints medians (single runs on the H100 moved ±5%).
 
+`--attention-kernels dot` measures base and LoRA again at every batch with that
+`EngineConfig.decode_attention` (the paged decode attention kernel's form) beside the default's.
+
 The backbone is loaded onto the device once and shared by every engine of the run (a resident
 WeightSource, as the backbone server shares it with workers); transformers loads its own copy.
 """
@@ -39,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lorafn.api.settings import token_buckets
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from lorafn.runtime.config import (
+    DECODE_ATTENTION_KERNELS,
+    DEFAULT_DECODE_ATTENTION,
     DEFAULT_LORA_EXPAND,
     DEFAULT_SKINNY_GEMM_ROWS,
     LORA_EXPANDS,
@@ -290,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         " e.g. 128,512): base and LoRA again with them, TTFT side by side with the eager prefill",
     )
     ap.add_argument(
+        "--attention-kernels",
+        default="",
+        help=f"CUDA: EngineConfig.decode_attention kernels measured beside the default "
+        f"{DEFAULT_DECODE_ATTENTION!r} (comma-separated, of {', '.join(DECODE_ATTENTION_KERNELS)}): base and "
+        "LoRA again at every batch",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=1, help="rounds of every run (figures: the median over the rounds)"
     )
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -365,6 +377,15 @@ def main(argv: list[str] | None = None) -> int:
         runs += [("base_pg", None, DEFAULT_LORA_EXPAND, [], d_rows, pg)]
         runs += [("lora_pg", adapter, DEFAULT_LORA_EXPAND, [], d_rows, pg)]
         runs += [(f"lora_pg_{m}", adapter, m, [], d_rows, pg) for m in modes]
+    kernels = [k for k in args.attention_kernels.split(",") if k and k != DEFAULT_DECODE_ATTENTION]
+    if any(k not in DECODE_ATTENTION_KERNELS for k in kernels):
+        ap.error(f"--attention-kernels: each of {DECODE_ATTENTION_KERNELS}, got {args.attention_kernels!r}")
+    figures["decode_attention"] = DEFAULT_DECODE_ATTENTION
+    figures["attention_variants"] = kernels if device.type == "cuda" else []
+    for kernel in figures["attention_variants"]:
+        att = {"decode_attention": kernel}
+        runs += [(f"base_att_{kernel}", None, DEFAULT_LORA_EXPAND, batches, d_rows, att)]
+        runs += [(f"lora_att_{kernel}", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, att)]
     # every run once per round, rounds one after another: each figure is the median over the rounds, so a
     # drift of the machine during the run (the H100's figures moved ±5% between runs) reaches every run alike
     figures["repeats"] = args.repeats
@@ -417,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[name] = median_result(results)
     if args.profile_prefill and device.type == "cuda":  # after every timing: CUPTI slowed what ran after it
         for name, adapter_dir, mode, _batches, rows, overrides in runs:
-            if overrides:  # the prefill-graph runs: one replay, nothing for the profiler to split
+            if overrides:  # the prefill-graph and attention runs: nothing new for the prefill profile
                 continue
             one = {"max_num_seqs": 1, "num_kv_blocks": None, "use_cuda_graphs": False}
             engine = engine_for(adapter_dir, mode, rows, **one)
@@ -439,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(figures, batches, tiny)
     print_skinny(figures, large)
     print_prefill_graphs(figures)
+    print_attention(figures, batches)
     print_prefill_kernels(figures, [name for name, *_rest in runs])
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
@@ -463,6 +485,25 @@ def print_skinny(f: dict, large: list[int]) -> None:
                 ref = f["base"]["tpot_s"][b]
                 line += f" | {m} {r * ms:6.2f} {100 * (r / base - 1):+5.1f}% ({100 * (r / ref - 1):+5.1f}%)"
             print(line)
+
+
+def print_attention(f: dict, batches: list[int]) -> None:
+    """TPOT with each other decode attention kernel beside the default's, base and LoRA."""
+    if not f["attention_variants"]:
+        return
+    ms, floor, default = 1e3, f["hbm_floor_tpot_s"], f["decode_attention"]
+    print(f"\ndecode attention kernels (default {default!r}): TPOT ms (over the HBM floor), LoRA overhead")
+    print("over the same kernel's base, and each kernel's base / LoRA TPOT over the default's")
+    for b in batches:
+        base, lora = f["base"]["tpot_s"][b], f["lora"]["tpot_s"][b]
+        line = f"  batch {b:>3}: {default} base {base * ms:6.2f} ({base / floor:.2f}) lora {lora * ms:6.2f}"
+        line += f" ({lora / floor:.2f}) {100 * (lora / base - 1):+5.1f}%"
+        for kernel in f["attention_variants"]:
+            kb, kl = f[f"base_att_{kernel}"]["tpot_s"][b], f[f"lora_att_{kernel}"]["tpot_s"][b]
+            line += f" | {kernel} base {kb * ms:6.2f} ({kb / floor:.2f})"
+            line += f" lora {kl * ms:6.2f} ({kl / floor:.2f})"
+            line += f" {100 * (kl / kb - 1):+5.1f}%, x{kb / base:.3f} / x{kl / lora:.3f}"
+        print(line)
 
 
 def print_prefill_graphs(f: dict) -> None:

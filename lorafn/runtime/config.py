@@ -40,6 +40,11 @@ DEFAULT_LORA_EXPAND = "hybrid"
 # batch 32 14.22 -> 13.28 ms (+3.7% over its base, was +9.3%), at 64 19.88 -> 18.64 (+4.5%, was +8.3%).
 SKINNY_GEMM_MAX_ROWS = 64
 DEFAULT_SKINNY_GEMM_ROWS = 64
+# The paged decode attention kernel of a CUDA engine (EngineConfig.decode_attention; the kernels are
+# attention/triton_decode.py's):
+# "simt" (float32 products and sums) or "dot" (the same split kernel on tensor cores).
+DECODE_ATTENTION_KERNELS = ("simt", "dot")
+DEFAULT_DECODE_ATTENTION = "simt"
 
 
 def expand_modes(lora_expand: str) -> tuple[str, str]:
@@ -144,6 +149,8 @@ class EngineConfig:
     # every decode CUDA graph: its mode is fixed when it is captured); "PREFILL/DECODE" names the two
     # modes; one mode alone is used for every step.
     lora_expand: str = DEFAULT_LORA_EXPAND
+    # CUDA: the paged decode attention kernel, one of DECODE_ATTENTION_KERNELS (attention/triton_decode.py)
+    decode_attention: str = DEFAULT_DECODE_ATTENTION
     # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an
     # execution plan per exact shape, and on the H100 the first prefill of each new chunk length paid
     # ~65 ms of host time for it (a standby's first request prefilled in 110 ms, the next one in 28 ms;
@@ -181,6 +188,10 @@ class EngineConfig:
         elif self.adapters and self.lora_shape is not None:
             raise ValueError("lora_shape: only for an engine without an adapter (a standby); got adapters")
         expand_modes(self.lora_expand)  # ValueError naming the field
+        if self.decode_attention not in DECODE_ATTENTION_KERNELS:
+            raise ValueError(
+                f"decode_attention: {self.decode_attention!r} is not one of {DECODE_ATTENTION_KERNELS}"
+            )
         if not 1 <= self.skinny_gemm_rows <= SKINNY_GEMM_MAX_ROWS:
             raise ValueError(
                 f"skinny_gemm_rows: must be in [1, {SKINNY_GEMM_MAX_ROWS}], got {self.skinny_gemm_rows}"

@@ -61,6 +61,7 @@ KEY_FIELDS: tuple[str, ...] = (
     "fused_decode",
     "lora_expand",
     "skinny_gemm_rows",
+    "decode_attention",  # EngineConfig.decode_attention: the attention kernel's form
     "buckets",
     "max_blocks_per_seq",
     "block_size",

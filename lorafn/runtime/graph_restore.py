@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from lorafn.runtime.arena import Arena, tensor_at
-from lorafn.runtime.config import DEFAULT_SKINNY_GEMM_ROWS
+from lorafn.runtime.config import DEFAULT_DECODE_ATTENTION, DEFAULT_SKINNY_GEMM_ROWS
 from lorafn.runtime.graph_archive import (
     ATTR_VALUE_BYTES,
     FORMAT_VERSION,
@@ -136,6 +136,7 @@ class DecodeStateSpec:
     fused_decode: bool = True
     lora_expand: str = "per_projection"
     skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS
+    decode_attention: str = DEFAULT_DECODE_ATTENTION
     # the backbone server's socket: weights are its read-only mapping W at its fixed address (the worker's
     # real set-up); None: weights loaded from model_dir into the arena's state pool
     backbone_socket: str | None = None
@@ -199,6 +200,7 @@ def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
                 fused_decode=spec.fused_decode,
                 lora_expand=spec.lora_expand,
                 skinny_gemm_rows=spec.skinny_gemm_rows,
+                decode_attention=spec.decode_attention,
             )
             kv = KVCache(mc, spec.num_kv_blocks, spec.block_size, device, dtype)
             runner = DecodeGraphRunner(
@@ -231,6 +233,7 @@ def state_key(state: DecodeState, arena: Arena) -> dict[str, Any]:
         fused_decode=spec.fused_decode,
         lora_expand=spec.lora_expand,
         skinny_gemm_rows=spec.skinny_gemm_rows,
+        decode_attention=spec.decode_attention,
         buckets=state.runner.buckets,
         max_blocks_per_seq=state.runner.max_blocks,
         block_size=spec.block_size,
@@ -252,6 +255,7 @@ def current_key(
     lora_expand: str,
     buckets: Sequence[int],
     skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS,
+    decode_attention: str = DEFAULT_DECODE_ATTENTION,
     max_blocks_per_seq: int,
     block_size: int,
     num_kv_blocks: int,
@@ -279,6 +283,7 @@ def current_key(
         "fused_decode": bool(fused_decode),
         "lora_expand": lora_expand,
         "skinny_gemm_rows": int(skinny_gemm_rows),
+        "decode_attention": decode_attention,
         "buckets": sorted(int(b) for b in buckets),
         "max_blocks_per_seq": int(max_blocks_per_seq),
         "block_size": int(block_size),

@@ -179,6 +179,7 @@ class ModelRunner:
                     fused_decode=use_triton and config.fused_decode,
                     lora_expand=config.lora_expand,
                     skinny_gemm_rows=config.skinny_gemm_rows,
+                    decode_attention=config.decode_attention,
                 )
             clock.lap("backbone")  # the weight views (the shared backbone mapped, or loaded)
             self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
@@ -262,6 +263,7 @@ class ModelRunner:
                 fused_decode=use_triton and cfg.fused_decode,
                 lora_expand=cfg.lora_expand,
                 skinny_gemm_rows=cfg.skinny_gemm_rows,
+                decode_attention=cfg.decode_attention,
                 buckets=self.graphs.buckets,
                 max_blocks_per_seq=max_blocks,
                 block_size=cfg.block_size,

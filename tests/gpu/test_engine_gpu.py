@@ -228,8 +228,28 @@ def prompts7b() -> list[list[int]]:
     return mixed_prompts(seed=11, lengths=(24, 131, 7), vocab=31000)
 
 
+@pytest.fixture(scope="module")
+def hf_reference7b() -> dict:
+    """transformers + peft greedy tokens (and bf16 margins) per dtype, computed once for the module."""
+    return {}
+
+
+def _hf7b(cache: dict, model: Path, adapter: Path, prompts: list, dtype: torch.dtype) -> tuple[list, list]:
+    if dtype not in cache:
+        margins: list[list[float]] = []
+        tokens = hf_greedy(model, adapter, prompts, 32, device="cuda", dtype=dtype, margins=margins)
+        cache[dtype] = (tokens, margins)
+        _free()
+    return cache[dtype]
+
+
 def _engine7b(
-    model: Path, adapter: Path, graphs: bool, dtype: str = "bfloat16", prefill_graph_tokens: tuple = ()
+    model: Path,
+    adapter: Path,
+    graphs: bool,
+    dtype: str = "bfloat16",
+    prefill_graph_tokens: tuple = (),
+    decode_attention: str = "simt",
 ) -> Engine:
     return Engine(
         EngineConfig(
@@ -242,20 +262,26 @@ def _engine7b(
             max_model_len=512,
             kv_cache_memory_bytes=4 << 30,
             prefill_graph_tokens=prefill_graph_tokens,
+            decode_attention=decode_attention,
         )
     )
 
 
-def test_llama7b_lora_fp32_matches_transformers_peft(llama7b_dir, adapter7b, prompts7b) -> None:
-    """fp32 on the GPU: the first 32 greedy tokens equal transformers + peft exactly (CUDA graphs on)."""
-    reference = hf_greedy(llama7b_dir, adapter7b, prompts7b, 32, device="cuda", dtype=torch.float32)
-    _free()
-    engine = _engine7b(llama7b_dir, adapter7b, graphs=True, dtype="float32")
+@pytest.mark.parametrize("kernel", ["simt", "dot"])
+def test_llama7b_lora_fp32_matches_transformers_peft(
+    llama7b_dir, adapter7b, prompts7b, hf_reference7b, kernel
+) -> None:
+    """fp32 on the GPU: the first 32 greedy tokens equal transformers + peft exactly (CUDA graphs on),
+    with either decode attention kernel (the dot one's float32 dots are IEEE)."""
+    reference, _ = _hf7b(hf_reference7b, llama7b_dir, adapter7b, prompts7b, torch.float32)
+    engine = _engine7b(llama7b_dir, adapter7b, graphs=True, dtype="float32", decode_attention=kernel)
     got = engine_greedy(engine, prompts7b, 32)
     del engine
     _free()
     assert got == reference
     # each prompt alone, its prefill a graph of a padded bucket (24 -> 32, 131 -> 256, 7 -> 32)
+    if kernel != "simt":  # the prefill graphs' attention is SDPA's: the same with either kernel
+        return
     engine = _engine7b(llama7b_dir, adapter7b, graphs=True, dtype="float32", prefill_graph_tokens=(32, 256))
     alone = _alone(engine, prompts7b, 32)
     replays = engine.runner.prefill_graphs.replays
@@ -270,13 +296,12 @@ def test_llama7b_lora_fp32_matches_transformers_peft(llama7b_dir, adapter7b, pro
 BF16_NEAR_TIE = 0.25
 
 
-def test_llama7b_lora_bf16_matches_transformers_peft(llama7b_dir, adapter7b, prompts7b) -> None:
-    margins: list[list[float]] = []
-    reference = hf_greedy(
-        llama7b_dir, adapter7b, prompts7b, 32, device="cuda", dtype=torch.bfloat16, margins=margins
-    )
-    _free()
-    engine = _engine7b(llama7b_dir, adapter7b, graphs=True)
+@pytest.mark.parametrize("kernel", ["simt", "dot"])
+def test_llama7b_lora_bf16_matches_transformers_peft(
+    llama7b_dir, adapter7b, prompts7b, hf_reference7b, kernel
+) -> None:
+    reference, margins = _hf7b(hf_reference7b, llama7b_dir, adapter7b, prompts7b, torch.bfloat16)
+    engine = _engine7b(llama7b_dir, adapter7b, graphs=True, decode_attention=kernel)
     got = engine_greedy(engine, prompts7b, 32)
     del engine
     _free()
@@ -284,7 +309,7 @@ def test_llama7b_lora_bf16_matches_transformers_peft(llama7b_dir, adapter7b, pro
         tie = next((i for i, g in enumerate(gaps) if g < BF16_NEAR_TIE), len(gaps))
         assert out[:tie] == ref[:tie], (tie, out, ref, gaps)
     print(
-        "bf16 tokens equal to transformers + peft:",
+        f"bf16 tokens equal to transformers + peft ({kernel}):",
         [
             next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), len(r))
             for r, o in zip(reference, got, strict=True)

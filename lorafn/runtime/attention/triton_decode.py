@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lorafn.runtime.config import DECODE_ATTENTION_KERNELS as KERNELS
+
 TARGET_PROGRAMS = 264  # about two waves on an H100 (132 SMs)
 MAX_SPLITS = 16
-KERNELS = ("simt", "dot")
 DOT_ROWS = 16  # tl.dot's smallest M: the dot kernel pads a KV head's query heads to this many rows
 # tl.dot's precision per cache dtype: float32 engines (the exactness tests) get IEEE float32, not tf32
 DOT_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32", torch.float32: "ieee"}

@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from lorafn.runtime.attention import paged_decode_attention, prefill_attention, write_kv
-from lorafn.runtime.config import DEFAULT_LORA_EXPAND, DEFAULT_SKINNY_GEMM_ROWS, ModelConfig, expand_modes
+from lorafn.runtime.config import (
+    DEFAULT_DECODE_ATTENTION,
+    DEFAULT_LORA_EXPAND,
+    DEFAULT_SKINNY_GEMM_ROWS,
+    ModelConfig,
+    expand_modes,
+)
 from lorafn.runtime.lora import LoRAGroup, LoRAWeights, slot_masks
 from lorafn.runtime.weights import WeightSource
 
@@ -140,8 +146,10 @@ class LlamaModel:
         fused_decode: bool = False,
         lora_expand: str = DEFAULT_LORA_EXPAND,
         skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS,
+        decode_attention: str = DEFAULT_DECODE_ATTENTION,
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
+        self.decode_attention = decode_attention  # EngineConfig.decode_attention
         self.lora_expand = lora_expand  # EngineConfig.lora_expand
         self.skinny_gemm_rows = skinny_gemm_rows  # EngineConfig.skinny_gemm_rows
         # the mode of a step with a prefill chunk, of a step of decodes only (config.expand_modes)
@@ -237,6 +245,7 @@ class LlamaModel:
                     batch.context_lens,
                     self.scale,
                     self.use_triton_attention,
+                    self.decode_attention,
                 )
             )
         for span in batch.prefills:

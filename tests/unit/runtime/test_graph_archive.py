@@ -28,6 +28,7 @@ def _key(**changes: object) -> dict:
         "fused_decode": True,
         "lora_expand": "per_projection",
         "skinny_gemm_rows": 16,
+        "decode_attention": "simt",
         "buckets": [1, 2, 4],
         "max_blocks_per_seq": 64,
         "block_size": 16,

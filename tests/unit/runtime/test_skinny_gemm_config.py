@@ -1,11 +1,16 @@
-"""EngineConfig.skinny_gemm_rows and the segmented GEMM's tile choice (models/fused_decode.seg_config)."""
+"""EngineConfig.skinny_gemm_rows and decode_attention; the segmented GEMM tiles (fused_decode.seg_config)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lorafn.runtime import EngineConfig
-from lorafn.runtime.config import DEFAULT_SKINNY_GEMM_ROWS, SKINNY_GEMM_MAX_ROWS
+from lorafn.runtime.config import (
+    DECODE_ATTENTION_KERNELS,
+    DEFAULT_DECODE_ATTENTION,
+    DEFAULT_SKINNY_GEMM_ROWS,
+    SKINNY_GEMM_MAX_ROWS,
+)
 
 
 @pytest.mark.parametrize("rows", [0, -1, SKINNY_GEMM_MAX_ROWS + 1])
@@ -41,3 +46,11 @@ def test_seg_config_tiles() -> None:
             bm, bk, stages = fd.seg_config(m, k, 4)
             assert (stages - 1) * (bm + fd.BLOCK_N) * bk * 4 <= fd.SEG_SMEM_BYTES
             assert k % bk == 0
+
+
+def test_decode_attention_kernel_is_checked_naming_the_field() -> None:
+    assert EngineConfig(model="m").decode_attention == DEFAULT_DECODE_ATTENTION
+    for kernel in DECODE_ATTENTION_KERNELS:
+        assert EngineConfig(model="m", decode_attention=kernel).decode_attention == kernel
+    with pytest.raises(ValueError, match=r"decode_attention: 'mma' is not one of \('simt', 'dot'\)"):
+        EngineConfig(model="m", decode_attention="mma")
