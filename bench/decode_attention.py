@@ -32,9 +32,9 @@ from lorafn.runtime.attention.triton_decode import TARGET_PROGRAMS, num_splits, 
 SHAPES = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # heads, KV heads, head dim
 # name -> keyword arguments of paged_decode_attention_triton; the first is the baseline
 VARIANTS = {
-    "simt": {},
-    "simt 4x programs": {"target_programs": 4 * TARGET_PROGRAMS, "max_splits": 64},
-    "simt 8 warps": {"num_warps": 8},
+    "simt": {"kernel": "simt"},
+    "simt 4x programs": {"kernel": "simt", "target_programs": 4 * TARGET_PROGRAMS, "max_splits": 64},
+    "simt 8 warps": {"kernel": "simt", "num_warps": 8},
     "dot": {"kernel": "dot"},
     "dot 4x programs": {"kernel": "dot", "target_programs": 4 * TARGET_PROGRAMS, "max_splits": 64},
     "dot n128 8 warps": {"kernel": "dot", "block_n": 128, "num_warps": 8},

@@ -161,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--host-profile", action="store_true", help="cProfile the decode steps of lora+f")
     ap.add_argument("--lora-expand", default=None, help="EngineConfig.lora_expand (default: the engine's)")
+    ap.add_argument(
+        "--decode-attention", default=None, help="EngineConfig.decode_attention (default: the engine's)"
+    )
+    ap.add_argument(
+        "--fused-only", action="store_true", help="only the fused decode kernels (base+f, lora+f), no cuBLAS"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("a CUDA device is needed: this profiles GPU decode steps")
@@ -191,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         ("base+f", None, True),
         ("lora+f", adapter, True),
     )
+    if args.fused_only:
+        variants = variants[2:]
+    overrides = {"lora_expand": args.lora_expand} if args.lora_expand else {}
+    if args.decode_attention:
+        overrides["decode_attention"] = args.decode_attention
     for name, adapter_dir, fused in variants:
         engine = Engine(
             EngineConfig(
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 block_size=16,
                 cuda_graph_batch_sizes=batches,
                 fused_decode=fused,
-                **({"lora_expand": args.lora_expand} if args.lora_expand else {}),
+                **overrides,
             )
         )
         figures["weight_bytes"] = engine.runner.model.weight_bytes()
@@ -221,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for b in batches
         }
-        if name == "base":
+        if name == variants[0][0]:
             figures["gemms"] = gemm_table(engine.runner.model, batches, bandwidth)
         del engine
         gc.collect()
@@ -242,12 +253,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{b:>5} {name:5} {r['step_ms']:8.2f} {r['replay_ms']:9.2f} {r['host_ms']:8.2f} "
                 f"{r['step_ms'] / floor_ms:10.2f} {r['replay_ms'] / floor_ms:12.2f}"
             )
-        base, lora = figures["base"][b], figures["lora"][b]
-        for lo, ba in (("lora", "base"), ("lora+f", "base+f"), ("lora+f", "lora"), ("base+f", "base")):
+        pairs = (("lora", "base"), ("lora+f", "base+f"), ("lora+f", "lora"), ("base+f", "base"))
+        for lo, ba in [(lo, ba) for lo, ba in pairs if lo in figures and ba in figures]:
             step_ratio = figures[lo][b]["step_ms"] / figures[ba][b]["step_ms"]
             replay_ratio = figures[lo][b]["replay_ms"] / figures[ba][b]["replay_ms"]
             print(f"      {lo}/{ba}: step {step_ratio:.3f}, replay {replay_ratio:.3f}")
-    for b, (ba_name, lo_name) in itertools.product(batches, (("base", "lora"), ("base+f", "lora+f"))):
+    kinds = [(ba, lo) for ba, lo in (("base", "lora"), ("base+f", "lora+f")) if ba in figures]
+    for b, (ba_name, lo_name) in itertools.product(batches, kinds):
         print(f"\nkernels per replay, batch {b} (count, µs): {ba_name} | {lo_name}")
         base, lora = figures[ba_name][b]["kernels"], figures[lo_name][b]["kernels"]
         for fam in sorted(set(base) | set(lora), key=lambda f: -lora.get(f, base.get(f, (0, 0)))[1]):

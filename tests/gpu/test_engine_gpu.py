@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
-from lorafn.runtime.config import ModelConfig, expand_modes
+from lorafn.runtime.config import DEFAULT_DECODE_ATTENTION, ModelConfig, expand_modes
 from lorafn.runtime.lora import write_random_adapter
 from tests.integration.runtime.engine_helpers import engine_greedy, hf_greedy, mixed_prompts
 
@@ -249,7 +249,7 @@ def _engine7b(
     graphs: bool,
     dtype: str = "bfloat16",
     prefill_graph_tokens: tuple = (),
-    decode_attention: str = "simt",
+    decode_attention: str = DEFAULT_DECODE_ATTENTION,
 ) -> Engine:
     return Engine(
         EngineConfig(
@@ -280,7 +280,7 @@ def test_llama7b_lora_fp32_matches_transformers_peft(
     _free()
     assert got == reference
     # each prompt alone, its prefill a graph of a padded bucket (24 -> 32, 131 -> 256, 7 -> 32)
-    if kernel != "simt":  # the prefill graphs' attention is SDPA's: the same with either kernel
+    if kernel != DEFAULT_DECODE_ATTENTION:  # prefill graphs attend with SDPA: the same with either kernel
         return
     engine = _engine7b(llama7b_dir, adapter7b, graphs=True, dtype="float32", prefill_graph_tokens=(32, 256))
     alone = _alone(engine, prompts7b, 32)

@@ -9,13 +9,14 @@ the splits. No host sync and shapes fixed by (batch, splits), so it is captured 
 The number of splits depends only on the batch size and head counts (never on context lengths), so a
 graph captured for a bucket stays valid for every context length.
 
-Measured on an H200 (bench/decode_attention.py, docs/benchmarks.md): this kernel reads the KV cache at
-only 0.8 TB/s at batch 1 and 1.2-1.6 TB/s at batch 16-64 (llama-2-7b shapes; the device copies at ~4.3),
-so at batch 64 and 512 tokens a step's attention takes ~10 ms, more than its weights. `kernel="dot"` runs
-the same split kernel on tensor cores (the GROUP query heads padded to 16 rows, two tl.dot per block,
-which Triton's pipeliner can overlap with the next block's loads) for the benchmark to compare; it is not
-measured yet. A reduce fused into the split kernel (the last split combines) was measured and gained
-at most 2% (18% lost on GQA at batch 1), so it was not kept.
+Two forms of the split kernel (EngineConfig.decode_attention): "simt" builds [G, N, D] float32 products
+and reduces them across threads every block; "dot" (the default) pads the GROUP query heads to 16 rows and
+runs two tl.dot per block on tensor cores, which Triton's pipeliner overlaps with the next block's loads.
+Measured on an H200 (bench/decode_attention.py, docs/benchmarks.md): simt read the KV cache at only
+0.8-1.6 TB/s on llama-2-7b shapes (0.15-0.6 on llama-3-8b's GQA), the device copies at ~4.2; dot took
+0.18-0.83x its time everywhere, up to 95% of the copy bandwidth (batch 64, 512 tokens: 133.6 vs 311.5 µs a
+layer). A reduce fused into the split kernel (the last split combines) gained at most 2% (18% lost on GQA
+at batch 1), so it was not kept.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lorafn.runtime.config import DECODE_ATTENTION_KERNELS as KERNELS
+from lorafn.runtime.config import DEFAULT_DECODE_ATTENTION
 
 TARGET_PROGRAMS = 264  # about two waves on an H100 (132 SMs)
 MAX_SPLITS = 16
@@ -180,7 +182,7 @@ def paged_decode_attention_triton(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    kernel: str = "simt",
+    kernel: str = DEFAULT_DECODE_ATTENTION,
     target_programs: int = TARGET_PROGRAMS,
     max_splits: int = MAX_SPLITS,
     block_n: int | None = None,
@@ -189,9 +191,9 @@ def paged_decode_attention_triton(
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention_ref: q [B, H, D] -> [B, H, D].
 
-    The keywords are bench/decode_attention.py's (the engine uses the defaults): `kernel` "simt" or "dot"
-    (module doc), the split heuristic's `target_programs` / `max_splits`, the tokens a block (`block_n`),
-    and Triton's launch options for the split kernel."""
+    `kernel`: "simt" or "dot" (EngineConfig.decode_attention); the other keywords are those of
+    bench/decode_attention.py (module doc): the split heuristic's `target_programs` / `max_splits`, the
+    tokens a block (`block_n`), and Triton's launch options for the split kernel."""
     if kernel not in KERNELS:
         raise ValueError(f"paged decode attention: kernel {kernel!r}, not one of {KERNELS}")
     bsz, num_heads, head_dim = q.shape
