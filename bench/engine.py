@@ -19,6 +19,8 @@ engine once per round, N rounds, and prints medians (single runs on the H100 mov
 
 `--attention-kernels dot` measures base and LoRA again at every batch with that
 `EngineConfig.decode_attention` (the paged decode attention kernel's form) beside the default's.
+`--per-row-expands` measures LoRA again at every batch with `EngineConfig.expand_in_gemm` off (the expands
+of a skinny-GEMM step in the per-row kernels after the GEMMs, the path before it was on).
 
 The backbone is loaded onto the device once and shared by every engine of the run (a resident
 WeightSource, as the backbone server shares it with workers); transformers loads its own copy.
@@ -302,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         "LoRA again at every batch",
     )
     ap.add_argument(
+        "--per-row-expands",
+        action="store_true",
+        help="CUDA: LoRA again at every batch with EngineConfig.expand_in_gemm off, beside the default",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=1, help="rounds of every run (figures: the median over the rounds)"
     )
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -386,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         att = {"decode_attention": kernel}
         runs += [(f"base_att_{kernel}", None, DEFAULT_LORA_EXPAND, batches, d_rows, att)]
         runs += [(f"lora_att_{kernel}", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, att)]
+    figures["per_row_expands"] = bool(args.per_row_expands and device.type == "cuda")
+    if figures["per_row_expands"]:
+        runs += [("lora_per_row", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, {"expand_in_gemm": False})]
     # every run once per round, rounds one after another: each figure is the median over the rounds, so a
     # drift of the machine during the run (the H100's figures moved ±5% between runs) reaches every run alike
     figures["repeats"] = args.repeats
@@ -461,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     print_skinny(figures, large)
     print_prefill_graphs(figures)
     print_attention(figures, batches)
+    print_per_row_expands(figures, batches)
     print_prefill_kernels(figures, [name for name, *_rest in runs])
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
@@ -504,6 +515,23 @@ def print_attention(f: dict, batches: list[int]) -> None:
             line += f" lora {kl * ms:6.2f} ({kl / floor:.2f})"
             line += f" {100 * (kl / kb - 1):+5.1f}%, x{kb / base:.3f} / x{kl / lora:.3f}"
         print(line)
+
+
+def print_per_row_expands(f: dict, batches: list[int]) -> None:
+    """LoRA TPOT with its expands in the skinny GEMMs (the default) beside the per-row kernels' expands."""
+    if not f["per_row_expands"]:
+        return
+    ms = 1e3
+    print("\nLoRA expands in the skinny GEMMs (expand_in_gemm, default) vs in the per-row kernels: TPOT ms")
+    print("and the LoRA overhead over the base")
+    for b in batches:
+        base, lora, rows = (f[n]["tpot_s"][b] for n in ("base", "lora", "lora_per_row"))
+        line = f"  batch {b:>3}: base {base * ms:6.2f}"
+        line += f" | in GEMMs {lora * ms:6.2f} {100 * (lora / base - 1):+5.1f}%"
+        line += f" | per-row {rows * ms:6.2f} {100 * (rows / base - 1):+5.1f}%"
+        print(line + f" | in GEMMs / per-row {lora / rows:.3f}")
+    gemm_ttft, row_ttft = f["lora"]["ttft_s"] * ms, f["lora_per_row"]["ttft_s"] * ms
+    print(f"  TTFT: in GEMMs {gemm_ttft:.1f} ms, per-row {row_ttft:.1f} ms")
 
 
 def print_prefill_graphs(f: dict) -> None:

@@ -48,6 +48,9 @@ DEFAULT_SKINNY_GEMM_ROWS = 64
 # 5% at batch 1, 14% at 8, 29% at 16, 34% at 32 and 40% at 64; its bf16 and fp32 token tests pass.
 DECODE_ATTENTION_KERNELS = ("simt", "dot")
 DEFAULT_DECODE_ATTENTION = "dot"
+# A step whose GEMMs run as fused_decode's skinny GEMM (at most skinny_gemm_rows rows) adds its LoRA expands
+# inside that launch (EngineConfig.expand_in_gemm) instead of in the per-row kernels that follow.
+DEFAULT_EXPAND_IN_GEMM = True
 
 
 def expand_modes(lora_expand: str) -> tuple[str, str]:
@@ -154,6 +157,12 @@ class EngineConfig:
     lora_expand: str = DEFAULT_LORA_EXPAND
     # CUDA: the paged decode attention kernel, one of DECODE_ATTENTION_KERNELS (attention/triton_decode.py)
     decode_attention: str = DEFAULT_DECODE_ATTENTION
+    # CUDA, fused path: a step of at most skinny_gemm_rows rows adds each projection's LoRA expand inside its
+    # group's skinny-GEMM launch (every program its own columns of B, after the shrink's programs; see
+    # fused_decode._seg_gemm_kernel) instead of in the per-row kernels after it (RoPE, SiLU·up, add + RMSNorm:
+    # one program per row reads all of B there, which cost ~0.3 ms a step at batch 1 on an H200). The same
+    # roundings either way. False: the per-row kernels (and lora_expand above 16 rows), as before.
+    expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM
     # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an
     # execution plan per exact shape, and on the H100 the first prefill of each new chunk length paid
     # ~65 ms of host time for it (a standby's first request prefilled in 110 ms, the next one in 28 ms;

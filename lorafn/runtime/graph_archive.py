@@ -62,6 +62,7 @@ KEY_FIELDS: tuple[str, ...] = (
     "lora_expand",
     "skinny_gemm_rows",
     "decode_attention",  # EngineConfig.decode_attention: the attention kernel's form
+    "expand_in_gemm",  # EngineConfig.expand_in_gemm
     "buckets",
     "max_blocks_per_seq",
     "block_size",

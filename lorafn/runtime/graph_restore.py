@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from lorafn.runtime.arena import Arena, tensor_at
-from lorafn.runtime.config import DEFAULT_DECODE_ATTENTION, DEFAULT_SKINNY_GEMM_ROWS
+from lorafn.runtime.config import DEFAULT_DECODE_ATTENTION, DEFAULT_EXPAND_IN_GEMM, DEFAULT_SKINNY_GEMM_ROWS
 from lorafn.runtime.graph_archive import (
     ATTR_VALUE_BYTES,
     FORMAT_VERSION,
@@ -137,6 +137,7 @@ class DecodeStateSpec:
     lora_expand: str = "per_projection"
     skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS
     decode_attention: str = DEFAULT_DECODE_ATTENTION
+    expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM
     # the backbone server's socket: weights are its read-only mapping W at its fixed address (the worker's
     # real set-up); None: weights loaded from model_dir into the arena's state pool
     backbone_socket: str | None = None
@@ -201,6 +202,7 @@ def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
                 lora_expand=spec.lora_expand,
                 skinny_gemm_rows=spec.skinny_gemm_rows,
                 decode_attention=spec.decode_attention,
+                expand_in_gemm=spec.expand_in_gemm,
             )
             kv = KVCache(mc, spec.num_kv_blocks, spec.block_size, device, dtype)
             runner = DecodeGraphRunner(
@@ -234,6 +236,7 @@ def state_key(state: DecodeState, arena: Arena) -> dict[str, Any]:
         lora_expand=spec.lora_expand,
         skinny_gemm_rows=spec.skinny_gemm_rows,
         decode_attention=spec.decode_attention,
+        expand_in_gemm=spec.expand_in_gemm,
         buckets=state.runner.buckets,
         max_blocks_per_seq=state.runner.max_blocks,
         block_size=spec.block_size,
@@ -256,6 +259,7 @@ def current_key(
     buckets: Sequence[int],
     skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS,
     decode_attention: str = DEFAULT_DECODE_ATTENTION,
+    expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
     max_blocks_per_seq: int,
     block_size: int,
     num_kv_blocks: int,
@@ -284,6 +288,7 @@ def current_key(
         "lora_expand": lora_expand,
         "skinny_gemm_rows": int(skinny_gemm_rows),
         "decode_attention": decode_attention,
+        "expand_in_gemm": bool(expand_in_gemm),
         "buckets": sorted(int(b) for b in buckets),
         "max_blocks_per_seq": int(max_blocks_per_seq),
         "block_size": int(block_size),

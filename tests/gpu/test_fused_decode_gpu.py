@@ -53,6 +53,65 @@ def test_seg_linear_matches_linear(dtype, tol, rows) -> None:
     assert _rel(y, F.linear(wide.float(), w.float())) < tol
 
 
+def _expand_reference(x, a_cat, weights, expands, row_slots):
+    """float32 torch: t = x·A_catᵀ rounded to x's dtype, each output x·Wᵀ rounded, + its rows' expands."""
+    t = (x.float() @ a_cat.float().t()).to(x.dtype).float()
+    outs = []
+    for w, e in zip(weights, expands, strict=True):
+        y = (x.float() @ w.float().t()).to(x.dtype).float()
+        if e is not None:
+            off, rank, b_t = e
+            slots = row_slots if row_slots is not None else torch.zeros(x.shape[0], dtype=torch.long)
+            for i, s in enumerate(slots.tolist()):
+                y[i] += t[i, off + s * rank : off + (s + 1) * rank] @ b_t[s * rank : (s + 1) * rank].float()
+        outs.append(y)
+    return outs
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("rows", [1, 8, 16, 33, 64])
+@pytest.mark.parametrize("slots", [1, 3])
+def test_seg_linear_with_expands_matches_torch_also_in_a_graph(dtype, tol, rows, slots) -> None:
+    """The q/k/v group of a 7B (r16 on q and v, none on k) with its expands inside the skinny GEMM
+    (expand_in_gemm): as torch, eagerly and in a CUDA graph replayed on new inputs (the counters the
+    programs wait on reset themselves), with and without adapter slots."""
+    from lorafn.runtime.models import fused_decode as fd
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + slots)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", generator=gen, dtype=dtype) * scale
+
+    weights = [rand(n, 4096, scale=1 / 64) for n in (4096, 1024, 1024)]
+    b_q, b_v = rand(slots * 16, 4096, scale=0.1), rand(slots * 16, 1024, scale=0.1)
+    expands = [(0, 16, b_q), None, (slots * 16, 16, b_v)]
+    a_cat = rand(slots * 32, 4096, scale=1 / 64)
+    row_slots = None
+    if slots > 1:
+        row_slots = torch.randint(0, slots, (rows,), device="cuda", generator=gen)
+    flags = fd.seg_flags("cuda")
+    x = rand(rows, 4096)
+
+    def launch():
+        return fd.seg_linear(x, [a_cat, *weights], expands, row_slots, flags)[1:]
+
+    def check(outs):
+        want = _expand_reference(x, a_cat, weights, expands, row_slots)
+        for got, ref in zip(outs, want, strict=True):
+            assert _rel(got, ref) < tol
+        assert flags.tolist() == [0, 0]
+
+    check(launch())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = launch()
+    for _ in range(3):
+        x.copy_(rand(rows, 4096))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(static)
+
+
 @pytest.fixture(scope="module")
 def tiny_setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     cfg = ModelConfig.from_dir(tiny_model_dir)
@@ -137,6 +196,7 @@ def _run(
     fused: bool,
     mode: str = "per_projection",
     skinny: int = 16,
+    in_gemm: bool = False,
 ):
     """(logits of every step, the KV cache after them) of one model variant, all in float32."""
     dev = torch.device("cuda")
@@ -144,6 +204,7 @@ def _run(
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), dev, dtype, lora, max_position=512,
         use_triton_attention=True, fused_decode=fused, lora_expand=mode, skinny_gemm_rows=skinny,
+        expand_in_gemm=in_gemm,
     )  # fmt: skip
     assert (model.fused is not None) == fused
     kv = KVCache(cfg, 32, 16, dev, dtype)
@@ -174,15 +235,17 @@ def _run(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("adapter", [None, "all-linear", "some"])
 @pytest.mark.parametrize("skinny", [16, 64])
-def test_fused_forward_matches_unfused(tiny_setup, dtype, adapter, mode, skinny) -> None:
+@pytest.mark.parametrize("in_gemm", [False, True])
+def test_fused_forward_matches_unfused(tiny_setup, dtype, adapter, mode, skinny, in_gemm) -> None:
     """float32: fused = unfused within 1e-4 (accumulation order only; 1.2e-5 seen on an H100).
     bf16: both are compared with the float32 forward, and the
     fused one may not be further from it than the unfused one (the roundings differ only in order).
     Each `lora_expand` mode: the unfused forward adds its expands per projection (grouped: lora_expand).
-    skinny 64: every step here (up to 40 rows) runs its GEMMs in the segmented skinny GEMM."""
+    skinny 64: every step here (up to 40 rows) runs its GEMMs in the segmented skinny GEMM. in_gemm
+    (EngineConfig.expand_in_gemm): the skinny steps add their expands inside the GEMMs."""
     model_dir, cfg, adapters = tiny_setup
     path = adapters[adapter] if adapter else None
-    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True, mode, skinny)
+    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True, mode, skinny, in_gemm)
     plain_logits, plain_kv = _run(model_dir, cfg, path, dtype, False, mode)
     if dtype == torch.float32:
         for i, (a, b) in enumerate(zip(fused_logits, plain_logits, strict=True)):

@@ -81,11 +81,37 @@ def _seg_gemm_kernel(
     M,
     K,
     stride_xm,
+    FLAGS,
+    ROW_SLOTS,
+    BT1,
+    BT2,
+    BT3,
+    OFF1,
+    OFF2,
+    OFF3,
+    RANK1,
+    RANK2,
+    RANK3,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    EXPAND: tl.constexpr = False,
+    R: tl.constexpr = 0,
+    SLOTTED: tl.constexpr = False,
 ):
+    """Y_i = X·W_iᵀ for each segment i, one program per BLOCK_N output features of one segment.
+
+    EXPAND (`seg_linear(..., expands=...)`): segment 0 is the group's LoRA shrink t = X·A_catᵀ and each
+    other segment i adds its expand t[:, OFF_i : OFF_i + RANK_i]·BT_i (BT_i [rank, N_i]; SLOTTED: each row's
+    slot s = ROW_SLOTS[row] picks t's columns OFF_i + s·RANK_i.. and BT_i's rows s·RANK_i..) to its product,
+    rounded first to Y's dtype as the per-row kernels get it, the sum rounded once. The shrink's programs
+    are the grid's first: each stores its tile of t, then counts itself into FLAGS[0] (a release at GPU
+    scope after a CTA barrier); the others compute their product, wait until every shrink program has
+    counted (acquire), read t from L2 and add the expand, then draw a ticket from FLAGS[1]; the last resets
+    both counters for the next launch. Programs are dispatched in grid order, so the shrink's run first
+    (or with) the waiting ones and the wait ends; each waiting program reads only its BLOCK_N columns of
+    B, so the expands are spread over the whole grid instead of one program per row."""
     pid = tl.program_id(0)
     end0 = tl.cdiv(N0, BLOCK_N)
     end1 = end0 + tl.cdiv(N1, BLOCK_N)
@@ -94,21 +120,33 @@ def _seg_gemm_kernel(
     y = Y0
     n = N0
     first = 0
+    bt = BT1
+    off = 0
+    rank = 0
     if pid >= end0:  # an unused segment has N = 0: its end is the grid's, no pid reaches it
         w = W1
         y = Y1
         n = N1
         first = end0
+        bt = BT1
+        off = OFF1
+        rank = RANK1
     if pid >= end1:
         w = W2
         y = Y2
         n = N2
         first = end1
+        bt = BT2
+        off = OFF2
+        rank = RANK2
     if pid >= end2:
         w = W3
         y = Y3
         n = N3
         first = end2
+        bt = BT3
+        off = OFF3
+        rank = RANK3
     rn = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -119,9 +157,42 @@ def _seg_gemm_kernel(
         x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
         wt = tl.load(w + rn[None, :].to(tl.int64) * K + (k0 + rk)[:, None], mask=n_ok[None, :], other=0.0)
         acc += tl.dot(x, wt, input_precision=PRECISION)
-    tl.store(
-        y + rm[:, None] * n + rn[None, :], acc.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :]
-    )
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if not EXPAND:
+        tl.store(y + rm[:, None] * n + rn[None, :], acc.to(y.dtype.element_ty), mask=out_mask)
+    elif pid < end0:  # a tile of the shrink t: stored, then released to the waiting programs
+        tl.store(y + rm[:, None] * n + rn[None, :], acc.to(y.dtype.element_ty), mask=out_mask)
+        tl.debug_barrier()
+        tl.atomic_add(FLAGS, 1, sem="release", scope="gpu")
+    else:
+        dt = y.dtype.element_ty
+        out = acc.to(dt).to(tl.float32)  # the product rounded, as the per-row kernels read it
+        arrived = tl.atomic_add(FLAGS, 0, sem="acquire", scope="gpu")
+        while arrived < end0:
+            arrived = tl.atomic_add(FLAGS, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        t_col = off + rm * 0  # [BLOCK_M] t's first column of each row's expand
+        b_row = rm * 0  # [BLOCK_M] BT's first row of each row's expand
+        if SLOTTED:
+            slot = tl.load(ROW_SLOTS + rm, mask=m_ok, other=0).to(tl.int64)
+            t_col = t_col + slot * rank
+            b_row = slot * rank
+        for j in tl.static_range(R):
+            ok = m_ok & ((rm * 0 + j) < rank)  # this projection's rank may be below the group's widest (or 0)
+            tj = tl.load(Y0 + rm * N0 + t_col + j, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if SLOTTED:
+                bj = tl.load(
+                    bt + (b_row + j)[:, None] * n + rn[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0
+                ).to(tl.float32)  # [BLOCK_M, BLOCK_N]: each row its slot's B row
+                out += tj[:, None] * bj
+            else:
+                bj = tl.load(bt + j * n + rn, mask=n_ok & ((rn * 0 + j) < rank), other=0.0).to(tl.float32)
+                out += tj[:, None] * bj[None, :]
+        tl.store(y + rm[:, None] * n + rn[None, :], out.to(dt), mask=out_mask)
+        ticket = tl.atomic_add(FLAGS + 1, 1, sem="relaxed", scope="gpu")
+        if ticket == tl.num_programs(0) - end0 - 1:  # the last: every program has passed its wait
+            tl.atomic_xchg(FLAGS, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(FLAGS + 1, 0, sem="relaxed", scope="gpu")
 
 
 # shared memory the segmented GEMM's pipelined tiles may take per program (the H100 allows 227 KiB): a float32
@@ -153,12 +224,37 @@ def seg_config(m: int, k: int, element_size: int = 2) -> tuple[int, int, int] | 
     return block_m, bk, stages
 
 
-def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+def seg_flags(device: torch.device | str) -> torch.Tensor:
+    """The two int32 counters `seg_linear(..., expands=...)` synchronizes its programs with (zero between
+    launches; each launch leaves them zero). Launches in stream order may share them; two launches that can
+    run at once may not. Made once per model, before any CUDA graph capture (their address is in the
+    graphs)."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
+def seg_linear(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    expands: list[tuple[int, int, torch.Tensor] | None] | None = None,
+    row_slots: torch.Tensor | None = None,
+    flags: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
     """[x·W_iᵀ for each W_i] in one launch; x [M, K] (rows may be strided, M <= MAX_GEMM_ROWS), each W_i
-    [N_i, K] contiguous. Returns contiguous [M, N_i] tensors."""
+    [N_i, K] contiguous. Returns contiguous [M, N_i] tensors.
+
+    `expands` (LoRA, one group): weights[0] is the group's A_cat (its output the shrink t), and each other
+    weight's (offset, rank, b_t) or None: its expand t[:, offset:offset+rank]·b_t is added inside the same
+    launch (the kernel's docstring), rounded as the per-row kernels add it. `row_slots` ([M] int64, adapter
+    slots): rank is one slot's, b_t holds every slot's rows, each row reads its own slot's. `flags`: the
+    model's `seg_flags`."""
     m, k = x.shape
     if not 1 <= len(weights) <= MAX_SEGMENTS:
         raise ValueError(f"seg_linear: 1..{MAX_SEGMENTS} weights, got {len(weights)}")
+    if expands is not None and (len(expands) != len(weights) - 1 or flags is None):
+        raise ValueError(
+            f"seg_linear: {len(weights)} weights take {len(weights) - 1} expands and the model's flags, "
+            f"got {len(expands)} expands, flags {flags is not None}"
+        )
     config = seg_config(m, k, x.element_size())
     if m > MAX_GEMM_ROWS or config is None or x.stride(1) != 1:
         raise ValueError(f"seg_linear: x {tuple(x.shape)} stride {x.stride()} is not a supported shape")
@@ -168,6 +264,10 @@ def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tenso
     ys = outs + [outs[0]] * (MAX_SEGMENTS - len(outs))
     ns = [w.shape[0] for w in weights] + [0] * (MAX_SEGMENTS - len(weights))
     grid = (sum(triton.cdiv(n, BLOCK_N) for n in ns),)
+    spec = [e for e in expands or ()] + [None] * (MAX_SEGMENTS - 1 - len(expands or ()))
+    bts = [e[2] if e is not None else x for e in spec]
+    offs = [e[0] if e is not None else 0 for e in spec]
+    ranks = [e[1] if e is not None else 0 for e in spec]
     _seg_gemm_kernel[grid](
         x,
         *ws,
@@ -176,6 +276,14 @@ def seg_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tenso
         m,
         k,
         x.stride(0),
+        flags if flags is not None else x,
+        row_slots if row_slots is not None else x,
+        *bts,
+        *offs,
+        *ranks,
+        EXPAND=expands is not None,
+        R=max(ranks),
+        SLOTTED=row_slots is not None,
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         BLOCK_K=bk,

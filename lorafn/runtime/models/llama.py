@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lorafn.runtime.attention import paged_decode_attention, prefill_attention, write_kv
 from lorafn.runtime.config import (
     DEFAULT_DECODE_ATTENTION,
+    DEFAULT_EXPAND_IN_GEMM,
     DEFAULT_LORA_EXPAND,
     DEFAULT_SKINNY_GEMM_ROWS,
     ModelConfig,
@@ -147,9 +148,11 @@ class LlamaModel:
         lora_expand: str = DEFAULT_LORA_EXPAND,
         skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS,
         decode_attention: str = DEFAULT_DECODE_ATTENTION,
+        expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
         self.decode_attention = decode_attention  # EngineConfig.decode_attention
+        self.expand_in_gemm = expand_in_gemm  # EngineConfig.expand_in_gemm
         self.lora_expand = lora_expand  # EngineConfig.lora_expand
         self.skinny_gemm_rows = skinny_gemm_rows  # EngineConfig.skinny_gemm_rows
         # the mode of a step with a prefill chunk, of a step of decodes only (config.expand_modes)
@@ -204,6 +207,9 @@ class LlamaModel:
             no_bias = all(v is None for layer in self.layers for k, v in layer.items() if k.endswith(".bias"))
             if no_bias and all(fd.block_k(w) is not None for w in widths) and dtype in fd.DOT_PRECISION:
                 self.fused = fd
+                # the counters of the skinny GEMMs that add their expands inside (made now: before any
+                # capture, in the arena's state pool when there is one; graphs hold their address)
+                self.seg_flags = fd.seg_flags(device)
 
     def weight_bytes(self) -> int:
         """Bytes of backbone weights one decode step reads: every layer, the final norm and the LM head
@@ -350,14 +356,19 @@ class LlamaModel:
         cfg, fd, ops, eps = self.cfg, self.fused, self.ops, self.cfg.rms_norm_eps
         lora_layers = self.lora.layers if self.lora is not None else None
         h = F.embedding(batch.input_ids, self.embed)
+        num_rows = batch.input_ids.shape[0]
+        # a step whose GEMMs are skinny ones adds its expands inside them (expand_in_gemm): the kernels
+        # that follow get none, so `settle` and `mode` below change nothing for it
+        in_gemm = self.expand_in_gemm and num_rows <= self.skinny_gemm_rows
         # a large step keeps its expands out of the per-row decode kernels (each of their programs reads its
         # rank rows of B again: B's bytes x rows) unless the mode is in_kernels
-        settle = batch.input_ids.shape[0] > fd.MAX_TOKENS and mode != "in_kernels"
+        settle = num_rows > fd.MAX_TOKENS and mode != "in_kernels"
         # adapter slots: the per-row kernels read each row's own slot (Expand.row_slots); a settled step's
-        # expands (GEMMs over all rows) read every slot's columns, the others' masked to zeros first
+        # expands (GEMMs over all rows) read every slot's columns, the others' masked to zeros first; the
+        # skinny GEMMs read each row's slot too
         rows = self._row_slots(batch)
-        masks = self.slot_masks(batch) if rows is not None and settle else {}
-        row_slots = None if settle else rows
+        masks = self.slot_masks(batch) if rows is not None and settle and not in_gemm else {}
+        row_slots = rows if in_gemm or not settle else None
         expand_ops = ops if mode == "grouped" else None
         # grouped, large step: every expand inside the kernel that reads its projection's output anyway, on
         # the tensor cores over tiles of rows (q/k/v: RoPE + cache writes; o, down: add + RMSNorm; gate/up:
@@ -382,7 +393,7 @@ class LlamaModel:
             else:
                 h, x = add_norm(h, delta, layer["input_layernorm"], delta_lora)
             (q, k, v), qkv_lora = self._group_gemm(
-                x, layer, ("q_proj", "k_proj", "v_proj"), groups, masks, row_slots
+                x, layer, ("q_proj", "k_proj", "v_proj"), groups, masks, row_slots, in_gemm
             )
             k_cache, v_cache = kv_caches[i]
             rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
@@ -403,12 +414,12 @@ class LlamaModel:
                 batch.slot_mapping,
             )
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
-            (o,), o_lora = self._group_gemm(attn, layer, ("o_proj",), groups, masks, row_slots)
+            (o,), o_lora = self._group_gemm(attn, layer, ("o_proj",), groups, masks, row_slots, in_gemm)
             if settle and not tiled:
                 o_lora = _settle_expands((o,), o_lora, expand_ops)
             h, x = add_norm(h, o, layer["post_attention_layernorm"], o_lora and o_lora[0])
             (gate, up), gu_lora = self._group_gemm(
-                x, layer, ("gate_proj", "up_proj"), groups, masks, row_slots
+                x, layer, ("gate_proj", "up_proj"), groups, masks, row_slots, in_gemm
             )
             if tiled and gu_lora is not None:
                 act = ops.silu_mul_expand(gate, up, gu_lora)
@@ -416,7 +427,7 @@ class LlamaModel:
                 if settle:
                     gu_lora = _settle_expands((gate, up), gu_lora, expand_ops)
                 act = fd.silu_mul_lora(gate, up, gu_lora)
-            (delta,), d_lora = self._group_gemm(act, layer, ("down_proj",), groups, masks, row_slots)
+            (delta,), d_lora = self._group_gemm(act, layer, ("down_proj",), groups, masks, row_slots, in_gemm)
             if settle and not tiled:
                 d_lora = _settle_expands((delta,), d_lora, expand_ops)
             delta_lora = d_lora and d_lora[0]
@@ -434,20 +445,28 @@ class LlamaModel:
         groups: dict[str, LoRAGroup],
         masks: dict[str, torch.Tensor],
         row_slots: torch.Tensor | None = None,
+        in_gemm: bool = False,
     ):
         """The projections `projs` of x and, when the adapter targets them, the group's shrink t = x·A_catᵀ
         (one launch for a small step), masked to each row's adapter slot (`masks`, `slot_masks`). Returns
         (outputs in `projs` order, one Expand or None per projection / None). `row_slots` (adapter slots, a
-        step of the per-row kernels): Expands of one slot's rank that pick each row's slot."""
+        step of the per-row kernels or `in_gemm`): Expands of one slot's rank that pick each row's slot.
+        `in_gemm` (a skinny step, expand_in_gemm): the expands are added inside the same launch, and the
+        outputs come with them (no Expands returned)."""
         group = groups.get(projs[0])
         weights = [layer[p] for p in projs]
         if group is None:
             return self._linear_many(x, weights), None
+        k = self.lora.num_slots if row_slots is not None else 1  # type: ignore[union-attr]
+        if in_gemm:
+            spec = {p: (off, rank // k, b_t) for p, off, rank, b_t in group.targets}
+            expands = [spec.get(p) for p in projs]
+            _t, *outs = self.fused.seg_linear(x, [group.a_cat, *weights], expands, row_slots, self.seg_flags)
+            return outs, None
         t, *outs = self._linear_many(x, [group.a_cat, *weights])
         mask = masks.get(projs[0])
         if mask is not None:
             t.mul_(mask)
-        k = self.lora.num_slots if row_slots is not None else 1  # type: ignore[union-attr]
         by_proj = {
             p: self.fused.Expand(t, off, rank // k, b_t, row_slots) for p, off, rank, b_t in group.targets
         }

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lorafn.runtime.config import LORA_EXPANDS, ModelConfig, expand_modes
+from lorafn.runtime.config import DEFAULT_EXPAND_IN_GEMM, LORA_EXPANDS, ModelConfig, expand_modes
 from lorafn.runtime.kv_cache import KVCache
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import LoRAWeights, clear_lora, copy_lora, copy_lora_slot, load_lora, zero_lora
@@ -100,15 +100,18 @@ def _forward(
     fused: bool,
     mode: str,
     skinny: int = 16,
+    in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
 ) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
     """(logits of every step, the KV cache after them, grouped expand launches: lora_expand, and on the
     fused path the kernels with a group's expand inside; q/k/v expands of steps above 16 rows inside the
     per-row RoPE kernel: in_kernels) of one model variant. `skinny` is EngineConfig.skinny_gemm_rows: 16
     here (not the default 64) so that the steps above 16 rows take cuBLAS + a shrink GEMM per group, the path
-    of every step above skinny_gemm_rows; `_check_skinny` runs them through the segmented GEMM."""
+    of every step above skinny_gemm_rows; `_check_skinny` runs them through the segmented GEMM. `in_gemm`:
+    EngineConfig.expand_in_gemm (the steps of the segmented GEMM add their expands inside it)."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
         use_triton_attention=triton, fused_decode=fused, lora_expand=mode, skinny_gemm_rows=skinny,
+        expand_in_gemm=in_gemm,
     )  # fmt: skip
     assert (model.fused is not None) == fused, "the fused path did not turn on"
     kv = KVCache(cfg, 8, 16, DEV, torch.float32)
@@ -158,22 +161,33 @@ def _check_skinny(
     model_dir: Path, cfg: ModelConfig, lora: LoRAWeights, ref, name: str, most_rows: int
 ) -> None:
     """skinny_gemm_rows = 64: every step's GEMMs (up to `most_rows` rows) in the segmented skinny GEMM, the
-    same output as the per-projection torch forward `ref`, with hybrid and with grouped expands."""
+    same output as the per-projection torch forward `ref`, with hybrid and with grouped expands, and with
+    the expands inside the segmented GEMMs (expand_in_gemm; then every group's launch carries them)."""
     real_seg, seg_rows = fused_decode.seg_linear, []
 
-    def seg_counted(x, weights):
-        seg_rows.append(x.shape[0])
-        return real_seg(x, weights)
+    def seg_counted(x, weights, expands=None, *rest):
+        seg_rows.append((x.shape[0], expands is not None))
+        return real_seg(x, weights, expands, *rest)
 
+    groups = sum(len(layer) for layer in lora.layers)
     fused_decode.seg_linear = seg_counted
     try:
-        for mode in ("hybrid", "grouped"):
-            got = _forward(model_dir, cfg, lora, triton=True, fused=True, mode=mode, skinny=64)
-            _same(f"{name} skinny_gemm_rows=64 {mode}", got, ref)
+        for mode, in_gemm in (("hybrid", False), ("grouped", False), ("hybrid", True)):
+            seg_rows.clear()
+            got = _forward(
+                model_dir, cfg, lora, triton=True, fused=True, mode=mode, skinny=64, in_gemm=in_gemm
+            )
+            _same(f"{name} skinny_gemm_rows=64 {mode} in_gemm={in_gemm}", got, ref)
+            with_expands = sum(e for _rows, e in seg_rows)
+            assert with_expands == in_gemm * groups * len(got[0]), (mode, in_gemm, with_expands, groups)
+            assert (got[2], got[3]) == (0, 0) or not in_gemm, got[2:]  # in the GEMMs: none outside them
     finally:
         fused_decode.seg_linear = real_seg
-    assert max(seg_rows) == most_rows > fused_decode.MAX_TOKENS, seg_rows
-    print(f"{name} skinny_gemm_rows=64: as per-projection torch (segmented GEMMs up to {most_rows} rows)")
+    assert max(rows for rows, _e in seg_rows) == most_rows > fused_decode.MAX_TOKENS, seg_rows
+    print(
+        f"{name} skinny_gemm_rows=64: as per-projection torch (segmented GEMMs up to {most_rows} rows; the "
+        "expands in the per-row kernels, or in the GEMMs)"
+    )
 
 
 def _check_slots(model_dir: Path, cfg: ModelConfig, adapters: list[LoRAWeights], shape: str) -> None:
@@ -191,12 +205,15 @@ def _check_slots(model_dir: Path, cfg: ModelConfig, adapters: list[LoRAWeights],
     for mode in ("hybrid", "grouped", "in_kernels"):
         _same(f"slots {mode}", _forward(model_dir, cfg, slots, triton=True, fused=True, mode=mode), ref)
         print(f"adapter slots, {mode}: as the torch forward of the same slots")
-    _same(
-        "slots skinny",
-        _forward(model_dir, cfg, slots, triton=True, fused=True, mode="hybrid", skinny=64),
-        ref,
-    )
-    print("adapter slots, skinny_gemm_rows=64: as the torch forward of the same slots")
+    for in_gemm in (False, True):
+        _same(
+            f"slots skinny in_gemm={in_gemm}",
+            _forward(
+                model_dir, cfg, slots, triton=True, fused=True, mode="hybrid", skinny=64, in_gemm=in_gemm
+            ),
+            ref,
+        )
+        print(f"adapter slots, skinny_gemm_rows=64, expands in the GEMMs {in_gemm}: as the torch forward")
 
 
 def main(argv: list[str]) -> None:

@@ -29,6 +29,7 @@ def _key(**changes: object) -> dict:
         "lora_expand": "per_projection",
         "skinny_gemm_rows": 16,
         "decode_attention": "simt",
+        "expand_in_gemm": True,
         "buckets": [1, 2, 4],
         "max_blocks_per_seq": 64,
         "block_size": 16,
