@@ -165,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-attention", default=None, help="EngineConfig.decode_attention (default: the engine's)"
     )
     ap.add_argument(
+        "--compare-expand-in-gemm",
+        action="store_true",
+        help="also lora+g: the fused LoRA engine with EngineConfig.expand_in_gemm on (expands in the GEMMs)",
+    )
+    ap.add_argument(
         "--fused-only", action="store_true", help="only the fused decode kernels (base+f, lora+f), no cuBLAS"
     )
     args = ap.parse_args(argv)
@@ -191,18 +196,21 @@ def main(argv: list[str] | None = None) -> int:
         "rank": args.rank,
         "targets": args.targets,
     }
-    variants = (
-        ("base", None, False),
-        ("lora", adapter, False),
-        ("base+f", None, True),
-        ("lora+f", adapter, True),
-    )
+    # (name, adapter, fused_decode, EngineConfig overrides of this variant)
+    variants: list[tuple[str, Path | None, bool, dict]] = [
+        ("base", None, False, {}),
+        ("lora", adapter, False, {}),
+        ("base+f", None, True, {}),
+        ("lora+f", adapter, True, {"expand_in_gemm": False}),
+    ]
+    if args.compare_expand_in_gemm:
+        variants.append(("lora+g", adapter, True, {"expand_in_gemm": True}))
     if args.fused_only:
         variants = variants[2:]
     overrides = {"lora_expand": args.lora_expand} if args.lora_expand else {}
     if args.decode_attention:
         overrides["decode_attention"] = args.decode_attention
-    for name, adapter_dir, fused in variants:
+    for name, adapter_dir, fused, own in variants:
         engine = Engine(
             EngineConfig(
                 model=args.model,
@@ -218,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 cuda_graph_batch_sizes=batches,
                 fused_decode=fused,
                 **overrides,
+                **own,
             )
         )
         figures["weight_bytes"] = engine.runner.model.weight_bytes()
@@ -247,18 +256,20 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'batch':>5} {'':5} {'step ms':>8} {'replay ms':>9} {'host ms':>8}"
     print(head + f" {'step/floor':>10} {'replay/floor':>12}")
     for b in batches:
-        for name, _a, _f in variants:
+        for name, *_rest in variants:
             r = figures[name][b]
             print(
                 f"{b:>5} {name:5} {r['step_ms']:8.2f} {r['replay_ms']:9.2f} {r['host_ms']:8.2f} "
                 f"{r['step_ms'] / floor_ms:10.2f} {r['replay_ms'] / floor_ms:12.2f}"
             )
         pairs = (("lora", "base"), ("lora+f", "base+f"), ("lora+f", "lora"), ("base+f", "base"))
+        pairs += (("lora+g", "base+f"), ("lora+g", "lora+f"))
         for lo, ba in [(lo, ba) for lo, ba in pairs if lo in figures and ba in figures]:
             step_ratio = figures[lo][b]["step_ms"] / figures[ba][b]["step_ms"]
             replay_ratio = figures[lo][b]["replay_ms"] / figures[ba][b]["replay_ms"]
             print(f"      {lo}/{ba}: step {step_ratio:.3f}, replay {replay_ratio:.3f}")
-    kinds = [(ba, lo) for ba, lo in (("base", "lora"), ("base+f", "lora+f")) if ba in figures]
+    tables = (("base", "lora"), ("base+f", "lora+f"), ("lora+f", "lora+g"))
+    kinds = [(ba, lo) for ba, lo in tables if ba in figures and lo in figures]
     for b, (ba_name, lo_name) in itertools.product(batches, kinds):
         print(f"\nkernels per replay, batch {b} (count, µs): {ba_name} | {lo_name}")
         base, lora = figures[ba_name][b]["kernels"], figures[lo_name][b]["kernels"]

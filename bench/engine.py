@@ -19,8 +19,8 @@ engine once per round, N rounds, and prints medians (single runs on the H100 mov
 
 `--attention-kernels dot` measures base and LoRA again at every batch with that
 `EngineConfig.decode_attention` (the paged decode attention kernel's form) beside the default's.
-`--per-row-expands` measures LoRA again at every batch with `EngineConfig.expand_in_gemm` off (the expands
-of a skinny-GEMM step in the per-row kernels after the GEMMs, the path before it was on).
+`--other-expand-place` measures LoRA again at every batch with `EngineConfig.expand_in_gemm` the other way
+round from its default: a skinny-GEMM step's expands inside the GEMMs, or in the per-row kernels after them.
 
 The backbone is loaded onto the device once and shared by every engine of the run (a resident
 WeightSource, as the backbone server shares it with workers); transformers loads its own copy.
@@ -46,6 +46,7 @@ from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from lorafn.runtime.config import (
     DECODE_ATTENTION_KERNELS,
     DEFAULT_DECODE_ATTENTION,
+    DEFAULT_EXPAND_IN_GEMM,
     DEFAULT_LORA_EXPAND,
     DEFAULT_SKINNY_GEMM_ROWS,
     LORA_EXPANDS,
@@ -304,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         "LoRA again at every batch",
     )
     ap.add_argument(
-        "--per-row-expands",
+        "--other-expand-place",
         action="store_true",
-        help="CUDA: LoRA again at every batch with EngineConfig.expand_in_gemm off, beside the default",
+        help="CUDA: LoRA again at every batch with EngineConfig.expand_in_gemm not its default, beside it",
     )
     ap.add_argument(
         "--repeats", type=int, default=1, help="rounds of every run (figures: the median over the rounds)"
@@ -393,9 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         att = {"decode_attention": kernel}
         runs += [(f"base_att_{kernel}", None, DEFAULT_LORA_EXPAND, batches, d_rows, att)]
         runs += [(f"lora_att_{kernel}", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, att)]
-    figures["per_row_expands"] = bool(args.per_row_expands and device.type == "cuda")
-    if figures["per_row_expands"]:
-        runs += [("lora_per_row", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, {"expand_in_gemm": False})]
+    figures["expand_in_gemm"] = DEFAULT_EXPAND_IN_GEMM
+    figures["other_expand_place"] = bool(args.other_expand_place and device.type == "cuda")
+    if figures["other_expand_place"]:
+        other = {"expand_in_gemm": not DEFAULT_EXPAND_IN_GEMM}
+        runs += [("lora_other_place", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, other)]
     # every run once per round, rounds one after another: each figure is the median over the rounds, so a
     # drift of the machine during the run (the H100's figures moved ±5% between runs) reaches every run alike
     figures["repeats"] = args.repeats
@@ -471,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     print_skinny(figures, large)
     print_prefill_graphs(figures)
     print_attention(figures, batches)
-    print_per_row_expands(figures, batches)
+    print_expand_places(figures, batches)
     print_prefill_kernels(figures, [name for name, *_rest in runs])
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
@@ -517,21 +520,22 @@ def print_attention(f: dict, batches: list[int]) -> None:
         print(line)
 
 
-def print_per_row_expands(f: dict, batches: list[int]) -> None:
-    """LoRA TPOT with its expands in the skinny GEMMs (the default) beside the per-row kernels' expands."""
-    if not f["per_row_expands"]:
+def print_expand_places(f: dict, batches: list[int]) -> None:
+    """LoRA TPOT with a skinny step's expands in the GEMMs beside in the per-row kernels (expand_in_gemm)."""
+    if not f["other_expand_place"]:
         return
     ms = 1e3
-    print("\nLoRA expands in the skinny GEMMs (expand_in_gemm, default) vs in the per-row kernels: TPOT ms")
-    print("and the LoRA overhead over the base")
+    gemm, rows = ("lora", "lora_other_place") if f["expand_in_gemm"] else ("lora_other_place", "lora")
+    print("\nLoRA expands in the skinny GEMMs vs in the per-row kernels (expand_in_gemm; default: in the")
+    where = "GEMMs" if f["expand_in_gemm"] else "per-row kernels"
+    print(f"{where}): TPOT ms and the LoRA overhead over the base")
     for b in batches:
-        base, lora, rows = (f[n]["tpot_s"][b] for n in ("base", "lora", "lora_per_row"))
+        base, in_gemm, per_row = (f[n]["tpot_s"][b] for n in ("base", gemm, rows))
         line = f"  batch {b:>3}: base {base * ms:6.2f}"
-        line += f" | in GEMMs {lora * ms:6.2f} {100 * (lora / base - 1):+5.1f}%"
-        line += f" | per-row {rows * ms:6.2f} {100 * (rows / base - 1):+5.1f}%"
-        print(line + f" | in GEMMs / per-row {lora / rows:.3f}")
-    gemm_ttft, row_ttft = f["lora"]["ttft_s"] * ms, f["lora_per_row"]["ttft_s"] * ms
-    print(f"  TTFT: in GEMMs {gemm_ttft:.1f} ms, per-row {row_ttft:.1f} ms")
+        line += f" | in GEMMs {in_gemm * ms:6.2f} {100 * (in_gemm / base - 1):+5.1f}%"
+        line += f" | per-row {per_row * ms:6.2f} {100 * (per_row / base - 1):+5.1f}%"
+        print(line + f" | in GEMMs / per-row {in_gemm / per_row:.3f}")
+    print(f"  TTFT: in GEMMs {f[gemm]['ttft_s'] * ms:.1f} ms, per-row {f[rows]['ttft_s'] * ms:.1f} ms")
 
 
 def print_prefill_graphs(f: dict) -> None:

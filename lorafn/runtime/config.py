@@ -48,9 +48,11 @@ DEFAULT_SKINNY_GEMM_ROWS = 64
 # 5% at batch 1, 14% at 8, 29% at 16, 34% at 32 and 40% at 64; its bf16 and fp32 token tests pass.
 DECODE_ATTENTION_KERNELS = ("simt", "dot")
 DEFAULT_DECODE_ATTENTION = "dot"
-# A step whose GEMMs run as fused_decode's skinny GEMM (at most skinny_gemm_rows rows) adds its LoRA expands
-# inside that launch (EngineConfig.expand_in_gemm) instead of in the per-row kernels that follow.
-DEFAULT_EXPAND_IN_GEMM = True
+# Whether a step whose GEMMs run as fused_decode's skinny GEMM (at most skinny_gemm_rows rows) adds its LoRA
+# expands inside that launch (EngineConfig.expand_in_gemm) instead of in the per-row kernels that follow. Off:
+# on an H200 (bench/engine.py --per-row-expands at 9792058, one round) the in-GEMM form's TPOT was 1.1-7.0%
+# above the per-row kernels' at batch 1-64 (the waiting programs' epilogue, not hidden); docs/benchmarks.md.
+DEFAULT_EXPAND_IN_GEMM = False
 
 
 def expand_modes(lora_expand: str) -> tuple[str, str]:
@@ -160,8 +162,9 @@ class EngineConfig:
     # CUDA, fused path: a step of at most skinny_gemm_rows rows adds each projection's LoRA expand inside its
     # group's skinny-GEMM launch (every program its own columns of B, after the shrink's programs; see
     # fused_decode._seg_gemm_kernel) instead of in the per-row kernels after it (RoPE, SiLU·up, add + RMSNorm:
-    # one program per row reads all of B there, which cost ~0.3 ms a step at batch 1 on an H200). The same
-    # roundings either way. False: the per-row kernels (and lora_expand above 16 rows), as before.
+    # one program per row reads all of B there, ~0.3 ms a step at batch 1 on an H200). Roundings as there (up
+    # to float32 summation order). False (the default, DEFAULT_EXPAND_IN_GEMM): the per-row kernels (and
+    # lora_expand above 16 rows).
     expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM
     # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an
     # execution plan per exact shape, and on the H100 the first prefill of each new chunk length paid

@@ -99,19 +99,23 @@ def _seg_gemm_kernel(
     EXPAND: tl.constexpr = False,
     R: tl.constexpr = 0,
     SLOTTED: tl.constexpr = False,
+    RP: tl.constexpr = 16,
 ):
     """Y_i = X·W_iᵀ for each segment i, one program per BLOCK_N output features of one segment.
 
     EXPAND (`seg_linear(..., expands=...)`): segment 0 is the group's LoRA shrink t = X·A_catᵀ and each
     other segment i adds its expand t[:, OFF_i : OFF_i + RANK_i]·BT_i (BT_i [rank, N_i]; SLOTTED: each row's
     slot s = ROW_SLOTS[row] picks t's columns OFF_i + s·RANK_i.. and BT_i's rows s·RANK_i..) to its product,
-    rounded first to Y's dtype as the per-row kernels get it, the sum rounded once. The shrink's programs
-    are the grid's first: each stores its tile of t, then counts itself into FLAGS[0] (a release at GPU
-    scope after a CTA barrier); the others compute their product, wait until every shrink program has
-    counted (acquire), read t from L2 and add the expand, then draw a ticket from FLAGS[1]; the last resets
-    both counters for the next launch. Programs are dispatched in grid order, so the shrink's run first
-    (or with) the waiting ones and the wait ends; each waiting program reads only its BLOCK_N columns of
-    B, so the expands are spread over the whole grid instead of one program per row."""
+    rounded first to Y's dtype as the per-row kernels get it, the sum rounded once (one adapter: t's tile
+    times the B tile as one tl.dot, B read before the product's loop; slots: rank by rank).
+
+    The shrink's programs are the grid's first: each stores its tile of t, then counts itself into
+    FLAGS[0] (a release at GPU scope after a CTA barrier); the others compute their product, wait until
+    every shrink program has counted (acquire), read t from L2 and add the expand, then draw a ticket from
+    FLAGS[1]; the last resets both counters for the next launch. Programs are dispatched in grid order, so
+    the shrink's run first (or with) the waiting ones and the wait ends; each waiting program reads only
+    its BLOCK_N columns of B, so the expands are spread over the whole grid instead of one program per
+    row."""
     pid = tl.program_id(0)
     end0 = tl.cdiv(N0, BLOCK_N)
     end1 = end0 + tl.cdiv(N1, BLOCK_N)
@@ -153,6 +157,10 @@ def _seg_gemm_kernel(
     n_ok = rn < n
     m_ok = rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EXPAND and not SLOTTED:  # this program's columns of B, read while the product streams W
+        rr = tl.arange(0, RP)
+        r_ok = rr < rank
+        b_tile = tl.load(bt + rr[:, None] * n + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
         wt = tl.load(w + rn[None, :].to(tl.int64) * K + (k0 + rk)[:, None], mask=n_ok[None, :], other=0.0)
@@ -171,23 +179,26 @@ def _seg_gemm_kernel(
         while arrived < end0:
             arrived = tl.atomic_add(FLAGS, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
-        t_col = off + rm * 0  # [BLOCK_M] t's first column of each row's expand
-        b_row = rm * 0  # [BLOCK_M] BT's first row of each row's expand
-        if SLOTTED:
+        if SLOTTED:  # each row its slot's columns of t and rows of B, rank by rank
             slot = tl.load(ROW_SLOTS + rm, mask=m_ok, other=0).to(tl.int64)
-            t_col = t_col + slot * rank
-            b_row = slot * rank
-        for j in tl.static_range(R):
-            ok = m_ok & ((rm * 0 + j) < rank)  # this projection's rank may be below the group's widest (or 0)
-            tj = tl.load(Y0 + rm * N0 + t_col + j, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if SLOTTED:
+            t_col = off + slot * rank  # [BLOCK_M] t's first column of each row's expand
+            b_row = slot * rank  # [BLOCK_M] BT's first row of each row's expand
+            for j in tl.static_range(R):
+                ok = m_ok & ((rm * 0 + j) < rank)  # this projection's rank may be below the group's widest
+                tj = tl.load(Y0 + rm * N0 + t_col + j, mask=ok, other=0.0, cache_modifier=".cg")
+                tj = tj.to(tl.float32)
                 bj = tl.load(
                     bt + (b_row + j)[:, None] * n + rn[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0
-                ).to(tl.float32)  # [BLOCK_M, BLOCK_N]: each row its slot's B row
+                ).to(tl.float32)  # [BLOCK_M, BLOCK_N]
                 out += tj[:, None] * bj
-            else:
-                bj = tl.load(bt + j * n + rn, mask=n_ok & ((rn * 0 + j) < rank), other=0.0).to(tl.float32)
-                out += tj[:, None] * bj[None, :]
+        else:  # one adapter: t's [BLOCK_M, RP] tile (zeros past the rank) · the B tile read before
+            t_tile = tl.load(
+                Y0 + rm[:, None] * N0 + off + rr[None, :],
+                mask=m_ok[:, None] & r_ok[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            out += tl.dot(t_tile, b_tile, input_precision=PRECISION)
         tl.store(y + rm[:, None] * n + rn[None, :], out.to(dt), mask=out_mask)
         ticket = tl.atomic_add(FLAGS + 1, 1, sem="relaxed", scope="gpu")
         if ticket == tl.num_programs(0) - end0 - 1:  # the last: every program has passed its wait
@@ -284,6 +295,7 @@ def seg_linear(
         EXPAND=expands is not None,
         R=max(ranks),
         SLOTTED=row_slots is not None,
+        RP=max(16, triton.next_power_of_2(max(ranks))),
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         BLOCK_K=bk,

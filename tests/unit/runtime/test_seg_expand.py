@@ -107,7 +107,14 @@ def test_seg_gemm_kernel_compiles_for_sm90(expand: bool, slotted: bool, dtype: s
 
     fn = fd._seg_gemm_kernel
     constexprs = dict(
-        BLOCK_M=16, BLOCK_N=fd.BLOCK_N, BLOCK_K=128, PRECISION=precision, EXPAND=expand, R=16, SLOTTED=slotted
+        BLOCK_M=16,
+        BLOCK_N=fd.BLOCK_N,
+        BLOCK_K=128,
+        PRECISION=precision,
+        EXPAND=expand,
+        R=16,
+        SLOTTED=slotted,
+        RP=16,
     )
     pointers = {"X", "W0", "W1", "W2", "W3", "Y0", "Y1", "Y2", "Y3", "BT1", "BT2", "BT3"}
 
