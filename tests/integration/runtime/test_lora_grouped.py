@@ -85,14 +85,19 @@ def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Pa
     assert counts["in_kernels"] == (0, 3 * counts["hybrid"][1]), counts
     assert counts["per_projection/grouped"][0] * 3 == counts["grouped"][0], counts
     assert "o/down expands inside add + RMSNorm: same" in stdout
+    # the skinny GEMM's steps, their expands in the per-row kernels and inside the GEMMs (expand_in_gemm)
+    assert "r16-all-linear skinny_gemm_rows=64: as per-projection torch" in stdout
     assert "clear_lora: the base model's output" in stdout
 
 
 def test_adapter_slots_on_the_cuda_code(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Adapter slots (r16 all-linear slots: r16, q/v r8 and mixed ranks in three, the fourth empty): the
     per-row kernels reading each row's slot and the masked settled steps, every lora_expand mode and the
-    skinny GEMM, against the torch forward of the same slots."""
+    skinny GEMM (its expands in the per-row kernels, and inside the GEMMs), against the torch forward of the
+    same slots."""
     names = ("r16-all-linear", "r8-qv", "mixed-ranks")
     stdout = _check(tiny_model_dir, tmp_path, {n: ADAPTERS[n] for n in names}, ["--slots"])
-    for mode in ("hybrid", "grouped", "in_kernels", "skinny_gemm_rows=64"):
+    for mode in ("hybrid", "grouped", "in_kernels"):
         assert f"adapter slots, {mode}: as the torch forward of the same slots" in stdout, stdout
+    for in_gemm in (False, True):  # the skinny GEMM's steps, expands in the per-row kernels / in the GEMMs
+        assert f"adapter slots, skinny_gemm_rows=64, expands in the GEMMs {in_gemm}: as the torch" in stdout
