@@ -16,6 +16,10 @@ base's 6.66 ms replay, ~3 µs each whatever their size. Here a step of at most `
 - `silu_mul_lora`: the gate/up expands fused into SiLU·up.
 - the o_proj and down_proj expands fused into the next residual add + RMSNorm
   (`triton_ops.add_rms_norm(..., lora=...)`).
+- or, with EngineConfig.expand_in_gemm, every expand inside `seg_linear` itself (`expands=`): the other
+  programs wait for the shrink's and add t·B to their own columns (`_seg_gemm_kernel`), and the kernels above
+  get none; on an H200 the replay was 2-5.5% faster so (docs/benchmarks.md), off by default until its GPU
+  suite has run.
 
 Rounding: each expand is summed in float32, added to its projection's output in float32 and rounded once to
 the activation dtype (as `addmm_` does on a CPU; cuBLAS's bf16 `addmm_` on the H100 appears to round the
