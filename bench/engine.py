@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[name] = median_result(results)
     if args.profile_prefill and device.type == "cuda":  # after every timing: CUPTI slowed what ran after it
         for name, adapter_dir, mode, _batches, rows, overrides in runs:
-            if overrides:  # the prefill-graph and attention runs: nothing new for the prefill profile
+            if overrides:  # prefill-graph, attention, expand-place runs: nothing new for the prefill profile
                 continue
             one = {"max_num_seqs": 1, "num_kv_blocks": None, "use_cuda_graphs": False}
             engine = engine_for(adapter_dir, mode, rows, **one)

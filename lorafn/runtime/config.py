@@ -49,9 +49,11 @@ DEFAULT_SKINNY_GEMM_ROWS = 64
 DECODE_ATTENTION_KERNELS = ("simt", "dot")
 DEFAULT_DECODE_ATTENTION = "dot"
 # Whether a step whose GEMMs run as fused_decode's skinny GEMM (at most skinny_gemm_rows rows) adds its LoRA
-# expands inside that launch (EngineConfig.expand_in_gemm) instead of in the per-row kernels that follow. Off:
-# on an H200 (bench/engine.py --per-row-expands at 9792058, one round) the in-GEMM form's TPOT was 1.1-7.0%
-# above the per-row kernels' at batch 1-64 (the waiting programs' epilogue, not hidden); docs/benchmarks.md.
+# expands inside that launch (EngineConfig.expand_in_gemm) instead of in the per-row kernels that follow. Off
+# for now. On an H200 its first form (9792058: rank by rank after the wait) had a TPOT 1.1-7.0% above the
+# per-row kernels' at batch 1-64. The present form (B read before the product's loop, t·B one tl.dot) replayed
+# 2.1-5.5% faster than the per-row kernels (bench/decode_profile.py --compare-expand-in-gemm at 33d60cb), but
+# the GPU suite has not run with it (docs/benchmarks.md).
 DEFAULT_EXPAND_IN_GEMM = False
 
 

@@ -279,7 +279,7 @@ def seg_linear(
     ys = outs + [outs[0]] * (MAX_SEGMENTS - len(outs))
     ns = [w.shape[0] for w in weights] + [0] * (MAX_SEGMENTS - len(weights))
     grid = (sum(triton.cdiv(n, BLOCK_N) for n in ns),)
-    spec = [e for e in expands or ()] + [None] * (MAX_SEGMENTS - 1 - len(expands or ()))
+    spec = list(expands or ()) + [None] * (MAX_SEGMENTS - 1 - len(expands or ()))
     bts = [e[2] if e is not None else x for e in spec]
     offs = [e[0] if e is not None else 0 for e in spec]
     ranks = [e[1] if e is not None else 0 for e in spec]

@@ -209,7 +209,7 @@ class LlamaModel:
                 self.fused = fd
                 # the counters of the skinny GEMMs that add their expands inside (made now: before any
                 # capture, in the arena's state pool when there is one; graphs hold their address)
-                self.seg_flags = fd.seg_flags(device)
+                self.seg_flags = fd.seg_flags(device) if expand_in_gemm else None
 
     def weight_bytes(self) -> int:
         """Bytes of backbone weights one decode step reads: every layer, the final norm and the LM head
