@@ -4,7 +4,9 @@ run:
 
 - step: one `Engine.step()` of decodes only (what a user sees as TPOT: host work + GPU work);
 - replay: the decode CUDA graph's replay alone, back to back, timed with CUDA events (GPU time);
-- host: step − replay, the host work not hidden behind the GPU;
+- host: step − replay, the host work not hidden behind the GPU (with overlapped steps,
+  EngineConfig.overlap_steps, the default on CUDA, only what the queued step does not hide;
+  `--steps-one-at-a-time` for all of it);
 - the HBM floor (weight bytes ÷ measured copy bandwidth) and each figure over it;
 - a kernel table of one graph replay (torch.profiler / CUPTI): time per kernel family, base vs LoRA;
 - the projections' GEMMs alone (cuBLAS through F.linear) and their achieved bandwidth.
@@ -162,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-profile", action="store_true", help="cProfile the decode steps of lora+f")
     ap.add_argument("--lora-expand", default=None, help="EngineConfig.lora_expand (default: the engine's)")
     ap.add_argument(
+        "--steps-one-at-a-time",
+        action="store_true",
+        help="EngineConfig.overlap_steps off: each step read back before the next is planned",
+    )
+    ap.add_argument(
         "--decode-attention", default=None, help="EngineConfig.decode_attention (default: the engine's)"
     )
     ap.add_argument(
@@ -210,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"lora_expand": args.lora_expand} if args.lora_expand else {}
     if args.decode_attention:
         overrides["decode_attention"] = args.decode_attention
+    if args.steps_one_at_a_time:
+        overrides["overlap_steps"] = False
     for name, adapter_dir, fused, own in variants:
         engine = Engine(
             EngineConfig(

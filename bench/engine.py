@@ -150,13 +150,14 @@ def measure_engine(
     params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
     for batch in batches:
         ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, batch)]
-        while any(not engine.get_output(i).token_ids for i in ids):  # all prefills done
+        outs = [engine.get_output(i) for i in ids]
+        while any(not o.token_ids for o in outs):  # all prefills done
             engine.step()
-        sync(device)
-        t0, steps = time.perf_counter(), 0
+        sync(device)  # with overlapped steps a decode step is queued: it ran before t0, so it is not counted
+        t0 = time.perf_counter()
+        steps = max(params.max_tokens - len(o.token_ids) for o in outs) - engine.num_queued_steps
         while engine.has_unfinished():
             engine.step()
-            steps += 1
         sync(device)
         tpot = (time.perf_counter() - t0) / steps
         result["tpot_s"][batch] = tpot
@@ -310,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         help="CUDA: LoRA again at every batch with EngineConfig.expand_in_gemm not its default, beside it",
     )
     ap.add_argument(
+        "--other-overlap",
+        action="store_true",
+        help="base and LoRA again at every batch with EngineConfig.overlap_steps not the device's default "
+        "(CUDA: steps one at a time; CPU: overlapped), beside it",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=1, help="rounds of every run (figures: the median over the rounds)"
     )
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -399,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     if figures["other_expand_place"]:
         other = {"expand_in_gemm": not DEFAULT_EXPAND_IN_GEMM}
         runs += [("lora_other_place", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, other)]
+    figures["overlap_steps"] = device.type == "cuda"  # EngineConfig.overlap_steps' default on the device
+    if args.other_overlap:
+        other = {"overlap_steps": not figures["overlap_steps"]}
+        runs += [("base_other_overlap", None, DEFAULT_LORA_EXPAND, batches, d_rows, other)]
+        runs += [("lora_other_overlap", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, other)]
     # every run once per round, rounds one after another: each figure is the median over the rounds, so a
     # drift of the machine during the run (the H100's figures moved ±5% between runs) reaches every run alike
     figures["repeats"] = args.repeats
@@ -475,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     print_prefill_graphs(figures)
     print_attention(figures, batches)
     print_expand_places(figures, batches)
+    print_overlap(figures, batches)
     print_prefill_kernels(figures, [name for name, *_rest in runs])
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
@@ -536,6 +549,29 @@ def print_expand_places(f: dict, batches: list[int]) -> None:
         line += f" | per-row {per_row * ms:6.2f} {100 * (per_row / base - 1):+5.1f}%"
         print(line + f" | in GEMMs / per-row {in_gemm / per_row:.3f}")
     print(f"  TTFT: in GEMMs {f[gemm]['ttft_s'] * ms:.1f} ms, per-row {f[rows]['ttft_s'] * ms:.1f} ms")
+
+
+def print_overlap(f: dict, batches: list[int]) -> None:
+    """TPOT with overlapped steps beside steps one at a time (EngineConfig.overlap_steps), base and LoRA."""
+    if "lora_other_overlap" not in f:
+        return
+    ms, floor = 1e3, f["hbm_floor_tpot_s"]
+    on = {"base": "base", "lora": "lora"}
+    off = {"base": "base_other_overlap", "lora": "lora_other_overlap"}
+    if not f["overlap_steps"]:
+        on, off = off, on
+    print("\noverlapped steps vs steps one at a time (overlap_steps): TPOT ms (over the HBM floor), the LoRA")
+    print("overhead over the same mode's base, and overlapped / one at a time")
+    for b in batches:
+        line = f"  batch {b:>3}:"
+        for label, names in (("overlapped", on), ("one at a time", off)):
+            base, lora = f[names["base"]]["tpot_s"][b], f[names["lora"]]["tpot_s"][b]
+            line += f" {label} base {base * ms:6.2f} ({base / floor:.2f}) lora {lora * ms:6.2f}"
+            line += f" ({lora / floor:.2f}) {100 * (lora / base - 1):+5.1f}% |"
+        ratio = [f[on[k]]["tpot_s"][b] / f[off[k]]["tpot_s"][b] for k in ("base", "lora")]
+        print(line + f" x{ratio[0]:.3f} / x{ratio[1]:.3f}")
+    ttft = [f[names["lora"]]["ttft_s"] * ms for names in (on, off)]
+    print(f"  LoRA TTFT: overlapped {ttft[0]:.1f} ms, one at a time {ttft[1]:.1f} ms")
 
 
 def print_prefill_graphs(f: dict) -> None:

@@ -267,9 +267,12 @@ class DecodeGraphRunner:
         slots: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         adapter_slots: Sequence[int] | None = None,
+        fill=None,
     ):
         """Logits [n, vocab] (float32, a view of the graph's output) for n decodes; `adapter_slots`: each
-        row's, for a model with adapter slots (padding rows take slot 0; their outputs are never read)."""
+        row's, for a model with adapter slots (padding rows take slot 0; their outputs are never read).
+        `fill`: (rows, tokens) device tensors copied into the input ids before the replay (tokens still on the
+        device, `ModelRunner.execute`)."""
         import torch
 
         n = len(token_ids)
@@ -298,6 +301,8 @@ class DecodeGraphRunner:
             slots_host = np.zeros(bucket, dtype=np.int64)
             slots_host[:n] = adapter_slots if adapter_slots is not None else 0
             self.adapter_slots[:bucket].copy_(torch.from_numpy(slots_host), non_blocking=True)
+        if fill is not None:
+            self.input_ids.index_copy_(0, *fill)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
 
@@ -398,10 +403,12 @@ class PrefillGraphRunner:
         decode path, `ModelRunner._ordered`)."""
         return num_tokens > 1 and bucket_for(num_tokens, list(self.graphs)) is not None
 
-    def run(self, token_ids: Sequence[int], slots: Sequence[int], samples: bool, adapter_slot: int = 0):
+    def run(
+        self, token_ids: Sequence[int], slots: Sequence[int], samples: bool, adapter_slot: int = 0, fill=None
+    ):
         """Logits [1, vocab] (float32, a view of the graph's output) of the chunk's last token, or [0, vocab]
         when the chunk does not sample (a long prompt's first chunk). `adapter_slot`: the prompt's, for a
-        model with adapter slots."""
+        model with adapter slots. `fill`: as `DecodeGraphRunner.run`'s."""
         import torch
 
         n = len(token_ids)
@@ -414,6 +421,8 @@ class PrefillGraphRunner:
         self.logits_index.fill_(n - 1)
         if self.adapter_slots is not None:
             self.adapter_slots.fill_(adapter_slot)
+        if fill is not None:
+            self.input_ids.index_copy_(0, *fill)
         self.graphs[bucket].replay()
         self.replays += 1
         out = self.outputs[bucket]

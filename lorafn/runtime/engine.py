@@ -8,10 +8,19 @@ Data flow of one `step()`:
      the token budget (pure policy, scheduler.py).
   2. `ModelRunner.execute()` runs the plan as one forward (one flattened batch, or the replay of a
      decode CUDA graph) and returns the logits of the chunks that sample.
-  3. Logits of the chunks that sample (a decode, or a prompt's last chunk) -> `sample()`; one host
-     sync per step to read the tokens.
-  4. `Scheduler.update()` advances the sequences; each new token goes through the request's
-     detokenizer + stop checker, which yields the text delta and maybe a finish reason.
+  3. Logits of the chunks that sample (a decode, or a prompt's last chunk) -> `sample()`; the tokens
+     start their copy to the host, and `Scheduler.update()` advances the sequences with placeholders
+     (`PENDING_TOKEN`) for them (`_launch`).
+  4. The tokens are read back (the step's one wait for the device) over their placeholders; each goes
+     through the request's detokenizer + stop checker, which yields the text delta and maybe a finish
+     reason (`_read_back`).
+
+Overlapped steps (`EngineConfig.overlap_steps`, on for CUDA): step n is queued (1-3) before step n-1 is read
+back (4), so the host's work of both runs while the GPU computes step n. Step n's inputs at positions whose
+tokens step n-1 sampled take them on the device (`PendingTokens`, `ModelRunner.execute`); a request whose
+`max_tokens` or `max_model_len` its step n-1 token reaches leaves the scheduler at 3, before step n is
+planned; one that ends on a stop token or string is found at 4, after step n was queued with a row for it,
+whose token is dropped. Without overlap, 4 follows 3 in the same `step()`: the same code, the same tokens.
 
 A step whose plan preempts by swap or re-admits a swapped sequence first copies those KV blocks to host
 memory / back (`KVCache.swap_out` / `swap_in`, swap-outs first), before the forward; the host copies live
@@ -37,14 +46,20 @@ from lorafn.runtime.config import EngineConfig, ModelConfig
 from lorafn.runtime.detokenizer import IncrementalOutput
 from lorafn.runtime.kv_cache import block_bytes, blocks_for_budget
 from lorafn.runtime.kv_offload import OffloadPolicy
-from lorafn.runtime.model_runner import ModelRunner, resolve_dtype
+from lorafn.runtime.model_runner import ModelRunner, PendingTokens, resolve_dtype
 from lorafn.runtime.outputs import ParkRefused, RequestOutput, StreamDelta
 from lorafn.runtime.sampling import make_generator, sample
 from lorafn.runtime.sampling_params import SamplingParams
-from lorafn.runtime.scheduler import Scheduler, SchedulerConfig
+from lorafn.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lorafn.runtime.sequence import Sequence as Seq
 
 log = logging.getLogger(__name__)
+
+
+# The host's copy of a token sampled by a step still queued on the device (overlapped steps): the step
+# that reads it back writes the real one in its place. Negative, so a use that skipped the device copy
+# fails loudly.
+PENDING_TOKEN = -1
 
 
 @dataclass
@@ -53,6 +68,58 @@ class _Request:
     output: RequestOutput
     incremental: IncrementalOutput
     generator: torch.Generator | None
+
+
+class _StepTimer:
+    """How long a step's forward and sampling took on the device: CUDA events around them (the host does not
+    wait for them), or the host's clock on a CPU (where they run on the host)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+        self._seconds: float | None = None
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        """Only after the step's tokens were read back (the end event has happened)."""
+        if self._events is not None:
+            return self._events[0].elapsed_time(self._events[1]) / 1000
+        return self._seconds or 0.0
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose sampled tokens are not read back yet. ``reqs``: the requests of the
+    chunks that sample, in their order; ``where``: seq_id -> (position of its placeholder, row of ``tokens``);
+    ``host``: the tokens' copy to host memory, complete once ``ready`` has happened; ``at_max_len``: requests
+    whose new token fills ``max_model_len`` (they end with it, "length"); ``timer``: set for a step that
+    teaches the prefill cost (`OffloadPolicy.observe_prefill`) of its ``num_tokens``."""
+
+    out: SchedulerOutput
+    reqs: list[_Request]
+    where: dict[str, tuple[int, int]]
+    tokens: torch.Tensor | None
+    host: torch.Tensor | None
+    ready: torch.cuda.Event | None
+    at_max_len: set[str]
+    timer: _StepTimer | None
+    num_tokens: int
+
+    def pending(self, live: dict[str, _Request]) -> PendingTokens | None:
+        """Its tokens for the next step's inputs, of the requests still ``live`` (an aborted request's id may
+        be reused by a new request: its positions are not the old one's)."""
+        if self.tokens is None:
+            return None
+        where = {sid: e for sid, e in self.where.items() if live.get(sid) is self.reqs[e[1]]}
+        return PendingTokens(self.tokens, where)
 
 
 class Engine:
@@ -101,6 +168,10 @@ class Engine:
         self.num_preemptions = 0
         self.last_step: tuple[int, int] = (0, 0)  # (prefill, decode) sequences of the last step
         self.last_prefill_tokens = 0  # prompt (or recompute) tokens the last step prefilled
+        overlap = config.overlap_steps
+        self.overlap_steps = self.device.type == "cuda" if overlap is None else overlap
+        self._inflight: _Launched | None = None  # overlapped steps: the step queued, not read back yet
+        self._ready: list[StreamDelta] = []  # deltas of a step read back outside `step` (`_drain`)
 
     # ------------------------------------------------------------------ requests
 
@@ -108,6 +179,7 @@ class Engine:
         """A standby becomes a function's engine: its adapter goes in (no request may be running)."""
         if self._requests:
             raise ValueError("bind_adapter: the engine is running requests")
+        self._drain()
         return self.runner.bind_adapter(adapter_dir)
 
     @property
@@ -121,6 +193,7 @@ class Engine:
         busy = [r for r, req in self._requests.items() if req.seq.adapter_slot == slot]
         if busy:
             raise ValueError(f"load_adapter: adapter slot {slot} has {len(busy)} requests (e.g. {busy[0]!r})")
+        self._drain()  # a dropped row of an ended request of the slot may still read it
         return self.runner.load_adapter(slot, adapter_dir)
 
     @property
@@ -145,6 +218,7 @@ class Engine:
         KV copy is held or a block is in use, and with graph archives."""
         if self.runner.parked:
             return self.runner.park()  # the first park's answer
+        self._drain()
         busy = []
         if self._requests or self.scheduler.has_unfinished():
             held = self.scheduler.num_waiting + self.scheduler.num_running
@@ -200,6 +274,7 @@ class Engine:
             )
         if self.runner.parked:
             raise ParkRefused("parked")
+        self._drain()
         manager = self.scheduler.block_manager
         try:
             manager.resize(num_blocks)
@@ -217,6 +292,7 @@ class Engine:
         """Idle time of a lazily started engine (`EngineConfig.lazy_graphs`): capture one decode graph it
         has not captured yet, then one prefill graph (`EngineConfig.prefill_graph_tokens`); False when none
         is left (then there is nothing for idle time)."""
+        self._drain()
         return self.runner.capture_pending_graph()
 
     def add_request(
@@ -273,8 +349,14 @@ class Engine:
         self._finish(req, "abort", req.incremental.finish("abort").text)
         return True
 
+    @property
+    def num_queued_steps(self) -> int:
+        """Steps queued on the device and not read back yet: 0 or 1 (1 only with overlapped steps)."""
+        return int(self._inflight is not None)
+
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Requests not finished, or a step (or deltas) still to read back: call `step` again."""
+        return bool(self._requests or self._ready or self._inflight is not None)
 
     def kv_offload_stats(self) -> dict[str, int]:
         """Swaps out/in, their bytes, recomputes since start, host bytes held now (heartbeat fields)."""
@@ -361,7 +443,13 @@ class Engine:
 
         `allow_prefill=False` runs the decodes only (the GPU's prefill slot is another worker's);
         `max_prefill_tokens` caps the step's prefill chunks at the tokens the GPU's admission granted.
-        `last_step` tells what ran: (prefill sequences, decode sequences), for the latency profile."""
+        `last_step` tells what ran: (prefill sequences, decode sequences), for the latency profile.
+
+        With overlapped steps (`overlap_steps`) the step is queued on the device first, then the previous
+        step's tokens are read back and turned into text while it runs: the deltas returned are the previous
+        step's. A request that ended there (a stop token or string) had a row in this step too; that row's
+        token is dropped."""
+        deltas, self._ready = self._ready, []
         # deadlines are unix seconds; the scheduler predicts with the prefill cost self.offload measures
         now = time.time() if self.scheduler.config.deadline_order else None
         out = self.scheduler.schedule(
@@ -370,7 +458,6 @@ class Engine:
         self.last_prefill_tokens = out.num_batched_tokens - out.num_decodes
         self.last_step = (len(out.chunks) - out.num_decodes, out.num_decodes)
         self.num_preemptions += len(out.preempted)
-        deltas: list[StreamDelta] = []
         for seq in out.finished:  # the scheduler's max_model_len safety net
             req = self._requests.pop(seq.seq_id, None)
             if req is not None:
@@ -380,26 +467,73 @@ class Engine:
             self._host_kv[seq_id] = kv.swap_out(blocks)
         for seq_id, blocks in out.swap_in:
             kv.swap_in(self._host_kv.pop(seq_id), blocks)
-        if out.is_empty:
-            return deltas
-        started = time.perf_counter()
-        sampling, logits = self.runner.execute(out)
-        sampled: dict[str, int] = {}
+        launched = None if out.is_empty else self._launch(out)
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            deltas += self._read_back(previous)
+        if launched is not None and not self.overlap_steps:
+            self._inflight = None
+            deltas += self._read_back(launched)
+        return deltas
+
+    def _launch(self, out: SchedulerOutput) -> _Launched:
+        """Queue the step's forward and sampling, start copying its tokens to the host, and advance the
+        scheduler as if they were known (placeholders; `_read_back` writes the tokens). A request whose new
+        token is certain to end it (its `max_tokens`, or `max_model_len`) leaves the scheduler now, so the
+        next step does not compute it."""
+        pending = None if self._inflight is None else self._inflight.pending(self._requests)
+        measured = out.num_batched_tokens - out.num_decodes >= self.offload.config.min_measured_tokens
+        timer = _StepTimer(self.device) if measured else None
+        sampling, logits = self.runner.execute(out, pending)
+        reqs = [self._requests[c.seq_id] for c in sampling]
+        tokens = host = ready = None
         if sampling:
-            reqs = [self._requests[c.seq_id] for c in sampling]
-            tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs]).tolist()
-            sampled = {c.seq_id: t for c, t in zip(sampling, tokens, strict=True)}
-            # .tolist() waited for the device: the step's time is real. A prefill-heavy step teaches the
-            # recompute cost per token (decodes ride along in it and count as tokens too)
-            if out.num_batched_tokens - out.num_decodes >= self.offload.config.min_measured_tokens:
-                self.offload.observe_prefill(out.num_batched_tokens, time.perf_counter() - started)
+            tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+        if timer is not None:
+            timer.stop()  # before `ready`: the wait for the tokens is a wait for the timer's end too
+        if tokens is not None and self.device.type == "cuda":
+            host = torch.empty(len(sampling), dtype=torch.int64, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        elif tokens is not None:
+            host = tokens
+        rows = {c.seq_id: row for row, c in enumerate(sampling)}
+        where: dict[str, tuple[int, int]] = {}
+        at_max_len: set[str] = set()
+        for seq in self.scheduler.update(out, dict.fromkeys(rows, PENDING_TOKEN)):
+            where[seq.seq_id] = (seq.num_tokens - 1, rows[seq.seq_id])
+            full = self.scheduler.reached_max_model_len(seq)
+            if full:
+                at_max_len.add(seq.seq_id)
+            if full or seq.num_output_tokens >= seq.params.max_tokens:
+                self.scheduler.finish(seq.seq_id, "length")  # the token decides the reason the client sees
+        return _Launched(out, reqs, where, tokens, host, ready, at_max_len, timer, out.num_batched_tokens)
+
+    def _read_back(self, step: _Launched) -> list[StreamDelta]:
+        """Wait for a launched step's tokens, write them over their placeholders, and turn them into text and
+        finish decisions; the deltas. Rows of requests that ended (or were aborted) since are dropped."""
+        if step.host is None:
+            return []
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.host.tolist()
+        if step.timer is not None:  # a prefill-heavy step teaches the recompute cost per token (decodes in
+            # it count as tokens too)
+            self.offload.observe_prefill(step.num_tokens, step.timer.seconds())
         now = time.perf_counter()
-        for seq in self.scheduler.update(out, sampled):
-            req = self._requests[seq.seq_id]
-            token = seq.output_token_ids[-1]
+        deltas: list[StreamDelta] = []
+        for req, token in zip(step.reqs, tokens, strict=True):
+            seq = req.seq
+            entry = step.where.get(seq.seq_id)
+            if entry is None:  # aborted before its step ran: no token was appended
+                continue
+            seq.output_token_ids[entry[0] - seq.num_prompt_tokens] = token
+            if self._requests.get(seq.seq_id) is not req:  # ended or aborted meanwhile
+                continue
             delta = req.incremental.push(token)
             text, reason = delta.text, delta.finish_reason
-            if reason is None and self.scheduler.reached_max_model_len(seq):
+            if reason is None and seq.seq_id in step.at_max_len:
                 reason = "length"
                 text += req.incremental.finish(reason).text
             out_ = req.output
@@ -410,10 +544,17 @@ class Engine:
                 out_.text += text
                 deltas.append(StreamDelta(seq.seq_id, [token], text))
             else:
-                self.scheduler.finish(seq.seq_id, reason)
+                self.scheduler.finish(seq.seq_id, reason)  # a no-op when `_launch` finished it already
                 del self._requests[seq.seq_id]
                 deltas.append(self._finish(req, reason, text, [token]))
         return deltas
+
+    def _drain(self) -> None:
+        """Read back the step still queued (overlapped steps) before something changes what it uses (the KV
+        cache, the graphs, an adapter); its deltas come with the next `step`."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._ready += self._read_back(step)
 
     def _finish(
         self, req: _Request, reason: str, text: str, token_ids: list[int] | None = None

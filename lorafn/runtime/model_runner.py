@@ -24,6 +24,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,35 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PendingTokens:
+    """Tokens a step still queued on the device sampled, not read back yet (the engine's overlapped
+    steps): a later step's input at such a position reads its token from ``tokens`` on the device.
+    ``tokens`` [S] int64; ``where``: seq_id -> (position in the sequence, row of ``tokens``). The host's
+    copy of such a position holds a placeholder until the engine reads the step back."""
+
+    tokens: torch.Tensor
+    where: dict[str, tuple[int, int]]
+
+
+def pending_rows(
+    chunks: list[ScheduledChunk], where: dict[str, tuple[int, int]]
+) -> tuple[list[int], list[int]]:
+    """(input rows, rows of the pending tokens) for the positions of ``chunks`` (in the step's input
+    order, one row per token) whose token is pending; the rows of one input are the chunks' tokens one
+    after another."""
+    rows: list[int] = []
+    sources: list[int] = []
+    offset = 0
+    for c in chunks:
+        entry = where.get(c.seq_id)
+        if entry is not None and c.start <= entry[0] < c.end:
+            rows.append(offset + entry[0] - c.start)
+            sources.append(entry[1])
+        offset += c.num_tokens
+    return rows, sources
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -648,11 +678,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def execute(self, plan: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
+    def execute(
+        self, plan: SchedulerOutput, pending: PendingTokens | None = None
+    ) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run one step's forward; returns the chunks that sample and their logits [S, vocab] float32,
-        row i for chunk i."""
+        row i for chunk i. ``pending``: tokens of a step still on the device that this step's inputs read
+        (their host copies are placeholders); they are copied into the inputs on the device, before the
+        forward, in stream order after the step that samples them."""
         chunks = self._ordered(plan)
         sampling = [c for c in chunks if c.samples]
+        fill = self._pending_fill(chunks, pending)
         if self.graphs is not None and plan.num_decodes == len(chunks):
             self.ensure_graph(len(chunks))
         if self.graphs is not None and plan.num_decodes == len(chunks) and self.graphs.can_run(len(chunks)):
@@ -663,14 +698,33 @@ class ModelRunner:
                 [slot_mapping(c.seq.block_table, c.start, 1, bs)[0] for c in chunks],
                 [c.seq.block_table for c in chunks],
                 [c.seq.adapter_slot for c in chunks],
+                fill=fill,
             )
             return sampling, logits  # every decode samples
         pg = self.prefill_graphs
         if pg is not None and len(chunks) == 1 and chunks[0].start == 0 and pg.can_run(chunks[0].num_tokens):
             c = chunks[0]
             slots = slot_mapping(c.seq.block_table, 0, c.num_tokens, self.config.block_size)
-            return sampling, pg.run(c.seq.token_ids_range(0, c.end), slots, c.samples, c.seq.adapter_slot)
-        return sampling, self.model.forward(self._build_batch(chunks), self.kv_cache.layers)
+            return sampling, pg.run(
+                c.seq.token_ids_range(0, c.end), slots, c.samples, c.seq.adapter_slot, fill=fill
+            )
+        batch = self._build_batch(chunks)
+        if fill is not None:
+            batch.input_ids.index_copy_(0, *fill)
+        return sampling, self.model.forward(batch, self.kv_cache.layers)
+
+    def _pending_fill(
+        self, chunks: list[ScheduledChunk], pending: PendingTokens | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(input rows [m], their tokens [m]) on the device, for the inputs whose tokens are ``pending``; None
+        when there are none. One small host-to-device copy, one gather."""
+        if pending is None:
+            return None
+        rows, sources = pending_rows(chunks, pending.where)
+        if not rows:
+            return None
+        index = torch.tensor([rows, sources], dtype=torch.int64).to(self.device, non_blocking=True)
+        return index[0], pending.tokens.index_select(0, index[1])
 
     @staticmethod
     def _ordered(plan: SchedulerOutput) -> list[ScheduledChunk]:

@@ -6,12 +6,13 @@ the worker in one place — loop, settings and entry point — so a newcomer fin
 standby part lives in `standby.py`.)
 
 Per iteration (one round trip to Redis while the batch runs):
-  engine.step() -> token deltas -> XADD to each reply stream, XACK+XDEL finished entries, and a
-  non-blocking XREADGROUP for new entries (up to the free batch slots) and an MGET of the cancel flags of
-  the running requests — all in one pipeline. A request whose client went away (flagged by the gateway,
-  see `lorafn.store.cancel`) is aborted in the engine before the next step and ends with a `done` event
-  whose finish_reason is "abort" (stats counter `cancelled`); one still queued was deleted by the gateway
-  and is never read.
+  engine.step() -> token deltas (on CUDA the previous step's: the engine queues a step before it reads
+  the one before back, `EngineConfig.overlap_steps`, so this round trip runs while the GPU computes) ->
+  XADD to each reply stream, XACK+XDEL finished entries, and a non-blocking XREADGROUP for new entries
+  (up to the free batch slots) and an MGET of the cancel flags of the running requests — all in one
+  pipeline. A request whose client went away (flagged by the gateway, see `lorafn.store.cancel`) is
+  aborted in the engine before the next step and ends with a `done` event whose finish_reason is "abort"
+  (stats counter `cancelled`); one still queued was deleted by the gateway and is never read.
 When the batch is empty the worker blocks in XREADGROUP (`block_ms`, at most `control_poll_ms`), so a new
 request wakes it at once; the same round trip reads its control stream.
 Entries and reply events follow the typed wire protocol (`lorafn.store.protocol`): an entry whose body
@@ -934,7 +935,10 @@ class Worker:
                     deltas = self.engine.step(max_prefill_tokens=cap)
                 else:
                     deltas = self.engine.step()
-            if not allow_prefill and not deltas:  # its decodes were recomputes (preempted): wait too
+            # nothing ran (its decodes were recomputes, preempted): wait too. With overlapped steps a step
+            # that ran returns the previous one's deltas, maybe none: `last_step` says whether one ran
+            ran = any(getattr(self.engine, "last_step", (0, 0)))
+            if not allow_prefill and not deltas and not ran:
                 time.sleep(self.batching.config.poll_ms / 1000)
         except Exception:
             log.exception(

@@ -16,7 +16,13 @@ import torch
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from lorafn.runtime.config import DEFAULT_DECODE_ATTENTION, ModelConfig, expand_modes
 from lorafn.runtime.lora import write_random_adapter
-from tests.integration.runtime.engine_helpers import engine_greedy, hf_greedy, mixed_prompts
+from tests.integration.runtime.engine_helpers import (
+    drive,
+    engine_greedy,
+    hf_greedy,
+    mixed_arrivals,
+    mixed_prompts,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -211,6 +217,49 @@ def test_tiny_prefill_graphs_same_tokens_as_eager_also_lazy_and_after_park(
     assert _alone(lazy, prompts, 12) == want_alone and pg.replays == graphed
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_tiny_overlapped_steps_give_the_outputs_of_steps_one_at_a_time(
+    tiny_model_dir: Path, tiny_gpu_adapter: Path, graphs: bool
+) -> None:
+    """fp32, CUDA: overlapped steps (the default here) against steps one at a time, on a trace of requests
+    joining a running batch with every kind of sampling and stop; with graphs, the decode steps replay
+    decode graphs (their input ids filled on the device from the queued step's tokens) and a first chunk
+    alone a prefill graph; eager, every step is a flattened forward."""
+    prompts = mixed_prompts(seed=12, lengths=(3, 40, 11, 26, 1, 19, 50, 7, 33), vocab=1000)
+
+    def engine(overlap: bool) -> Engine:
+        return Engine(
+            EngineConfig(
+                model=tiny_model_dir,
+                adapter=tiny_gpu_adapter,
+                device="cuda",
+                dtype="float32",
+                max_num_seqs=16,
+                max_num_batched_tokens=48,
+                use_cuda_graphs=graphs,
+                prefill_graph_tokens=(16, 64) if graphs else (),
+                overlap_steps=overlap,
+            )
+        )
+
+    free = engine(False).generate(
+        [prompts[2]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )[0]
+    stop = free.text.strip()[1:3] if len(free.text.strip()) >= 4 else None
+    arrivals = mixed_arrivals(prompts, free.token_ids[4], stop)
+    got = {}
+    for overlap in (False, True):
+        e = engine(overlap)
+        assert e.overlap_steps is overlap
+        got[overlap] = {rid: (g["tokens"], g["text"], g["reason"]) for rid, g in drive(e, arrivals).items()}
+        if graphs:
+            assert e.runner.prefill_graphs.replays > 0
+        del e
+        _free()
+    assert got[True] == got[False]
+    assert Engine(EngineConfig(model=tiny_model_dir, device="cuda", dtype="float32")).overlap_steps is True
+
+
 @pytest.fixture(scope="module")
 def adapter7b(llama7b_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_adapter(
@@ -250,6 +299,7 @@ def _engine7b(
     dtype: str = "bfloat16",
     prefill_graph_tokens: tuple = (),
     decode_attention: str = DEFAULT_DECODE_ATTENTION,
+    overlap_steps: bool | None = None,
 ) -> Engine:
     return Engine(
         EngineConfig(
@@ -263,6 +313,7 @@ def _engine7b(
             kv_cache_memory_bytes=4 << 30,
             prefill_graph_tokens=prefill_graph_tokens,
             decode_attention=decode_attention,
+            overlap_steps=overlap_steps,
         )
     )
 
@@ -318,16 +369,17 @@ def test_llama7b_lora_bf16_matches_transformers_peft(
 
 
 def test_llama7b_graphs_on_off_identical(llama7b_dir, adapter7b, prompts7b) -> None:
+    """Graphs on and off, and (graphs on) steps one at a time instead of overlapped, the default here."""
     outs = {}
-    for graphs in (True, False):
-        engine = _engine7b(llama7b_dir, adapter7b, graphs)
-        outs[graphs] = engine_greedy(engine, prompts7b, 32)
+    for graphs, overlap in ((True, True), (False, True), (True, False)):
+        engine = _engine7b(llama7b_dir, adapter7b, graphs, overlap_steps=overlap)
+        outs[graphs, overlap] = engine_greedy(engine, prompts7b, 32)
         params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3)
-        outs[(graphs, "sampled")] = [o.token_ids for o in engine.generate(prompts7b, params)]
+        outs[graphs, overlap, "sampled"] = [o.token_ids for o in engine.generate(prompts7b, params)]
         del engine
         _free()
-    assert outs[True] == outs[False]
-    assert outs[(True, "sampled")] == outs[(False, "sampled")]
+    assert outs[True, True] == outs[False, True] == outs[True, False]
+    assert outs[True, True, "sampled"] == outs[False, True, "sampled"] == outs[True, False, "sampled"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

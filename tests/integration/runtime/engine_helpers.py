@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -164,3 +165,80 @@ def engine_greedy(engine, prompts: list[list[int]], max_new_tokens: int) -> list
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+# step call -> the requests added before it: (request id, prompt ids, SamplingParams)
+Arrivals = dict[int, list[tuple[str, list[int], Any]]]
+
+
+def drive(eng, arrivals: Arrivals, abort_at: dict[int, str] | None = None) -> dict[str, dict]:
+    """Add each request at its step call (0, 1, ...), abort the named ones at theirs, step until done.
+    Returns per request: its output's tokens, text and finish reason, and its deltas' tokens and text."""
+    from lorafn.runtime.engine import PENDING_TOKEN
+
+    got: dict[str, dict] = {}
+    abort_at = abort_at or {}
+    outputs = {}
+    for call in range(2000):
+        for rid, prompt, params in arrivals.get(call, []):
+            eng.add_request(prompt, params, request_id=rid)
+            outputs[rid] = eng.get_output(rid)
+            got[rid] = {"delta_tokens": [], "delta_text": "", "finals": 0}
+        if call in abort_at:
+            assert eng.abort(abort_at[call])
+        if call > max(arrivals) and not eng.has_unfinished():
+            break
+        for d in eng.step():
+            g = got[d.request_id]
+            assert g["finals"] == 0, f"{d.request_id}: a delta after its final one"
+            g["delta_tokens"] += d.token_ids
+            g["delta_text"] += d.text
+            g["finals"] += d.finished
+    assert not eng.has_unfinished()
+    assert eng.scheduler.block_manager.num_used_blocks == 0, "a KV block is still held"
+    for rid, out in outputs.items():
+        g = got[rid]
+        g.update(tokens=out.token_ids, text=out.text, reason=out.finish_reason)
+        assert PENDING_TOKEN not in out.token_ids, f"{rid}: a placeholder token in its output"
+        if out.finish_reason != "abort":  # an aborted request's final delta is the abort's own
+            assert g["finals"] == 1 and g["delta_tokens"] == out.token_ids and g["delta_text"] == out.text
+    return got
+
+
+def mixed_arrivals(prompts: list[list[int]], stop_token: int, stop: str | None) -> Arrivals:
+    """A trace of 9 (10 with ``stop``) requests over the first step calls, of 9 prompts: greedy, seeded and
+    filtered sampling, a stop token, a stop string (the third prompt's, when given), EOS, max_tokens 1 and 2,
+    requests joining a running batch."""
+    from lorafn.runtime import SamplingParams
+
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    arrivals: Arrivals = {
+        0: [
+            ("greedy", prompts[0], greedy),
+            ("seeded", prompts[1], SamplingParams(max_tokens=9, temperature=1.0, seed=5, ignore_eos=True)),
+            (
+                "stop-token",
+                prompts[2],
+                SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token]),
+            ),
+        ],
+        1: [("one-token", prompts[3], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))],
+        2: [
+            (
+                "filtered",
+                prompts[4],
+                SamplingParams(max_tokens=8, temperature=0.8, top_k=40, top_p=0.9, seed=3, ignore_eos=True),
+            ),
+            ("eos", prompts[5], SamplingParams(max_tokens=14, temperature=0.0)),
+        ],
+        4: [
+            ("late", prompts[6], greedy),
+            ("two-tokens", prompts[7], SamplingParams(max_tokens=2, temperature=0.0)),
+        ],
+        5: [("long", prompts[8], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))],
+    }
+    if stop is not None:
+        arrivals[3] = [
+            ("stop-string", prompts[2], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]))
+        ]
+    return arrivals

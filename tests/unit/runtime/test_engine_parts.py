@@ -252,3 +252,23 @@ def test_graph_runners_name_what_they_hold_and_drop_it_on_release() -> None:
     for runner in (decode, prefill):
         runner.release()
         assert runner.held_tensors() == [] and runner.kv_cache is None
+
+
+def test_pending_rows_name_the_input_rows_whose_tokens_are_on_the_device() -> None:
+    from lorafn.runtime.model_runner import pending_rows
+    from lorafn.runtime.scheduler import ScheduledChunk
+    from lorafn.runtime.sequence import Sequence
+
+    def seq(sid: str, prompt: int, out: int) -> Sequence:
+        return Sequence(sid, list(range(1, prompt + 1)), output_token_ids=[7] * out)
+
+    a, b, c, d = seq("a", 5, 1), seq("b", 3, 2), seq("c", 9, 0), seq("d", 4, 1)
+    chunks = [
+        ScheduledChunk(a, 5, 1, True),  # a's decode: its input is position 5, pending in row 2
+        ScheduledChunk(b, 4, 1, True),  # b's decode: position 4 is not the pending one (3 is)
+        ScheduledChunk(c, 0, 6, False),  # a prefill chunk of 6 tokens: rows 2..7, no pending position
+        ScheduledChunk(d, 0, 5, True),  # a recompute of d: its pending position 4 is its 5th row (row 12)
+    ]
+    where = {"a": (5, 2), "b": (3, 0), "d": (4, 1), "x": (0, 3)}
+    assert pending_rows(chunks, where) == ([0, 12], [2, 1])
+    assert pending_rows(chunks, {}) == ([], [])
