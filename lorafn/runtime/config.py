@@ -49,12 +49,13 @@ DEFAULT_SKINNY_GEMM_ROWS = 64
 DECODE_ATTENTION_KERNELS = ("simt", "dot")
 DEFAULT_DECODE_ATTENTION = "dot"
 # Whether a step whose GEMMs run as fused_decode's skinny GEMM (at most skinny_gemm_rows rows) adds its LoRA
-# expands inside that launch (EngineConfig.expand_in_gemm) instead of in the per-row kernels that follow. Off
-# for now. On an H200 its first form (9792058: rank by rank after the wait) had a TPOT 1.1-7.0% above the
-# per-row kernels' at batch 1-64. The present form (B read before the product's loop, t·B one tl.dot) replayed
-# 2.1-5.5% faster than the per-row kernels (bench/decode_profile.py --compare-expand-in-gemm at 33d60cb), but
-# the GPU suite has not run with it (docs/benchmarks.md).
-DEFAULT_EXPAND_IN_GEMM = False
+# expands inside that launch (EngineConfig.expand_in_gemm) instead of in the per-row kernels that follow. On
+# by default since the twenty-third session: on an H200 its LoRA TPOT was 0.979-0.993x the per-row kernels'
+# at batch 1, 16 and 64 in two runs (bench/engine.py --other-expand-place at 84dbada; LoRA over base at 64:
+# +2.6-2.7% against +4.8%), its replay 2.1-5.5% faster (bench/decode_profile.py at 33d60cb), and the GPU
+# suite passed with it (docs/benchmarks.md). Its first form (9792058: rank by rank after the wait, B not
+# prefetched) had been 1.1-7.0% slower.
+DEFAULT_EXPAND_IN_GEMM = True
 
 
 def expand_modes(lora_expand: str) -> tuple[str, str]:
@@ -165,7 +166,7 @@ class EngineConfig:
     # group's skinny-GEMM launch (every program its own columns of B, after the shrink's programs; see
     # fused_decode._seg_gemm_kernel) instead of in the per-row kernels after it (RoPE, SiLU·up, add + RMSNorm:
     # one program per row reads all of B there, ~0.3 ms a step at batch 1 on an H200). Roundings as there (up
-    # to float32 summation order). False (the default, DEFAULT_EXPAND_IN_GEMM): the per-row kernels (and
+    # to float32 summation order). The default (DEFAULT_EXPAND_IN_GEMM). False: the per-row kernels (and
     # lora_expand above 16 rows).
     expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM
     # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an

@@ -246,7 +246,9 @@ def test_tiny_overlapped_steps_give_the_outputs_of_steps_one_at_a_time(
         [prompts[2]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     )[0]
     stop = free.text.strip()[1:3] if len(free.text.strip()) >= 4 else None
-    arrivals = mixed_arrivals(prompts, free.token_ids[4], stop)
+    # a prompt alone first (its prefill a graph's, with graphs), the trace after it
+    arrivals = {k + 3: v for k, v in mixed_arrivals(prompts, free.token_ids[4], stop).items()}
+    arrivals[0] = [("alone", prompts[3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
     got = {}
     for overlap in (False, True):
         e = engine(overlap)
