@@ -481,6 +481,14 @@ def main(argv: list[str] | None = None) -> int:
     figures["copy_bandwidth_Bps"] = bandwidth
     floor = figures["weight_bytes"] / bandwidth
     figures["hbm_floor_tpot_s"] = floor
+    # a decode step also reads every sequence's K and V: the floor of batch b adds b sequences at the timed
+    # steps' mean context (prompt + 1 .. prompt + decode_tokens)
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * torch.finfo(dtype).bits // 8
+    mean_context = prompt_len + (decode_tokens + 1) / 2
+    figures["kv_bytes_per_token"] = kv_per_token
+    figures["floor_with_kv_s"] = {
+        b: (figures["weight_bytes"] + b * mean_context * kv_per_token) / bandwidth for b in batches
+    }
 
     print_table(figures, batches, tiny)
     print_skinny(figures, large)
@@ -661,7 +669,10 @@ def print_table(f: dict, batches: list[int], tiny: bool) -> None:
     )
     for b in batches:
         overhead = 100 * (f["lora"]["tpot_s"][b] / f["base"]["tpot_s"][b] - 1)
-        line = f"  batch {b:>3}: LoRA overhead {overhead:+6.1f}%"
+        kv_floor = f["floor_with_kv_s"][b]
+        line = f"  batch {b:>3}: LoRA overhead {overhead:+6.1f}%; over the weights + KV floor"
+        base, lora = f["base"]["tpot_s"][b], f["lora"]["tpot_s"][b]
+        line += f" ({kv_floor * ms:.2f} ms) base {base / kv_floor:.2f} lora {lora / kv_floor:.2f}"
         for name, r in others:
             if b in r["tpot_s"]:
                 line += f" ({name}: {100 * (r['tpot_s'][b] / f['base']['tpot_s'][b] - 1):+.1f}%)"

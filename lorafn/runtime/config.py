@@ -178,8 +178,9 @@ class EngineConfig:
     # Overlapped steps (Engine.step): a step is queued on the device before the previous step's tokens
     # are read back, its inputs taking those tokens from the device; the host then reads the previous
     # step's tokens, detokenizes them and checks their stops while the GPU runs, so a step's host work
-    # (scheduling, inputs, text: 0.4 ms at batch 1, ~4 ms at 64 on an H200 with the 7B) hides behind the
-    # forward instead of adding to it. Each `step()` then returns the previous step's deltas; a request
+    # (scheduling, inputs, text) hides behind the forward instead of adding to it: on an H200 with the 7B
+    # TPOT fell 3-7% at batch 1 (to the graph replay's time) and 8-16% at 64 (bench/engine.py
+    # --other-overlap, docs/benchmarks.md). Each `step()` then returns the previous step's deltas; a request
     # that ends on a stop token or a stop string has one more row computed and dropped. None (the
     # default): on for CUDA, off on a CPU (its forward runs on the host: nothing to overlap). The tokens
     # are those of steps one at a time.
