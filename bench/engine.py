@@ -155,11 +155,21 @@ def measure_engine(
             engine.step()
         sync(device)  # with overlapped steps a decode step is queued: it ran before t0, so it is not counted
         t0 = time.perf_counter()
-        steps = max(params.max_tokens - len(o.token_ids) for o in outs) - engine.num_queued_steps
-        while engine.has_unfinished():
+        # Timed until the first request ends: the prompts were prefilled over several steps, so the first ones
+        # have more tokens and end first, and the steps after that no longer decode the whole batch. The steps
+        # read back by then: the first to end had the most tokens at t0.
+        steps = params.max_tokens - max(len(o.token_ids) for o in outs) - engine.num_queued_steps
+        if steps < 1:
+            raise SystemExit(
+                f"batch {batch}: its first prompts had all {params.max_tokens} tokens before the last was "
+                "prefilled; raise --decode-tokens"
+            )
+        while not any(o.finished for o in outs):
             engine.step()
         sync(device)
         tpot = (time.perf_counter() - t0) / steps
+        while engine.has_unfinished():
+            engine.step()
         result["tpot_s"][batch] = tpot
         result["tokens_per_s"][batch] = batch / tpot
     return result
