@@ -1310,6 +1310,12 @@ class WorkerSettings(SharedSettings):
         "(docs/scheduler.md#deadline-order); on by default from the CPU evidence (docs/benchmarks.md), "
         "false: first come first served",
     )
+    overlap_steps: bool | None = Field(
+        default=None,
+        description="queue each engine step before reading the previous one back "
+        "(EngineConfig.overlap_steps: the host's reading, detokenizing and scheduling then run while the GPU "
+        "computes); default: on for CUDA, off on a CPU",
+    )
     bid_deadline: Literal["plan", "oldest"] = Field(
         default="plan",
         description="gpu_admission: the deadline a worker bids with for its GPU's prefill budget. plan: of "
@@ -1401,6 +1407,7 @@ def default_engine(settings: WorkerSettings, record: Any) -> ServingEngine:
             graph_archives=settings.graph_archives and slots == 1,
             graph_archive_dir=settings.graph_archive_dir,
             deadline_order=settings.deadline_order,
+            overlap_steps=settings.overlap_steps,
         )
     )
     engine.pre_runner_s = pre_runner_s  # type: ignore[attr-defined]

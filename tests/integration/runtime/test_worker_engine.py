@@ -1,5 +1,6 @@
 """The serving loop with the real Engine (tiny random Llama, CPU): answers through Redis and the gateway
-equal the Engine's own greedy output, for concurrent requests that join the running batch."""
+equal the Engine's own greedy output, for concurrent requests that join the running batch; also with
+overlapped steps (the CUDA default), the engine built from the worker's settings (`LORAFN_OVERLAP_STEPS`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import uuid
 from pathlib import Path
 
 import openai
+import pytest
 
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
+from lorafn.runtime.worker import WorkerSettings, default_engine
 from lorafn.store import Keys, Store
 from tests.integration.gateway.harness import gateway, register, worker_thread
 
@@ -17,13 +20,19 @@ FN, KEY = "team-a/tiny", "sk-tiny-0123456789"
 PROMPTS = ["The quick brown fox", "Hello", "one two three four five six seven", "lorafn"]
 
 
-def test_real_engine_behind_the_gateway(redis_server: str, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps-one-at-a-time", "overlapped"])
+def test_real_engine_behind_the_gateway(
+    redis_server: str, tiny_model_dir: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32")
     reference = Engine(config).generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
     prefix = f"t{uuid.uuid4().hex[:8]}"
     store, keys = Store(redis_server), Keys(prefix)
     register(store, keys, FN, [KEY], model_dir=str(tiny_model_dir))
-    engine = Engine(config)
+    monkeypatch.setenv("LORAFN_OVERLAP_STEPS", str(overlap).lower())
+    settings = WorkerSettings(function=FN, model=str(tiny_model_dir), device="cpu", dtype="float32")
+    engine = default_engine(settings, None)
+    assert engine.overlap_steps is overlap
     with gateway(redis_server, prefix) as url, worker_thread(redis_server, prefix, FN, engine=engine):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         results: dict[int, str] = {}
