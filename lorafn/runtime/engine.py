@@ -355,8 +355,11 @@ class Engine:
         return int(self._inflight is not None)
 
     def has_unfinished(self) -> bool:
-        """Requests not finished, or a step (or deltas) still to read back: call `step` again."""
-        return bool(self._requests or self._ready or self._inflight is not None)
+        """Requests not finished, or deltas read back and not returned yet: call `step` again. A queued step
+        whose rows all belong to ended requests (a stop token ended the last one) does not count: nothing
+        comes of it, so an idle engine is idle (a worker parks it); whatever changes what it uses reads it
+        back first (`_drain`), and so does the next `step`."""
+        return bool(self._requests or self._ready)
 
     def kv_offload_stats(self) -> dict[str, int]:
         """Swaps out/in, their bytes, recomputes since start, host bytes held now (heartbeat fields)."""

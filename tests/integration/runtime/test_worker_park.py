@@ -40,8 +40,13 @@ FN = "team-a/parking"
 WAIT_S = 60  # generous bound of every wait (a loaded 2-core VM); no assertion is on time
 
 
-def _send(store: Store, keys: Keys, rid: str, prompt: str, max_tokens: int = 8) -> None:
-    body = RequestBody(prompt=prompt, params=SamplingWire(max_tokens=max_tokens, temperature=0.0))
+def _send(
+    store: Store, keys: Keys, rid: str, prompt: str, max_tokens: int = 8, stop_token: int | None = None
+) -> None:
+    stop = [] if stop_token is None else [stop_token]
+    body = RequestBody(
+        prompt=prompt, params=SamplingWire(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop)
+    )
     admitted = store.run(
         streams.admit(
             keys, FN, rid, body, deadline_ms=0, now_s=time.time(), rate_limit_rps=0.0,
@@ -91,9 +96,12 @@ def _heartbeat(store: Store, keys: Keys, wid: str) -> dict[str, str]:
     return store.run(workers.worker_info(keys, [wid])).get(wid, {})
 
 
+@pytest.mark.parametrize("overlap", ["false", "true"], ids=["steps-one-at-a-time", "overlapped"])
 def test_a_parked_worker_process_keeps_requests_queued_records_demand_and_answers_after_unpark(
-    redis_server: str, tiny_model_dir: Path, tmp_path: Path
+    redis_server: str, tiny_model_dir: Path, tmp_path: Path, overlap: str
 ) -> None:
+    """Also with overlapped steps (the CUDA default): a request ended by a stop string leaves a step queued
+    whose only row is its own, dropped; the idle worker still parks."""
     prefix = f"t{uuid.uuid4().hex[:8]}"
     store, keys = Store(redis_server), Keys(prefix)
     register(store, keys, FN, [], model_dir=str(tiny_model_dir))
@@ -101,7 +109,7 @@ def test_a_parked_worker_process_keeps_requests_queued_records_demand_and_answer
     proc = start_worker_process(
         redis_server, prefix, FN, tmp_path / "worker.log",
         LORAFN_ENGINE_FACTORY="", LORAFN_WORKER_ID=wid, LORAFN_GPU="local/0",
-        LORAFN_KEEP_ALIVE_SECONDS="600", LORAFN_DEVICE="cpu",
+        LORAFN_KEEP_ALIVE_SECONDS="600", LORAFN_DEVICE="cpu", LORAFN_OVERLAP_STEPS=overlap,
     )  # fmt: skip
     try:
         wait_live_workers(None, store, keys, FN, 1, timeout=WAIT_S)
@@ -109,6 +117,17 @@ def test_a_parked_worker_process_keeps_requests_queued_records_demand_and_answer
         _send(store, keys, "before", prompt)
         before, done = _answer(store, keys, "before")
         assert done.completion_tokens == 8 and before
+        # the same greedy tokens as the worker's engine: the third ends the next request
+        from lorafn.runtime import Engine, EngineConfig, SamplingParams
+
+        tokens = (
+            Engine(EngineConfig(model=tiny_model_dir, device="cpu"))
+            .generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
+            .token_ids
+        )
+        _send(store, keys, "stopped", prompt, max_tokens=16, stop_token=tokens[2])
+        _stopped, done = _answer(store, keys, "stopped")
+        assert done.finish_reason == "stop" and done.completion_tokens == tokens.index(tokens[2]) + 1
         beat = _until("a heartbeat with parking fields", lambda: _heartbeat(store, keys, wid).get("parked"))
         assert beat == "0"
 
