@@ -47,7 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from lorafn.runtime import slo
 from lorafn.store import Keys, Op, Store
@@ -369,14 +369,22 @@ class Batching:
         return max(1, total)
 
     def after_step(
-        self, step: tuple[int, int] | None, ms: float, running: Collection[str], pending: int = 0
+        self,
+        step: tuple[int, int] | None,
+        ms: float,
+        running: Collection[str],
+        pending: int = 0,
+        timed: tuple[int, int] | Literal["step"] | None = "step",
     ) -> None:
         """One engine step ran `step` = (prefill, decode) sequences in `ms`; `pending`: the prefills
         still pending after it. A step that held the share and prefilled nothing means the waiting
-        requests cannot start until a running one ends."""
+        requests cannot start until a running one ends. `timed`: the step whose time `ms` is, for the
+        profile: with overlapped engine steps the call that queues a step waits for the one before it
+        (`Engine.last_read_step`; None: it waited for none, nothing to learn); "step": `step` itself."""
         self.gate.stepped()
-        if step is not None:
-            self.observe(step, ms)
+        timed_step = step if timed == "step" else timed
+        if timed_step is not None:
+            self.observe(timed_step, ms)
         self._pending_after = pending
         if self._holds_slot:
             self._held_step = step

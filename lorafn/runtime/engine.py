@@ -167,6 +167,9 @@ class Engine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.last_step: tuple[int, int] = (0, 0)  # (prefill, decode) sequences of the last step
+        # ... of the step the last `step()` read back (the one before `last_step` with overlapped steps, whose
+        # wait that call's time is; None when it read none back)
+        self.last_read_step: tuple[int, int] | None = None
         self.last_prefill_tokens = 0  # prompt (or recompute) tokens the last step prefilled
         overlap = config.overlap_steps
         self.overlap_steps = self.device.type == "cuda" if overlap is None else overlap
@@ -472,11 +475,13 @@ class Engine:
             kv.swap_in(self._host_kv.pop(seq_id), blocks)
         launched = None if out.is_empty else self._launch(out)
         previous, self._inflight = self._inflight, launched
+        if launched is not None and not self.overlap_steps:
+            previous, self._inflight = launched, None
+        self.last_read_step = None
         if previous is not None:
             deltas += self._read_back(previous)
-        if launched is not None and not self.overlap_steps:
-            self._inflight = None
-            deltas += self._read_back(launched)
+            read = previous.out
+            self.last_read_step = (len(read.chunks) - read.num_decodes, read.num_decodes)
         return deltas
 
     def _launch(self, out: SchedulerOutput) -> _Launched:

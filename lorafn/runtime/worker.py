@@ -957,7 +957,10 @@ class Worker:
             raise
         step = getattr(self.engine, "last_step", None)
         pending = getattr(self.engine, "num_pending_prefills", 0)
-        self.batching.after_step(step, (time.perf_counter() - started) * 1000, self.running, pending)
+        # with overlapped steps the call's time is the wait for the step read back, not the one queued
+        timed = getattr(self.engine, "last_read_step", "step")
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        self.batching.after_step(step, elapsed_ms, self.running, pending, timed=timed)
         step_end = self.clock()
         for delta in deltas:
             run = self.running.get(delta.request_id)

@@ -200,3 +200,23 @@ def test_an_id_reused_after_an_abort_while_its_step_is_queued_is_a_new_request(
     while eng.has_unfinished():
         eng.step()
     assert out.token_ids == alone
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps-one-at-a-time", "overlapped"])
+def test_last_read_step_names_the_step_whose_wait_the_call_was(
+    tiny_model_dir: Path, adapter: Path, overlap: bool
+) -> None:
+    """The worker's latency profile times each `step()` call: overlapped, that time is the wait for the step
+    read back, one call behind `last_step` (the prefill step's kind goes with the next call's time)."""
+    eng = make(tiny_model_dir, adapter, overlap)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    eng.add_request([5, 6, 7, 8, 9], params)
+    launched, read = [], []
+    while eng.has_unfinished():
+        eng.step()
+        launched.append(eng.last_step)
+        read.append(eng.last_read_step)
+    if overlap:
+        assert read == [None, *launched[:-1]] and launched == [(1, 0), (0, 1), (0, 1), (0, 0)]
+    else:
+        assert read == launched == [(1, 0), (0, 1), (0, 1)]
