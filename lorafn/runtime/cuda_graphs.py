@@ -19,8 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+# (input rows [m], their tokens [m]) on the device: tokens a step still queued sampled (ModelRunner.execute)
+Fill = tuple["torch.Tensor", "torch.Tensor"]
 
 
 def bucket_for(batch_size: int, buckets: Sequence[int]) -> int | None:
@@ -267,7 +274,7 @@ class DecodeGraphRunner:
         slots: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         adapter_slots: Sequence[int] | None = None,
-        fill=None,
+        fill: Fill | None = None,
     ):
         """Logits [n, vocab] (float32, a view of the graph's output) for n decodes; `adapter_slots`: each
         row's, for a model with adapter slots (padding rows take slot 0; their outputs are never read).
@@ -404,7 +411,12 @@ class PrefillGraphRunner:
         return num_tokens > 1 and bucket_for(num_tokens, list(self.graphs)) is not None
 
     def run(
-        self, token_ids: Sequence[int], slots: Sequence[int], samples: bool, adapter_slot: int = 0, fill=None
+        self,
+        token_ids: Sequence[int],
+        slots: Sequence[int],
+        samples: bool,
+        adapter_slot: int = 0,
+        fill: Fill | None = None,
     ):
         """Logits [1, vocab] (float32, a view of the graph's output) of the chunk's last token, or [0, vocab]
         when the chunk does not sample (a long prompt's first chunk). `adapter_slot`: the prompt's, for a

@@ -70,17 +70,23 @@ class _Request:
     generator: torch.Generator | None
 
 
+def _sequences(out: SchedulerOutput) -> tuple[int, int]:
+    """(prefill, decode) sequences of a step: what the worker's latency profile keys its times by."""
+    return (len(out.chunks) - out.num_decodes, out.num_decodes)
+
+
 class _StepTimer:
     """How long a step's forward and sampling took on the device: CUDA events around them (the host does not
     wait for them), or the host's clock on a CPU (where they run on the host)."""
 
     def __init__(self, device: torch.device) -> None:
         self._events = None
+        self._seconds: float | None = None
         if device.type == "cuda":
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
-        self._t0 = time.perf_counter()
-        self._seconds: float | None = None
+        else:
+            self._t0 = time.perf_counter()
 
     def stop(self) -> None:
         if self._events is not None:
@@ -101,7 +107,7 @@ class _Launched:
     chunks that sample, in their order; ``where``: seq_id -> (position of its placeholder, row of ``tokens``);
     ``host``: the tokens' copy to host memory, complete once ``ready`` has happened; ``at_max_len``: requests
     whose new token fills ``max_model_len`` (they end with it, "length"); ``timer``: set for a step that
-    teaches the prefill cost (`OffloadPolicy.observe_prefill`) of its ``num_tokens``."""
+    teaches the prefill cost (`OffloadPolicy.observe_prefill`) of its tokens."""
 
     out: SchedulerOutput
     reqs: list[_Request]
@@ -111,7 +117,6 @@ class _Launched:
     ready: torch.cuda.Event | None
     at_max_len: set[str]
     timer: _StepTimer | None
-    num_tokens: int
 
     def pending(self, live: dict[str, _Request]) -> PendingTokens | None:
         """Its tokens for the next step's inputs, of the requests still ``live`` (an aborted request's id may
@@ -462,7 +467,7 @@ class Engine:
             allow_prefill=allow_prefill, max_prefill_tokens=max_prefill_tokens, now=now
         )
         self.last_prefill_tokens = out.num_batched_tokens - out.num_decodes
-        self.last_step = (len(out.chunks) - out.num_decodes, out.num_decodes)
+        self.last_step = _sequences(out)
         self.num_preemptions += len(out.preempted)
         for seq in out.finished:  # the scheduler's max_model_len safety net
             req = self._requests.pop(seq.seq_id, None)
@@ -480,8 +485,7 @@ class Engine:
         self.last_read_step = None
         if previous is not None:
             deltas += self._read_back(previous)
-            read = previous.out
-            self.last_read_step = (len(read.chunks) - read.num_decodes, read.num_decodes)
+            self.last_read_step = _sequences(previous.out)
         return deltas
 
     def _launch(self, out: SchedulerOutput) -> _Launched:
@@ -516,7 +520,7 @@ class Engine:
                 at_max_len.add(seq.seq_id)
             if full or seq.num_output_tokens >= seq.params.max_tokens:
                 self.scheduler.finish(seq.seq_id, "length")  # the token decides the reason the client sees
-        return _Launched(out, reqs, where, tokens, host, ready, at_max_len, timer, out.num_batched_tokens)
+        return _Launched(out, reqs, where, tokens, host, ready, at_max_len, timer)
 
     def _read_back(self, step: _Launched) -> list[StreamDelta]:
         """Wait for a launched step's tokens, write them over their placeholders, and turn them into text and
@@ -528,7 +532,7 @@ class Engine:
         tokens = step.host.tolist()
         if step.timer is not None:  # a prefill-heavy step teaches the recompute cost per token (decodes in
             # it count as tokens too)
-            self.offload.observe_prefill(step.num_tokens, step.timer.seconds())
+            self.offload.observe_prefill(step.out.num_batched_tokens, step.timer.seconds())
         now = time.perf_counter()
         deltas: list[StreamDelta] = []
         for req, token in zip(step.reqs, tokens, strict=True):

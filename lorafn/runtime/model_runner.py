@@ -34,6 +34,7 @@ from lorafn.runtime.block_manager import blocks_for_tokens, slot_mapping
 from lorafn.runtime.config import EngineConfig, ModelConfig
 from lorafn.runtime.cuda_graphs import (
     DecodeGraphRunner,
+    Fill,
     PrefillGraphRunner,
     bucket_for,
     graph_buckets,
@@ -715,7 +716,7 @@ class ModelRunner:
 
     def _pending_fill(
         self, chunks: list[ScheduledChunk], pending: PendingTokens | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> Fill | None:
         """(input rows [m], their tokens [m]) on the device, for the inputs whose tokens are ``pending``; None
         when there are none. One small host-to-device copy, one gather."""
         if pending is None:
