@@ -714,9 +714,7 @@ class ModelRunner:
             batch.input_ids.index_copy_(0, *fill)
         return sampling, self.model.forward(batch, self.kv_cache.layers)
 
-    def _pending_fill(
-        self, chunks: list[ScheduledChunk], pending: PendingTokens | None
-    ) -> Fill | None:
+    def _pending_fill(self, chunks: list[ScheduledChunk], pending: PendingTokens | None) -> Fill | None:
         """(input rows [m], their tokens [m]) on the device, for the inputs whose tokens are ``pending``; None
         when there are none. One small host-to-device copy, one gather."""
         if pending is None:
