@@ -41,6 +41,8 @@ MAX_TOKENS = 16  # rows of a step whose LoRA expands the per-row kernels below a
 MAX_GEMM_ROWS = SKINNY_GEMM_MAX_ROWS  # rows `seg_linear` takes (its tile height: 16, 32 or 64)
 BLOCK_N = 32  # output rows (features) per program
 MAX_SEGMENTS = 4
+# `_seg_gemm_kernel`'s PROLOGUE: what its input X becomes before the product (`seg_linear(..., prologue=)`)
+PRO_NONE, PRO_NORM, PRO_ADD_NORM, PRO_SILU_MUL = (tl.constexpr(code) for code in range(4))
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,27 @@ class Expand:
     rank: int
     b_t: torch.Tensor
     row_slots: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class NormPrologue:
+    """`seg_linear`'s input is RMSNorm(x + delta)·weight (delta None: RMSNorm(x)·weight), and `residual`
+    ([M, K], given with delta) receives x + delta: triton_ops.add_rms_norm's add + norm inside the GEMM."""
+
+    weight: torch.Tensor  # [K]
+    eps: float
+    delta: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SiluMulPrologue:
+    """`seg_linear`'s input is SiLU(x)·up (x: the gate projection's output): triton_ops.silu_mul inside it."""
+
+    up: torch.Tensor  # [M, K]
+
+
+Prologue = NormPrologue | SiluMulPrologue
 
 
 def block_k(k: int) -> int | None:
@@ -96,6 +119,11 @@ def _seg_gemm_kernel(
     RANK1,
     RANK2,
     RANK3,
+    X2,
+    stride_x2m,
+    NORM_W,
+    H_OUT,
+    EPS,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -104,6 +132,7 @@ def _seg_gemm_kernel(
     R: tl.constexpr = 0,
     SLOTTED: tl.constexpr = False,
     RP: tl.constexpr = 16,
+    PROLOGUE: tl.constexpr = 0,
 ):
     """Y_i = X·W_iᵀ for each segment i, one program per BLOCK_N output features of one segment.
 
@@ -119,7 +148,13 @@ def _seg_gemm_kernel(
     FLAGS[1]; the last resets both counters for the next launch. Programs are dispatched in grid order, so
     the shrink's run first (or with) the waiting ones and the wait ends; each waiting program reads only
     its BLOCK_N columns of B, so the expands are spread over the whole grid instead of one program per
-    row."""
+    row.
+
+    PROLOGUE (`seg_linear(..., prologue=...)`, EngineConfig.gemm_prologue_rows): what X becomes before the
+    product, computed by every program from X's tiles as triton_ops' kernels would have written it (same
+    roundings; the norm's sum of squares in float32, tile by tile): PRO_NORM, RMSNorm(X)·NORM_W; PRO_ADD_NORM,
+    RMSNorm(X + X2)·NORM_W, the program of pid 0 also storing X + X2 (the residual) to H_OUT; PRO_SILU_MUL,
+    SiLU(X)·X2. The norms read X (and X2) twice: once for the sum of squares, once in the product's loop."""
     pid = tl.program_id(0)
     end0 = tl.cdiv(N0, BLOCK_N)
     end1 = end0 + tl.cdiv(N1, BLOCK_N)
@@ -165,8 +200,39 @@ def _seg_gemm_kernel(
         rr = tl.arange(0, RP)
         r_ok = rr < rank
         b_tile = tl.load(bt + rr[:, None] * n + rn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    adt = X.dtype.element_ty  # the activations' dtype
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    # each row's 1 / RMS, before the product's loop (`in` is not Triton's)
+    if PROLOGUE == PRO_NORM or PROLOGUE == PRO_ADD_NORM:  # noqa: SIM109
+        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = _prologue_input(
+                X, X2, stride_xm, stride_x2m, rm, m_ok, k0 + rk, PROLOGUE == PRO_ADD_NORM, adt
+            )
+            xs = xs.to(tl.float32)
+            squares += tl.sum(xs * xs, axis=1)
+        inv_rms = tl.rsqrt(squares / K + EPS)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+        if PROLOGUE == PRO_NONE:
+            x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+        elif PROLOGUE == PRO_SILU_MUL:  # SiLU(gate)·up, rounded as triton_ops.silu_mul
+            g = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+            u = tl.load(X2 + rm[:, None] * stride_x2m + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+            g = g.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(adt).to(tl.float32)
+            x = (act * u.to(tl.float32)).to(adt)
+        else:  # the (residual +) RMSNorm, rounded as triton_ops.add_rms_norm
+            x = _prologue_input(
+                X, X2, stride_xm, stride_x2m, rm, m_ok, k0 + rk, PROLOGUE == PRO_ADD_NORM, adt
+            )
+            # one program writes the residual h + delta, for the next layer (a compile-time test, then a
+            # run-time one: Triton's jit does not mix them in one `and`)
+            if PROLOGUE == PRO_ADD_NORM:  # noqa: SIM102
+                if pid == 0:
+                    tl.store(H_OUT + rm[:, None] * K + (k0 + rk)[None, :], x, mask=m_ok[:, None])
+            normed = (x.to(tl.float32) * inv_rms[:, None]).to(adt).to(tl.float32)
+            nw = tl.load(NORM_W + k0 + rk).to(tl.float32)
+            x = (nw[None, :] * normed).to(adt)
         wt = tl.load(w + rn[None, :].to(tl.int64) * K + (k0 + rk)[:, None], mask=n_ok[None, :], other=0.0)
         acc += tl.dot(x, wt, input_precision=PRECISION)
     out_mask = m_ok[:, None] & n_ok[None, :]
@@ -208,6 +274,16 @@ def _seg_gemm_kernel(
         if ticket == tl.num_programs(0) - end0 - 1:  # the last: every program has passed its wait
             tl.atomic_xchg(FLAGS, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(FLAGS + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _prologue_input(X, X2, stride_xm, stride_x2m, rm, m_ok, cols, ADD: tl.constexpr, adt: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] of X (ADD: X + X2, rounded to the activations' dtype as torch adds them)."""
+    x = tl.load(X + rm[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None], other=0.0)
+    if ADD:
+        d = tl.load(X2 + rm[:, None] * stride_x2m + cols[None, :], mask=m_ok[:, None], other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(adt)
+    return x
 
 
 # shared memory the segmented GEMM's pipelined tiles may take per program (the H100 allows 227 KiB): a float32
@@ -253,6 +329,7 @@ def seg_linear(
     expands: list[tuple[int, int, torch.Tensor] | None] | None = None,
     row_slots: torch.Tensor | None = None,
     flags: torch.Tensor | None = None,
+    prologue: Prologue | None = None,
 ) -> list[torch.Tensor]:
     """[x·W_iᵀ for each W_i] in one launch; x [M, K] (rows may be strided, M <= MAX_GEMM_ROWS), each W_i
     [N_i, K] contiguous. Returns contiguous [M, N_i] tensors.
@@ -261,8 +338,10 @@ def seg_linear(
     weight's (offset, rank, b_t) or None: its expand t[:, offset:offset+rank]·b_t is added inside the same
     launch (the kernel's docstring), rounded as the per-row kernels add it. `row_slots` ([M] int64, adapter
     slots): rank is one slot's, b_t holds every slot's rows, each row reads its own slot's. `flags`: the
-    model's `seg_flags`."""
+    model's `seg_flags`. `prologue`: what x becomes before the product (NormPrologue, SiluMulPrologue), each
+    program computing it from x's tiles (the kernel's docstring)."""
     m, k = x.shape
+    code, x2, norm_w, h_out, eps = _prologue_args(prologue, x)
     if not 1 <= len(weights) <= MAX_SEGMENTS:
         raise ValueError(f"seg_linear: 1..{MAX_SEGMENTS} weights, got {len(weights)}")
     if expands is not None and (len(expands) != len(weights) - 1 or flags is None):
@@ -296,6 +375,11 @@ def seg_linear(
         *bts,
         *offs,
         *ranks,
+        x2,
+        x2.stride(0),
+        norm_w,
+        h_out,
+        eps,
         EXPAND=expands is not None,
         R=max(ranks),
         SLOTTED=row_slots is not None,
@@ -306,8 +390,42 @@ def seg_linear(
         PRECISION=DOT_PRECISION[x.dtype],
         num_warps=4,
         num_stages=stages,
+        PROLOGUE=code,
     )
     return outs
+
+
+def _prologue_args(
+    prologue: Prologue | None, x: torch.Tensor
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(PROLOGUE code, X2, NORM_W, H_OUT, EPS) of `_seg_gemm_kernel` for `seg_linear`'s prologue; x stands in
+    for the tensors a prologue does not use (never read)."""
+    m, k = x.shape
+
+    def check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device or t.stride(-1) != 1:
+            raise ValueError(
+                f"seg_linear: the prologue's {name} {tuple(t.shape)} {t.dtype} on {t.device} (stride "
+                f"{t.stride()}) does not match x {tuple(x.shape)} {x.dtype} on {x.device}"
+            )
+        return t
+
+    if prologue is None:
+        return PRO_NONE.value, x, x, x, 0.0
+    if isinstance(prologue, SiluMulPrologue):
+        return PRO_SILU_MUL.value, check("up", prologue.up, (m, k)), x, x, 0.0
+    weight = check("weight", prologue.weight, (k,))
+    if (prologue.delta is None) != (prologue.residual is None):
+        raise ValueError("seg_linear: a NormPrologue takes delta and residual together, or neither")
+    if prologue.delta is None:
+        return PRO_NORM.value, x, weight, x, float(prologue.eps)
+    delta = check("delta", prologue.delta, (m, k))
+    residual = check("residual", prologue.residual, (m, k))  # type: ignore[arg-type]
+    if not residual.is_contiguous():
+        raise ValueError(
+            f"seg_linear: the prologue's residual must be contiguous, stride {residual.stride()}"
+        )
+    return PRO_ADD_NORM.value, delta, weight, residual, float(prologue.eps)
 
 
 @triton.jit

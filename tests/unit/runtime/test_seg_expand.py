@@ -2,8 +2,9 @@
 EngineConfig.expand_in_gemm runs): interpreted on CPU against torch (float32: the product rounded, the
 expand summed rank by rank and added, as the per-row kernels do), with several shrink programs, a member
 without LoRA, mixed ranks, adapter slots, the counters left at zero after each launch and a second launch
-on new inputs; and the kernel compiles for an H100 (sm_90) with every switch, which the interpreter (numpy)
-never checks."""
+on new inputs; and the kernel compiles for an H100 (sm_90) with every switch and every prologue
+(tests/integration/runtime/test_seg_prologue.py checks their math), which the interpreter (numpy) never
+checks."""
 
 from __future__ import annotations
 
@@ -97,7 +98,10 @@ def test_seg_linear_with_expands_interpreted_matches_torch() -> None:
 
 @pytest.mark.parametrize("expand,slotted", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "ieee")])
-def test_seg_gemm_kernel_compiles_for_sm90(expand: bool, slotted: bool, dtype: str, precision: str) -> None:
+@pytest.mark.parametrize("prologue", [0, 1, 2, 3])
+def test_seg_gemm_kernel_compiles_for_sm90(
+    expand: bool, slotted: bool, dtype: str, precision: str, prologue: int
+) -> None:
     _linux_x86()
     import triton
     from triton.backends.compiler import GPUTarget
@@ -115,8 +119,25 @@ def test_seg_gemm_kernel_compiles_for_sm90(expand: bool, slotted: bool, dtype: s
         R=16,
         SLOTTED=slotted,
         RP=16,
+        PROLOGUE=prologue,  # fd.PRO_NONE .. fd.PRO_SILU_MUL
     )
-    pointers = {"X", "W0", "W1", "W2", "W3", "Y0", "Y1", "Y2", "Y3", "BT1", "BT2", "BT3"}
+    pointers = {
+        "X",
+        "W0",
+        "W1",
+        "W2",
+        "W3",
+        "Y0",
+        "Y1",
+        "Y2",
+        "Y3",
+        "BT1",
+        "BT2",
+        "BT3",
+        "X2",
+        "NORM_W",
+        "H_OUT",
+    }
 
     def kind(name: str) -> str:
         if name in pointers:
@@ -125,6 +146,8 @@ def test_seg_gemm_kernel_compiles_for_sm90(expand: bool, slotted: bool, dtype: s
             return "*i32"
         if name == "ROW_SLOTS":
             return "*i64"
+        if name == "EPS":
+            return "fp32"
         return "constexpr" if name in constexprs else "i32"
 
     signature = {n: kind(n) for n in fn.arg_names}
@@ -137,3 +160,5 @@ def test_seg_gemm_kernel_compiles_for_sm90(expand: bool, slotted: bool, dtype: s
     ordered = [line for line in ptx.splitlines() if ".gpu." in line]
     assert any(".release." in line for line in ordered) == expand
     assert any(".acquire." in line for line in ordered) == expand
+    # the residual add's store to H_OUT is guarded to one program; the norms take a reciprocal square root
+    assert ("rsqrt" in ptx) == (prologue in (fd.PRO_NORM.value, fd.PRO_ADD_NORM.value))
