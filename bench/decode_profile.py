@@ -11,6 +11,10 @@ run:
 - a kernel table of one graph replay (torch.profiler / CUPTI): time per kernel family, base vs LoRA;
 - the projections' GEMMs alone (cuBLAS through F.linear) and their achieved bandwidth.
 
+`--compare-expand-in-gemm` adds lora+g (the LoRA expands inside the skinny GEMMs); `--gemm-prologue-rows N`
+adds base+p and lora+p (fused, expands in the GEMMs, EngineConfig.gemm_prologue_rows = N: the norms and
+SiLU·up inside the skinny GEMMs too), with their kernel tables beside base+f and lora+g.
+
     python bench/decode_profile.py --model /tmp/llama-2-7b [--batches 1,8] [--json out.json]
 
 GPU only (the figures are about the H100's memory bandwidth); nothing here is timed on a CPU.
@@ -185,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also lora+g: the fused LoRA engine with EngineConfig.expand_in_gemm on (expands in the GEMMs)",
     )
     ap.add_argument(
+        "--gemm-prologue-rows",
+        type=int,
+        default=None,
+        help="also base+p and lora+p: fused, expands in the GEMMs, EngineConfig.gemm_prologue_rows = N",
+    )
+    ap.add_argument(
         "--fused-only", action="store_true", help="only the fused decode kernels (base+f, lora+f), no cuBLAS"
     )
     args = ap.parse_args(argv)
@@ -218,10 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         ("base+f", None, True, {}),
         ("lora+f", adapter, True, {"expand_in_gemm": False}),
     ]
-    if args.compare_expand_in_gemm:
+    if args.compare_expand_in_gemm or args.gemm_prologue_rows is not None:
         variants.append(("lora+g", adapter, True, {"expand_in_gemm": True}))
     if args.fused_only:
         variants = variants[2:]
+    if args.gemm_prologue_rows is not None:
+        pro = {"gemm_prologue_rows": args.gemm_prologue_rows}
+        variants.append(("base+p", None, True, pro))
+        variants.append(("lora+p", adapter, True, {"expand_in_gemm": True, **pro}))
     overrides = {"lora_expand": args.lora_expand} if args.lora_expand else {}
     if args.decode_attention:
         overrides["decode_attention"] = args.decode_attention
@@ -281,11 +295,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         pairs = (("lora", "base"), ("lora+f", "base+f"), ("lora+f", "lora"), ("base+f", "base"))
         pairs += (("lora+g", "base+f"), ("lora+g", "lora+f"))
+        pairs += (("base+p", "base+f"), ("lora+p", "lora+g"), ("lora+p", "base+p"))
         for lo, ba in [(lo, ba) for lo, ba in pairs if lo in figures and ba in figures]:
             step_ratio = figures[lo][b]["step_ms"] / figures[ba][b]["step_ms"]
             replay_ratio = figures[lo][b]["replay_ms"] / figures[ba][b]["replay_ms"]
             print(f"      {lo}/{ba}: step {step_ratio:.3f}, replay {replay_ratio:.3f}")
-    tables = (("base", "lora"), ("base+f", "lora+f"), ("lora+f", "lora+g"))
+    tables = (("base", "lora"), ("base+f", "lora+f"), ("lora+f", "lora+g"), ("base+f", "base+p"))
+    tables += (("lora+g", "lora+p"),)
     kinds = [(ba, lo) for ba, lo in tables if ba in figures and lo in figures]
     for b, (ba_name, lo_name) in itertools.product(batches, kinds):
         print(f"\nkernels per replay, batch {b} (count, µs): {ba_name} | {lo_name}")

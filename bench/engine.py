@@ -21,6 +21,8 @@ engine once per round, N rounds, and prints medians (single runs on the H100 mov
 `EngineConfig.decode_attention` (the paged decode attention kernel's form) beside the default's.
 `--other-expand-place` measures LoRA again at every batch with `EngineConfig.expand_in_gemm` the other way
 round from its default: a skinny-GEMM step's expands inside the GEMMs, or in the per-row kernels after them.
+`--gemm-prologue-rows 64` measures base and LoRA again at every batch with `EngineConfig.gemm_prologue_rows` =
+64: steps of up to that many rows compute the residual add + RMSNorm and SiLU·up inside the skinny GEMMs.
 
 The backbone is loaded onto the device once and shared by every engine of the run (a resident
 WeightSource, as the backbone server shares it with workers); transformers loads its own copy.
@@ -47,6 +49,7 @@ from lorafn.runtime.config import (
     DECODE_ATTENTION_KERNELS,
     DEFAULT_DECODE_ATTENTION,
     DEFAULT_EXPAND_IN_GEMM,
+    DEFAULT_GEMM_PROLOGUE_ROWS,
     DEFAULT_LORA_EXPAND,
     DEFAULT_SKINNY_GEMM_ROWS,
     LORA_EXPANDS,
@@ -321,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
         help="CUDA: LoRA again at every batch with EngineConfig.expand_in_gemm not its default, beside it",
     )
     ap.add_argument(
+        "--gemm-prologue-rows",
+        type=int,
+        default=None,
+        help=f"CUDA: base and LoRA again at every batch with EngineConfig.gemm_prologue_rows = N (default "
+        f"{DEFAULT_GEMM_PROLOGUE_ROWS}: each step's norms and SiLU·up inside the skinny GEMMs up to N rows)",
+    )
+    ap.add_argument(
         "--other-overlap",
         action="store_true",
         help="base and LoRA again at every batch with EngineConfig.overlap_steps not the device's default "
@@ -416,6 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     if figures["other_expand_place"]:
         other = {"expand_in_gemm": not DEFAULT_EXPAND_IN_GEMM}
         runs += [("lora_other_place", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, other)]
+    figures["gemm_prologue_rows"] = DEFAULT_GEMM_PROLOGUE_ROWS
+    pro_rows = args.gemm_prologue_rows
+    if pro_rows is not None and not 0 <= pro_rows <= SKINNY_GEMM_MAX_ROWS:
+        ap.error(f"--gemm-prologue-rows: must be in [0, {SKINNY_GEMM_MAX_ROWS}], got {pro_rows}")
+    figures["prologue_variant_rows"] = pro_rows if device.type == "cuda" else None
+    if figures["prologue_variant_rows"] is not None:
+        pro = {"gemm_prologue_rows": pro_rows}
+        runs += [("base_prologue", None, DEFAULT_LORA_EXPAND, batches, d_rows, pro)]
+        runs += [("lora_prologue", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, pro)]
     figures["overlap_steps"] = device.type == "cuda"  # EngineConfig.overlap_steps' default on the device
     if args.other_overlap:
         other = {"overlap_steps": not figures["overlap_steps"]}
@@ -505,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     print_prefill_graphs(figures)
     print_attention(figures, batches)
     print_expand_places(figures, batches)
+    print_prologue(figures, batches)
     print_overlap(figures, batches)
     print_prefill_kernels(figures, [name for name, *_rest in runs])
     if args.json:
@@ -567,6 +587,23 @@ def print_expand_places(f: dict, batches: list[int]) -> None:
         line += f" | per-row {per_row * ms:6.2f} {100 * (per_row / base - 1):+5.1f}%"
         print(line + f" | in GEMMs / per-row {in_gemm / per_row:.3f}")
     print(f"  TTFT: in GEMMs {f[gemm]['ttft_s'] * ms:.1f} ms, per-row {f[rows]['ttft_s'] * ms:.1f} ms")
+
+
+def print_prologue(f: dict, batches: list[int]) -> None:
+    """TPOT with the GEMM inputs computed inside the skinny GEMMs (gemm_prologue_rows) beside the default."""
+    rows = f["prologue_variant_rows"]
+    if rows is None:
+        return
+    ms, floor = 1e3, f["hbm_floor_tpot_s"]
+    print(f"\nnorms and SiLU·up inside the skinny GEMMs up to {rows} rows (gemm_prologue_rows; default ")
+    print(f"{f['gemm_prologue_rows']}): TPOT ms (over the HBM floor), the LoRA overhead, and with / without")
+    for b in batches:
+        base, lora = f["base"]["tpot_s"][b], f["lora"]["tpot_s"][b]
+        pb, pl = f["base_prologue"]["tpot_s"][b], f["lora_prologue"]["tpot_s"][b]
+        line = f"  batch {b:>3}: default base {base * ms:6.2f} ({base / floor:.2f}) lora {lora * ms:6.2f}"
+        line += f" {100 * (lora / base - 1):+5.1f}% | prologue base {pb * ms:6.2f} ({pb / floor:.2f})"
+        line += f" lora {pl * ms:6.2f} ({pl / floor:.2f}) {100 * (pl / pb - 1):+5.1f}%"
+        print(line + f" | x{pb / base:.3f} / x{pl / lora:.3f}")
 
 
 def print_overlap(f: dict, batches: list[int]) -> None:

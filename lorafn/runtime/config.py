@@ -56,6 +56,13 @@ DEFAULT_DECODE_ATTENTION = "dot"
 # suite passed with it (docs/benchmarks.md). Its first form (9792058: rank by rank after the wait, B not
 # prefetched) had been 1.1-7.0% slower.
 DEFAULT_EXPAND_IN_GEMM = True
+# Steps of at most this many rows whose GEMMs are skinny ones compute each GEMM's input inside it
+# (EngineConfig.gemm_prologue_rows): the residual add + RMSNorm before q/k/v and gate/up, SiLU·up before down
+# (fused_decode.NormPrologue, SiluMulPrologue), 3 launches a layer fewer (96 of ~290 a 7B decode step). Each
+# program reads its input's tiles twice for a norm (the sum of squares, then the product), so it costs L2
+# reads that grow with the rows. 0 (off) until measured on a GPU: on an H200 at batch 1 (decode_profile at
+# 33d60cb) these kernels took 145 + 48 µs of a 4.18 ms replay, beside the gaps between launches.
+DEFAULT_GEMM_PROLOGUE_ROWS = 0
 
 
 def expand_modes(lora_expand: str) -> tuple[str, str]:
@@ -169,6 +176,11 @@ class EngineConfig:
     # to float32 summation order). The default (DEFAULT_EXPAND_IN_GEMM). False: the per-row kernels (and
     # lora_expand above 16 rows).
     expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM
+    # CUDA, fused path: a step of at most this many rows (and of at most skinny_gemm_rows) runs the residual
+    # add + RMSNorm and SiLU·up inside the skinny GEMM that reads their output (DEFAULT_GEMM_PROLOGUE_ROWS;
+    # with an adapter only where its expands are inside the GEMMs too, expand_in_gemm). Roundings as the
+    # separate kernels' (up to the norm's float32 summation order). 0: never.
+    gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS
     # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an
     # execution plan per exact shape, and on the H100 the first prefill of each new chunk length paid
     # ~65 ms of host time for it (a standby's first request prefilled in 110 ms, the next one in 28 ms;
@@ -221,6 +233,10 @@ class EngineConfig:
         if self.decode_attention not in DECODE_ATTENTION_KERNELS:
             raise ValueError(
                 f"decode_attention: {self.decode_attention!r} is not one of {DECODE_ATTENTION_KERNELS}"
+            )
+        if not 0 <= self.gemm_prologue_rows <= SKINNY_GEMM_MAX_ROWS:
+            raise ValueError(
+                f"gemm_prologue_rows: must be in [0, {SKINNY_GEMM_MAX_ROWS}], got {self.gemm_prologue_rows}"
             )
         if not 1 <= self.skinny_gemm_rows <= SKINNY_GEMM_MAX_ROWS:
             raise ValueError(

@@ -63,6 +63,7 @@ KEY_FIELDS: tuple[str, ...] = (
     "skinny_gemm_rows",
     "decode_attention",  # EngineConfig.decode_attention: the attention kernel's form
     "expand_in_gemm",  # EngineConfig.expand_in_gemm
+    "gemm_prologue_rows",  # EngineConfig.gemm_prologue_rows
     "buckets",
     "max_blocks_per_seq",
     "block_size",

@@ -38,7 +38,12 @@ from typing import Any
 import torch
 
 from lorafn.runtime.arena import Arena, tensor_at
-from lorafn.runtime.config import DEFAULT_DECODE_ATTENTION, DEFAULT_EXPAND_IN_GEMM, DEFAULT_SKINNY_GEMM_ROWS
+from lorafn.runtime.config import (
+    DEFAULT_DECODE_ATTENTION,
+    DEFAULT_EXPAND_IN_GEMM,
+    DEFAULT_GEMM_PROLOGUE_ROWS,
+    DEFAULT_SKINNY_GEMM_ROWS,
+)
 from lorafn.runtime.graph_archive import (
     ATTR_VALUE_BYTES,
     FORMAT_VERSION,
@@ -138,6 +143,7 @@ class DecodeStateSpec:
     skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS
     decode_attention: str = DEFAULT_DECODE_ATTENTION
     expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM
+    gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS
     # the backbone server's socket: weights are its read-only mapping W at its fixed address (the worker's
     # real set-up); None: weights loaded from model_dir into the arena's state pool
     backbone_socket: str | None = None
@@ -203,6 +209,7 @@ def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
                 skinny_gemm_rows=spec.skinny_gemm_rows,
                 decode_attention=spec.decode_attention,
                 expand_in_gemm=spec.expand_in_gemm,
+                gemm_prologue_rows=spec.gemm_prologue_rows,
             )
             kv = KVCache(mc, spec.num_kv_blocks, spec.block_size, device, dtype)
             runner = DecodeGraphRunner(
@@ -237,6 +244,7 @@ def state_key(state: DecodeState, arena: Arena) -> dict[str, Any]:
         skinny_gemm_rows=spec.skinny_gemm_rows,
         decode_attention=spec.decode_attention,
         expand_in_gemm=spec.expand_in_gemm,
+        gemm_prologue_rows=spec.gemm_prologue_rows,
         buckets=state.runner.buckets,
         max_blocks_per_seq=state.runner.max_blocks,
         block_size=spec.block_size,
@@ -260,6 +268,7 @@ def current_key(
     skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS,
     decode_attention: str = DEFAULT_DECODE_ATTENTION,
     expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
+    gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS,
     max_blocks_per_seq: int,
     block_size: int,
     num_kv_blocks: int,
@@ -289,6 +298,7 @@ def current_key(
         "skinny_gemm_rows": int(skinny_gemm_rows),
         "decode_attention": decode_attention,
         "expand_in_gemm": bool(expand_in_gemm),
+        "gemm_prologue_rows": int(gemm_prologue_rows),
         "buckets": sorted(int(b) for b in buckets),
         "max_blocks_per_seq": int(max_blocks_per_seq),
         "block_size": int(block_size),

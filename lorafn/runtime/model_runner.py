@@ -212,6 +212,7 @@ class ModelRunner:
                     skinny_gemm_rows=config.skinny_gemm_rows,
                     decode_attention=config.decode_attention,
                     expand_in_gemm=config.expand_in_gemm,
+                    gemm_prologue_rows=config.gemm_prologue_rows,
                 )
             clock.lap("backbone")  # the weight views (the shared backbone mapped, or loaded)
             self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
@@ -297,6 +298,7 @@ class ModelRunner:
                 skinny_gemm_rows=cfg.skinny_gemm_rows,
                 decode_attention=cfg.decode_attention,
                 expand_in_gemm=cfg.expand_in_gemm,
+                gemm_prologue_rows=cfg.gemm_prologue_rows,
                 buckets=self.graphs.buckets,
                 max_blocks_per_seq=max_blocks,
                 block_size=cfg.block_size,

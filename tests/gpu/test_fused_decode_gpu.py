@@ -5,8 +5,10 @@
   gives the same logits and the same KV cache fused and unfused, for the base model, an all-linear adapter
   and one that targets some projections only (absent projections: rank 0 in the fused kernels), with the
   default large-step expands and with `hybrid` (its decode-only step in the per-row kernels: in_kernels);
-- greedy tokens of an fp32 engine are identical fused and unfused (the 7B fp32/bf16 checks against
-  transformers + peft in test_engine_gpu.py run the fused path too: it is the default).
+- `seg_linear` with its input's residual add + RMSNorm or SiLU·up inside (prologue=, gemm_prologue_rows)
+  against the separate kernels then seg_linear, compiled, and a whole forward with it against unfused;
+- greedy tokens of an fp32 engine are identical fused and unfused, and with gemm_prologue_rows 64 (the 7B
+  fp32/bf16 checks against transformers + peft in test_engine_gpu.py run the fused path too: the default).
 """
 
 from __future__ import annotations
@@ -51,6 +53,50 @@ def test_seg_linear_matches_linear(dtype, tol, rows) -> None:
     w = torch.randn(4096, 11008, device="cuda", generator=gen, dtype=dtype) / 100
     (y,) = fd.seg_linear(wide, [w])
     assert _rel(y, F.linear(wide.float(), w.float())) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 8, 16, 33, 64])
+def test_seg_linear_prologue_matches_separate_kernels(dtype, rows) -> None:
+    """The norm / SiLU·up inside the GEMM (compiled) against triton_ops' kernels then seg_linear: the
+    residual it writes bit for bit, the outputs within bf16's rounding (the norm's float32 sum runs tile by
+    tile in the GEMM) or 1e-5 in float32, with the expands inside too and its counters left at zero."""
+    from lorafn.runtime.models import fused_decode as fd
+    from lorafn.runtime.models import triton_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(100 + rows)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    flags = fd.seg_flags(torch.device("cuda"))
+    for k, widths, rank in ((4096, (4096, 1024, 1024), 16), (11008, (4096,), 0), (4096, (11008, 11008), 8)):
+        h, delta, up = rand(rows, k), rand(rows, k), rand(rows, k)
+        norm_w = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(dtype)
+        weights = [rand(n, k, scale=k**-0.5) for n in widths]
+        if rank:
+            a_cat = rand(rank * len(widths), k, scale=k**-0.5)
+            expands = [(i * rank, rank, rand(rank, n, scale=0.25)) for i, n in enumerate(widths)]
+            ws, fl = [a_cat, *weights], flags
+        else:
+            ws, expands, fl = weights, None, None
+        res, normed = triton_ops.add_rms_norm(h, delta, norm_w, 1e-5)
+        residual = torch.empty_like(h)
+        paths = [
+            (fd.NormPrologue(norm_w, 1e-5), triton_ops.rms_norm(h, norm_w, 1e-5)),
+            (fd.NormPrologue(norm_w, 1e-5, delta, residual), normed),
+            (fd.SiluMulPrologue(up), triton_ops.silu_mul(h, up)),
+        ]
+        for prologue, x in paths:
+            got = fd.seg_linear(h, ws, expands, None, fl, prologue)
+            want = fd.seg_linear(x, ws, expands, None, fl)
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert _rel(g, w) < tol, (type(prologue).__name__, k, i, _rel(g, w))
+            if fl is not None:
+                assert fl.tolist() == [0, 0]
+        torch.cuda.synchronize()
+        assert torch.equal(residual, res)
 
 
 def _expand_reference(x, a_cat, weights, expands, row_slots):
@@ -197,6 +243,7 @@ def _run(
     mode: str = "per_projection",
     skinny: int = 16,
     in_gemm: bool = False,
+    prologue_rows: int = 0,
 ):
     """(logits of every step, the KV cache after them) of one model variant, all in float32."""
     dev = torch.device("cuda")
@@ -204,7 +251,7 @@ def _run(
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), dev, dtype, lora, max_position=512,
         use_triton_attention=True, fused_decode=fused, lora_expand=mode, skinny_gemm_rows=skinny,
-        expand_in_gemm=in_gemm,
+        expand_in_gemm=in_gemm, gemm_prologue_rows=prologue_rows,
     )  # fmt: skip
     assert (model.fused is not None) == fused
     kv = KVCache(cfg, 32, 16, dev, dtype)
@@ -260,11 +307,33 @@ def test_fused_forward_matches_unfused(tiny_setup, dtype, adapter, mode, skinny,
     assert _rel(fused_kv, ref_kv) <= 1.5 * _rel(plain_kv, ref_kv) + 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("adapter", [None, "all-linear", "some"])
+def test_fused_forward_with_gemm_prologue_matches_unfused(tiny_setup, dtype, adapter) -> None:
+    """gemm_prologue_rows 64 (every step here in the skinny GEMMs, their norms and SiLU·up inside them,
+    the expands too): held to the unfused forward as test_fused_forward_matches_unfused holds the fused."""
+    model_dir, cfg, adapters = tiny_setup
+    path = adapters[adapter] if adapter else None
+    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True, "hybrid", 64, True, 64)
+    plain_logits, plain_kv = _run(model_dir, cfg, path, dtype, False, "hybrid")
+    if dtype == torch.float32:
+        for i, (a, b) in enumerate(zip(fused_logits, plain_logits, strict=True)):
+            assert _rel(a, b) < 1e-4, f"step {i}"
+        assert _rel(fused_kv, plain_kv) < 1e-4
+        return
+    ref_logits, ref_kv = _run(model_dir, cfg, path, torch.float32, False)
+    for i, (a, b, r) in enumerate(zip(fused_logits, plain_logits, ref_logits, strict=True)):
+        assert _rel(a, r) <= 1.5 * _rel(b, r) + 1e-3, (
+            f"step {i}: fused {_rel(a, r):.4f}, unfused {_rel(b, r):.4f}"
+        )
+    assert _rel(fused_kv, ref_kv) <= 1.5 * _rel(plain_kv, ref_kv) + 1e-3
+
+
 def test_fused_engine_tokens_equal_unfused_fp32(tiny_setup) -> None:
     model_dir, _cfg, adapters = tiny_setup
     prompts = mixed_prompts(6)
     tokens = {}
-    for fused in (False, True):
+    for fused, prologue_rows in ((False, 0), (True, 0), (True, 64)):
         engine = Engine(
             EngineConfig(
                 model=model_dir,
@@ -274,8 +343,10 @@ def test_fused_engine_tokens_equal_unfused_fp32(tiny_setup) -> None:
                 max_num_seqs=8,
                 num_kv_blocks=256,
                 fused_decode=fused,
+                gemm_prologue_rows=prologue_rows,
             )
         )
         assert (engine.runner.model.fused is not None) == fused
-        tokens[fused] = engine_greedy(engine, prompts, 24)
-    assert tokens[True] == tokens[False]
+        tokens[fused, prologue_rows] = engine_greedy(engine, prompts, 24)
+    assert tokens[True, 0] == tokens[False, 0]
+    assert tokens[True, 64] == tokens[False, 0]

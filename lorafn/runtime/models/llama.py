@@ -20,6 +20,7 @@ from lorafn.runtime.attention import paged_decode_attention, prefill_attention, 
 from lorafn.runtime.config import (
     DEFAULT_DECODE_ATTENTION,
     DEFAULT_EXPAND_IN_GEMM,
+    DEFAULT_GEMM_PROLOGUE_ROWS,
     DEFAULT_LORA_EXPAND,
     DEFAULT_SKINNY_GEMM_ROWS,
     ModelConfig,
@@ -149,10 +150,12 @@ class LlamaModel:
         skinny_gemm_rows: int = DEFAULT_SKINNY_GEMM_ROWS,
         decode_attention: str = DEFAULT_DECODE_ATTENTION,
         expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
+        gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS,
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
         self.decode_attention = decode_attention  # EngineConfig.decode_attention
         self.expand_in_gemm = expand_in_gemm  # EngineConfig.expand_in_gemm
+        self.gemm_prologue_rows = gemm_prologue_rows  # EngineConfig.gemm_prologue_rows
         self.lora_expand = lora_expand  # EngineConfig.lora_expand
         self.skinny_gemm_rows = skinny_gemm_rows  # EngineConfig.skinny_gemm_rows
         # the mode of a step with a prefill chunk, of a step of decodes only (config.expand_modes)
@@ -363,6 +366,12 @@ class LlamaModel:
         # a large step keeps its expands out of the per-row decode kernels (each of their programs reads its
         # rank rows of B again: B's bytes x rows) unless the mode is in_kernels
         settle = num_rows > fd.MAX_TOKENS and mode != "in_kernels"
+        # a small step whose GEMMs are skinny ones computes their inputs inside them (gemm_prologue_rows): the
+        # residual add + RMSNorm before q/k/v and gate/up, SiLU·up before down; with an adapter only where its
+        # expands are inside the GEMMs too (the separate kernels would add o's, down's and gate/up's)
+        pro = num_rows <= min(self.gemm_prologue_rows, self.skinny_gemm_rows) and (
+            self.lora is None or in_gemm
+        )
         # adapter slots: the per-row kernels read each row's own slot (Expand.row_slots); a settled step's
         # expands (GEMMs over all rows) read every slot's columns, the others' masked to zeros first; the
         # skinny GEMMs read each row's slot too
@@ -384,16 +393,25 @@ class LlamaModel:
                 lora = None
             return ops.add_rms_norm(h, delta, weight, eps, lora=lora)
 
+        def pre_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, lora) -> tuple:
+            """(the residual h + delta, the next GEMM's input, its prologue or None): with `pro`, the GEMM
+            computes the norm (and writes the residual) itself from h; else add_norm (or the first norm)."""
+            if pro:
+                if delta is None:
+                    return h, h, fd.NormPrologue(weight, eps)
+                res = torch.empty_like(h)
+                return res, h, fd.NormPrologue(weight, eps, delta, res)
+            if delta is None:
+                return h, ops.rms_norm(h, weight, eps), None
+            return (*add_norm(h, delta, weight, lora), None)
+
         delta: torch.Tensor | None = None
         delta_lora = None
         for i, layer in enumerate(self.layers):
             groups = lora_layers[i] if lora_layers is not None else {}
-            if delta is None:
-                x = ops.rms_norm(h, layer["input_layernorm"], eps)
-            else:
-                h, x = add_norm(h, delta, layer["input_layernorm"], delta_lora)
+            h, x, norm = pre_norm(h, delta, layer["input_layernorm"], delta_lora)
             (q, k, v), qkv_lora = self._group_gemm(
-                x, layer, ("q_proj", "k_proj", "v_proj"), groups, masks, row_slots, in_gemm
+                x, layer, ("q_proj", "k_proj", "v_proj"), groups, masks, row_slots, in_gemm, norm
             )
             k_cache, v_cache = kv_caches[i]
             rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
@@ -417,17 +435,22 @@ class LlamaModel:
             (o,), o_lora = self._group_gemm(attn, layer, ("o_proj",), groups, masks, row_slots, in_gemm)
             if settle and not tiled:
                 o_lora = _settle_expands((o,), o_lora, expand_ops)
-            h, x = add_norm(h, o, layer["post_attention_layernorm"], o_lora and o_lora[0])
+            h, x, norm = pre_norm(h, o, layer["post_attention_layernorm"], o_lora and o_lora[0])
             (gate, up), gu_lora = self._group_gemm(
-                x, layer, ("gate_proj", "up_proj"), groups, masks, row_slots, in_gemm
+                x, layer, ("gate_proj", "up_proj"), groups, masks, row_slots, in_gemm, norm
             )
-            if tiled and gu_lora is not None:
+            silu = None
+            if pro:  # the down GEMM computes SiLU(gate)·up itself
+                act, silu = gate, fd.SiluMulPrologue(up)
+            elif tiled and gu_lora is not None:
                 act = ops.silu_mul_expand(gate, up, gu_lora)
             else:
                 if settle:
                     gu_lora = _settle_expands((gate, up), gu_lora, expand_ops)
                 act = fd.silu_mul_lora(gate, up, gu_lora)
-            (delta,), d_lora = self._group_gemm(act, layer, ("down_proj",), groups, masks, row_slots, in_gemm)
+            (delta,), d_lora = self._group_gemm(
+                act, layer, ("down_proj",), groups, masks, row_slots, in_gemm, silu
+            )
             if settle and not tiled:
                 d_lora = _settle_expands((delta,), d_lora, expand_ops)
             delta_lora = d_lora and d_lora[0]
@@ -446,24 +469,28 @@ class LlamaModel:
         masks: dict[str, torch.Tensor],
         row_slots: torch.Tensor | None = None,
         in_gemm: bool = False,
+        prologue=None,
     ):
         """The projections `projs` of x and, when the adapter targets them, the group's shrink t = x·A_catᵀ
         (one launch for a small step), masked to each row's adapter slot (`masks`, `slot_masks`). Returns
         (outputs in `projs` order, one Expand or None per projection / None). `row_slots` (adapter slots, a
         step of the per-row kernels or `in_gemm`): Expands of one slot's rank that pick each row's slot.
         `in_gemm` (a skinny step, expand_in_gemm): the expands are added inside the same launch, and the
-        outputs come with them (no Expands returned)."""
+        outputs come with them (no Expands returned). `prologue` (gemm_prologue_rows: a skinny step): what x
+        becomes inside the launch first (fused_decode.NormPrologue, SiluMulPrologue)."""
         group = groups.get(projs[0])
         weights = [layer[p] for p in projs]
         if group is None:
-            return self._linear_many(x, weights), None
+            return self._linear_many(x, weights, prologue), None
         k = self.lora.num_slots if row_slots is not None else 1  # type: ignore[union-attr]
         if in_gemm:
             spec = {p: (off, rank // k, b_t) for p, off, rank, b_t in group.targets}
             expands = [spec.get(p) for p in projs]
-            _t, *outs = self.fused.seg_linear(x, [group.a_cat, *weights], expands, row_slots, self.seg_flags)
+            _t, *outs = self.fused.seg_linear(
+                x, [group.a_cat, *weights], expands, row_slots, self.seg_flags, prologue
+            )
             return outs, None
-        t, *outs = self._linear_many(x, [group.a_cat, *weights])
+        t, *outs = self._linear_many(x, [group.a_cat, *weights], prologue)
         mask = masks.get(projs[0])
         if mask is not None:
             t.mul_(mask)
@@ -472,11 +499,13 @@ class LlamaModel:
         }
         return outs, tuple(by_proj.get(p) for p in projs)
 
-    def _linear_many(self, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """[x·Wᵀ for each W]: one segmented skinny-GEMM launch for at most `skinny_gemm_rows` rows, else
-        cuBLAS."""
+    def _linear_many(self, x: torch.Tensor, weights: list[torch.Tensor], prologue=None) -> list[torch.Tensor]:
+        """[x·Wᵀ for each W]: one segmented skinny-GEMM launch for at most `skinny_gemm_rows` rows (with its
+        `prologue`, if any), else cuBLAS."""
         if x.shape[0] <= self.skinny_gemm_rows:
-            return self.fused.seg_linear(x, weights)
+            return self.fused.seg_linear(x, weights, prologue=prologue)
+        if prologue is not None:
+            raise ValueError(f"a GEMM prologue needs a skinny step, got {x.shape[0]} rows")
         return [F.linear(x, w) for w in weights]
 
 

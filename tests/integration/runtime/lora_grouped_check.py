@@ -101,17 +101,19 @@ def _forward(
     mode: str,
     skinny: int = 16,
     in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
+    prologue_rows: int = 0,
 ) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
     """(logits of every step, the KV cache after them, grouped expand launches: lora_expand, and on the
     fused path the kernels with a group's expand inside; q/k/v expands of steps above 16 rows inside the
     per-row RoPE kernel: in_kernels) of one model variant. `skinny` is EngineConfig.skinny_gemm_rows: 16
     here (not the default 64) so that the steps above 16 rows take cuBLAS + a shrink GEMM per group, the path
     of every step above skinny_gemm_rows; `_check_skinny` runs them through the segmented GEMM. `in_gemm`:
-    EngineConfig.expand_in_gemm (the steps of the segmented GEMM add their expands inside it)."""
+    EngineConfig.expand_in_gemm (the steps of the segmented GEMM add their expands inside it);
+    `prologue_rows`: EngineConfig.gemm_prologue_rows (gemm_prologue_check.py)."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
         use_triton_attention=triton, fused_decode=fused, lora_expand=mode, skinny_gemm_rows=skinny,
-        expand_in_gemm=in_gemm,
+        expand_in_gemm=in_gemm, gemm_prologue_rows=prologue_rows,
     )  # fmt: skip
     assert (model.fused is not None) == fused, "the fused path did not turn on"
     kv = KVCache(cfg, 8, 16, DEV, torch.float32)

@@ -30,6 +30,7 @@ def _key(**changes: object) -> dict:
         "skinny_gemm_rows": 16,
         "decode_attention": "simt",
         "expand_in_gemm": True,
+        "gemm_prologue_rows": 0,
         "buckets": [1, 2, 4],
         "max_blocks_per_seq": 64,
         "block_size": 16,

@@ -1,4 +1,5 @@
-"""EngineConfig.skinny_gemm_rows and decode_attention; the segmented GEMM tiles (fused_decode.seg_config)."""
+"""EngineConfig.skinny_gemm_rows, gemm_prologue_rows and decode_attention; the segmented GEMM tiles
+(fused_decode.seg_config)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from lorafn.runtime import EngineConfig
 from lorafn.runtime.config import (
     DECODE_ATTENTION_KERNELS,
     DEFAULT_DECODE_ATTENTION,
+    DEFAULT_GEMM_PROLOGUE_ROWS,
     DEFAULT_SKINNY_GEMM_ROWS,
     SKINNY_GEMM_MAX_ROWS,
 )
@@ -22,6 +24,18 @@ def test_rows_out_of_range_are_refused_naming_the_field(rows: int) -> None:
 def test_default_and_bounds_are_accepted() -> None:
     assert EngineConfig(model="m").skinny_gemm_rows == DEFAULT_SKINNY_GEMM_ROWS
     assert EngineConfig(model="m", skinny_gemm_rows=SKINNY_GEMM_MAX_ROWS).skinny_gemm_rows == 64
+
+
+@pytest.mark.parametrize("rows", [-1, SKINNY_GEMM_MAX_ROWS + 1])
+def test_prologue_rows_out_of_range_are_refused_naming_the_field(rows: int) -> None:
+    with pytest.raises(ValueError, match=rf"gemm_prologue_rows: must be in \[0, 64\], got {rows}"):
+        EngineConfig(model="m", gemm_prologue_rows=rows)
+
+
+def test_prologue_rows_default_and_bounds_are_accepted() -> None:
+    assert EngineConfig(model="m").gemm_prologue_rows == DEFAULT_GEMM_PROLOGUE_ROWS
+    for rows in (0, 1, SKINNY_GEMM_MAX_ROWS):
+        assert EngineConfig(model="m", gemm_prologue_rows=rows).gemm_prologue_rows == rows
 
 
 def test_seg_config_tiles() -> None:
