@@ -18,8 +18,10 @@ base's 6.66 ms replay, ~3 µs each whatever their size. Here a step of at most `
   (`triton_ops.add_rms_norm(..., lora=...)`).
 - or, with EngineConfig.expand_in_gemm, every expand inside `seg_linear` itself (`expands=`): the other
   programs wait for the shrink's and add t·B to their own columns (`_seg_gemm_kernel`), and the kernels above
-  get none; on an H200 the replay was 2-5.5% faster so (docs/benchmarks.md), off by default until its GPU
-  suite has run.
+  get none; on an H200 the replay was 2-5.5% faster so and TPOT 0.7-2.1% (docs/benchmarks.md): the default.
+- and, with EngineConfig.gemm_prologue_rows, `seg_linear(..., prologue=)` computes its own input from the
+  tensors the kernel before it read: the residual add + RMSNorm (`NormPrologue`) or SiLU·up
+  (`SiluMulPrologue`), so that a layer's norms and SiLU take no launch of their own.
 
 Rounding: each expand is summed in float32, added to its projection's output in float32 and rounded once to
 the activation dtype (as `addmm_` does on a CPU; cuBLAS's bf16 `addmm_` on the H100 appears to round the
@@ -29,13 +31,17 @@ product first, docs/runtime.md), and everything after it rounds as triton_ops do
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from lorafn.runtime.config import SKINNY_GEMM_MAX_ROWS
+
+log = logging.getLogger(__name__)
 
 MAX_TOKENS = 16  # rows of a step whose LoRA expands the per-row kernels below add (a decode step)
 MAX_GEMM_ROWS = SKINNY_GEMM_MAX_ROWS  # rows `seg_linear` takes (its tile height: 16, 32 or 64)
@@ -341,7 +347,7 @@ def seg_linear(
     model's `seg_flags`. `prologue`: what x becomes before the product (NormPrologue, SiluMulPrologue), each
     program computing it from x's tiles (the kernel's docstring)."""
     m, k = x.shape
-    code, x2, norm_w, h_out, eps = _prologue_args(prologue, x)
+    prologue_args = _prologue_args(prologue, x)
     if not 1 <= len(weights) <= MAX_SEGMENTS:
         raise ValueError(f"seg_linear: 1..{MAX_SEGMENTS} weights, got {len(weights)}")
     if expands is not None and (len(expands) != len(weights) - 1 or flags is None):
@@ -352,7 +358,6 @@ def seg_linear(
     config = seg_config(m, k, x.element_size())
     if m > MAX_GEMM_ROWS or config is None or x.stride(1) != 1:
         raise ValueError(f"seg_linear: x {tuple(x.shape)} stride {x.stride()} is not a supported shape")
-    block_m, bk, stages = config
     outs = [torch.empty(m, w.shape[0], device=x.device, dtype=x.dtype) for w in weights]
     ws = list(weights) + [weights[0]] * (MAX_SEGMENTS - len(weights))
     ys = outs + [outs[0]] * (MAX_SEGMENTS - len(outs))
@@ -362,37 +367,70 @@ def seg_linear(
     bts = [e[2] if e is not None else x for e in spec]
     offs = [e[0] if e is not None else 0 for e in spec]
     ranks = [e[1] if e is not None else 0 for e in spec]
-    _seg_gemm_kernel[grid](
-        x,
-        *ws,
-        *ys,
-        *ns,
-        m,
-        k,
-        x.stride(0),
-        flags if flags is not None else x,
-        row_slots if row_slots is not None else x,
-        *bts,
-        *offs,
-        *ranks,
-        x2,
-        x2.stride(0),
-        norm_w,
-        h_out,
-        eps,
-        EXPAND=expands is not None,
-        R=max(ranks),
-        SLOTTED=row_slots is not None,
-        RP=max(16, triton.next_power_of_2(max(ranks))),
-        BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=bk,
-        PRECISION=DOT_PRECISION[x.dtype],
-        num_warps=4,
-        num_stages=stages,
-        PROLOGUE=code,
-    )
-    return outs
+    rp = max(16, triton.next_power_of_2(max(ranks)))
+    code, x2, norm_w, h_out, eps = prologue_args
+
+    def launch(block_m: int, bk: int, stages: int) -> None:
+        _seg_gemm_kernel[grid](
+            x,
+            *ws,
+            *ys,
+            *ns,
+            m,
+            k,
+            x.stride(0),
+            flags if flags is not None else x,
+            row_slots if row_slots is not None else x,
+            *bts,
+            *offs,
+            *ranks,
+            x2,
+            x2.stride(0),
+            norm_w,
+            h_out,
+            eps,
+            EXPAND=expands is not None,
+            R=max(ranks),
+            SLOTTED=row_slots is not None,
+            RP=rp,
+            BLOCK_M=block_m,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=bk,
+            PRECISION=DOT_PRECISION[x.dtype],
+            num_warps=4,
+            num_stages=stages,
+            PROLOGUE=code,
+        )
+
+    variant = (config, code, expands is not None, row_slots is not None, rp, x.dtype, x.device)
+    config = _FITTED.get(variant, config)
+    while True:
+        try:
+            launch(*config)
+            return outs
+        except OutOfResources as err:  # raised by the compiler, before anything is launched
+            smaller = _smaller_tile(config)
+            if smaller is None:
+                raise
+            log.info("seg_linear: tile %s %s; taking %s", config, err, smaller)
+            _FITTED[variant] = config = smaller
+
+
+# seg_config's tile of a kernel variant -> the tile it runs with where that one did not fit the GPU's shared
+# memory (a prologue's tiles take more than seg_config counts: the norm's loop before the product's is
+# pipelined too, and its inputs take a second buffer)
+_FITTED: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _smaller_tile(config: tuple[int, int, int]) -> tuple[int, int, int] | None:
+    """The next smaller (BLOCK_M, BLOCK_K, num_stages): half the reduction tile (it still divides K) down
+    to 32 columns, then a stage fewer down to 2; None below that."""
+    block_m, bk, stages = config
+    if bk > 32:
+        return block_m, bk // 2, stages
+    if stages > 2:
+        return block_m, bk, stages - 1
+    return None
 
 
 def _prologue_args(
