@@ -595,8 +595,9 @@ def print_prologue(f: dict, batches: list[int]) -> None:
     if rows is None:
         return
     ms, floor = 1e3, f["hbm_floor_tpot_s"]
-    print(f"\nnorms and SiLU·up inside the skinny GEMMs up to {rows} rows (gemm_prologue_rows; default ")
-    print(f"{f['gemm_prologue_rows']}): TPOT ms (over the HBM floor), the LoRA overhead, and with / without")
+    default = f["gemm_prologue_rows"]
+    print(f"\nnorms and SiLU·up inside the skinny GEMMs up to {rows} rows (gemm_prologue_rows; default")
+    print(f"{default}): TPOT ms (over the HBM floor), the LoRA overhead, base / LoRA over the default's")
     for b in batches:
         base, lora = f["base"]["tpot_s"][b], f["lora"]["tpot_s"][b]
         pb, pl = f["base_prologue"]["tpot_s"][b], f["lora_prologue"]["tpot_s"][b]

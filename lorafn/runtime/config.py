@@ -60,8 +60,10 @@ DEFAULT_EXPAND_IN_GEMM = True
 # (EngineConfig.gemm_prologue_rows): the residual add + RMSNorm before q/k/v and gate/up, SiLU·up before down
 # (fused_decode.NormPrologue, SiluMulPrologue), 3 launches a layer fewer (96 of ~290 a 7B decode step). Each
 # program reads its input's tiles twice for a norm (the sum of squares, then the product), so it costs L2
-# reads that grow with the rows. 0 (off) until measured on a GPU: on an H200 at batch 1 (decode_profile at
-# 33d60cb) these kernels took 145 + 48 µs of a 4.18 ms replay, beside the gaps between launches.
+# reads that grow with the rows. 0 (off): on an H200 (decode_profile, twenty-fifth session,
+# docs/benchmarks.md) the GEMMs with prologues took 2.0x their time at batch 1 and 2-4.7x at 8-64 (255
+# registers a thread, spills), far more than the 145 + 48 µs the norm and SiLU kernels took of a 4.15 ms
+# replay.
 DEFAULT_GEMM_PROLOGUE_ROWS = 0
 
 

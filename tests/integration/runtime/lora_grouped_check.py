@@ -167,9 +167,9 @@ def _check_skinny(
     the expands inside the segmented GEMMs (expand_in_gemm; then every group's launch carries them)."""
     real_seg, seg_rows = fused_decode.seg_linear, []
 
-    def seg_counted(x, weights, expands=None, *rest):
+    def seg_counted(x, weights, expands=None, *rest, **kw):
         seg_rows.append((x.shape[0], expands is not None))
-        return real_seg(x, weights, expands, *rest)
+        return real_seg(x, weights, expands, *rest, **kw)
 
     groups = sum(len(layer) for layer in lora.layers)
     fused_decode.seg_linear = seg_counted
