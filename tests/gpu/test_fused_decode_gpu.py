@@ -292,7 +292,14 @@ def test_fused_forward_matches_unfused(tiny_setup, dtype, adapter, mode, skinny,
     (EngineConfig.expand_in_gemm): the skinny steps add their expands inside the GEMMs."""
     model_dir, cfg, adapters = tiny_setup
     path = adapters[adapter] if adapter else None
-    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True, mode, skinny, in_gemm)
+    fused = _run(model_dir, cfg, path, dtype, True, mode, skinny, in_gemm)
+    _assert_like_unfused(fused, model_dir, cfg, path, dtype, mode)
+
+
+def _assert_like_unfused(fused, model_dir: Path, cfg: ModelConfig, path: Path | None, dtype, mode) -> None:
+    """`fused` (_run's result) against the unfused forward of `mode`: float32 within 1e-4; bf16 no further
+    from the float32 forward than the unfused bf16 one (x1.5 + 1e-3), step by step and the KV cache."""
+    fused_logits, fused_kv = fused
     plain_logits, plain_kv = _run(model_dir, cfg, path, dtype, False, mode)
     if dtype == torch.float32:
         for i, (a, b) in enumerate(zip(fused_logits, plain_logits, strict=True)):
@@ -314,19 +321,8 @@ def test_fused_forward_with_gemm_prologue_matches_unfused(tiny_setup, dtype, ada
     the expands too): held to the unfused forward as test_fused_forward_matches_unfused holds the fused."""
     model_dir, cfg, adapters = tiny_setup
     path = adapters[adapter] if adapter else None
-    fused_logits, fused_kv = _run(model_dir, cfg, path, dtype, True, "hybrid", 64, True, 64)
-    plain_logits, plain_kv = _run(model_dir, cfg, path, dtype, False, "hybrid")
-    if dtype == torch.float32:
-        for i, (a, b) in enumerate(zip(fused_logits, plain_logits, strict=True)):
-            assert _rel(a, b) < 1e-4, f"step {i}"
-        assert _rel(fused_kv, plain_kv) < 1e-4
-        return
-    ref_logits, ref_kv = _run(model_dir, cfg, path, torch.float32, False)
-    for i, (a, b, r) in enumerate(zip(fused_logits, plain_logits, ref_logits, strict=True)):
-        assert _rel(a, r) <= 1.5 * _rel(b, r) + 1e-3, (
-            f"step {i}: fused {_rel(a, r):.4f}, unfused {_rel(b, r):.4f}"
-        )
-    assert _rel(fused_kv, ref_kv) <= 1.5 * _rel(plain_kv, ref_kv) + 1e-3
+    fused = _run(model_dir, cfg, path, dtype, True, "hybrid", 64, True, 64)
+    _assert_like_unfused(fused, model_dir, cfg, path, dtype, "hybrid")
 
 
 def test_fused_engine_tokens_equal_unfused_fp32(tiny_setup) -> None:

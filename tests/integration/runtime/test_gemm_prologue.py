@@ -6,17 +6,11 @@ work in a child (TRITON_INTERPRET must be set before triton is imported); ~3-5 m
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.runtime.engine_helpers import write_hf_model, write_peft_adapter
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.integration.runtime.interpreted import run_model_check
 
 pytestmark = pytest.mark.timeout(1200)  # interpreted Triton, CPU-bound (as test_lora_grouped.py)
 
@@ -27,28 +21,11 @@ ADAPTERS = {
 
 
 def test_gemm_prologue_equals_torch(tiny_model_dir: Path, tmp_path: Path) -> None:
-    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
-        pytest.skip("Triton wheels exist for Linux x86-64 only")
-    import triton  # noqa: F401  (a dev dependency on Linux x86-64: its absence is a failure there)
-
-    model = write_hf_model(tmp_path / "m", tiny_model_dir, "llama")
-    args = [str(model)]
-    for i, (name, kwargs) in enumerate(ADAPTERS.items()):
-        args.append(f"{name}={write_peft_adapter(model, tmp_path / name, seed=31 + i, **kwargs)}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.runtime.gemm_prologue_check", *args],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=1150,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
-        proc.stdout[-2000:] + proc.stderr[-4000:]
-    )
+    module = "tests.integration.runtime.gemm_prologue_check"
+    stdout = run_model_check(module, tiny_model_dir, tmp_path, ADAPTERS, [], seed=31)
     for name in ("base", *ADAPTERS):
-        assert f"{name} gemm_prologue_rows=64: as the torch forward" in proc.stdout, proc.stdout
-        assert f"{name} gemm_prologue_rows=1: as the torch forward (the one-row step alone" in proc.stdout
+        assert f"{name} gemm_prologue_rows=64: as the torch forward" in stdout, stdout
+        assert f"{name} gemm_prologue_rows=1: as the torch forward (the one-row step alone" in stdout
     for name in ADAPTERS:
         line = f"{name} gemm_prologue_rows=64, expands in the per-row kernels: as the torch forward, none"
-        assert line in proc.stdout, proc.stdout
+        assert line in stdout, stdout

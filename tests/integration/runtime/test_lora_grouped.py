@@ -11,18 +11,12 @@ and a few more for the slots."""
 
 from __future__ import annotations
 
-import os
-import platform
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.runtime.engine_helpers import write_hf_model, write_peft_adapter
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.integration.runtime.interpreted import run_model_check
 
 # The interpreted check is CPU-bound (each Triton kernel run by numpy): on a loaded 2-core machine it ran past
 # its old 580 s once (a CI run here, 2026-12-01, beside other tests), so it gets a bound of its own.
@@ -45,26 +39,8 @@ ADAPTERS = {
 
 def _check(tiny_model_dir: Path, tmp_path: Path, adapters: dict, flags: list[str]) -> str:
     """Runs lora_grouped_check in a child with Triton's interpreter; its stdout (ending in "ok")."""
-    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
-        pytest.skip("Triton wheels exist for Linux x86-64 only")
-    import triton  # noqa: F401  (a dev dependency on Linux x86-64: its absence is a failure there)
-
-    model = write_hf_model(tmp_path / "m", tiny_model_dir, "llama")
-    args = [*flags, str(model)]
-    for i, (name, kwargs) in enumerate(adapters.items()):
-        args.append(f"{name}={write_peft_adapter(model, tmp_path / name, seed=11 + i, **kwargs)}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.runtime.lora_grouped_check", *args],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=1150,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
-        proc.stdout[-2000:] + proc.stderr[-4000:]
-    )
-    return proc.stdout
+    module = "tests.integration.runtime.lora_grouped_check"
+    return run_model_check(module, tiny_model_dir, tmp_path, adapters, flags, seed=11)
 
 
 def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Path) -> None:
