@@ -712,7 +712,7 @@ def print_table(f: dict, batches: list[int], tiny: bool) -> None:
     for name, r in loras:
         print(f"  TTFT lora/base, {name}: {r['ttft_s'] / f['base']['ttft_s']:.3f}")
     print(
-        f"  TPOT@1 lora / HBM floor: {f['lora']['tpot_s'][batches[0]] / f['hbm_floor_tpot_s']:.2f}"
+        f"  TPOT@{batches[0]} lora / HBM floor: {f['lora']['tpot_s'][batches[0]] / f['hbm_floor_tpot_s']:.2f}"
         f"  (base: {f['base']['tpot_s'][batches[0]] / f['hbm_floor_tpot_s']:.2f})"
     )
     for b in batches:
