@@ -47,6 +47,7 @@ from engine import ResidentSource, copy_bandwidth, random_prompts
 from lorafn.runtime import Engine, EngineConfig, SamplingParams
 from lorafn.runtime.config import ModelConfig
 from lorafn.runtime.lora import write_random_adapter
+from lorafn.runtime.models import fused_decode
 
 
 def _family(name: str) -> str:
@@ -310,13 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             bc, bu = base.get(fam, (0, 0.0))
             lc, lu = lora.get(fam, (0, 0.0))
             print(f"  {fam[:64]:64} {bc:5d} {bu:9.1f} | {lc:5d} {lu:9.1f}")
-    from lorafn.runtime.models import fused_decode
-
     # the skinny GEMM's tiles that did not fit the GPU's shared memory, and the ones taken instead
-    figures["fitted_tiles"] = [
-        {"tile": list(v[0]), "prologue": v[1], "expands": v[2], "fitted": list(t)}
-        for v, t in fused_decode._FITTED.items()
-    ]
+    figures["fitted_tiles"] = fused_decode.fitted_tiles()
     for f in figures["fitted_tiles"]:
         what = f"prologue {f['prologue']}, expands {f['expands']}"
         print(f"seg_linear tile {f['tile']} ({what}) did not fit: {f['fitted']}")

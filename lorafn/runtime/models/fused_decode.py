@@ -347,7 +347,7 @@ def seg_linear(
     model's `seg_flags`. `prologue`: what x becomes before the product (NormPrologue, SiluMulPrologue), each
     program computing it from x's tiles (the kernel's docstring)."""
     m, k = x.shape
-    prologue_args = _prologue_args(prologue, x)
+    code, x2, norm_w, h_out, eps = _prologue_args(prologue, x)
     if not 1 <= len(weights) <= MAX_SEGMENTS:
         raise ValueError(f"seg_linear: 1..{MAX_SEGMENTS} weights, got {len(weights)}")
     if expands is not None and (len(expands) != len(weights) - 1 or flags is None):
@@ -368,7 +368,6 @@ def seg_linear(
     offs = [e[0] if e is not None else 0 for e in spec]
     ranks = [e[1] if e is not None else 0 for e in spec]
     rp = max(16, triton.next_power_of_2(max(ranks)))
-    code, x2, norm_w, h_out, eps = prologue_args
 
     def launch(block_m: int, bk: int, stages: int) -> None:
         _seg_gemm_kernel[grid](
@@ -416,10 +415,19 @@ def seg_linear(
             _FITTED[variant] = config = smaller
 
 
-# seg_config's tile of a kernel variant -> the tile it runs with where that one did not fit the GPU's shared
-# memory (a prologue's tiles take more than seg_config counts: the norm's loop before the product's is
-# pipelined too, and its inputs take a second buffer)
+# (seg_config's tile, PROLOGUE, expands, slotted, RP, dtype, device) -> the tile that variant runs with
+# where seg_config's did not fit the GPU's shared memory (seg_config counts the product's tiles only; on the
+# H200 the SiLU prologue's (64, 256, 4) needed 262144 of 232448 bytes)
 _FITTED: dict[tuple, tuple[int, int, int]] = {}
+
+
+def fitted_tiles() -> list[dict]:
+    """The tiles `seg_linear` shrank to fit so far in this process (bench/decode_profile.py prints them):
+    seg_config's tile, the variant's PROLOGUE code and whether it had expands, and the tile it runs with."""
+    return [
+        {"tile": list(key[0]), "prologue": key[1], "expands": key[2], "fitted": list(tile)}
+        for key, tile in _FITTED.items()
+    ]
 
 
 def _smaller_tile(config: tuple[int, int, int]) -> tuple[int, int, int] | None:

@@ -52,6 +52,9 @@ def test_a_refused_tile_is_shrunk_and_remembered(compiler) -> None:
     (y,) = fd.seg_linear(x, [w], prologue=fd.SiluMulPrologue(torch.randn(40, 4096)))
     assert torch.equal(y, torch.ones(40, 64))
     assert c.tried == [(64, 128, 3), (64, 64, 3)] and c.ran == [(64, 64, 3)]
+    silu = fd.PRO_SILU_MUL.value
+    fitted = {"tile": [64, 128, 3], "prologue": silu, "expands": False, "fitted": [64, 64, 3]}
+    assert fd.fitted_tiles() == [fitted]
     fd.seg_linear(x, [w], prologue=fd.SiluMulPrologue(torch.randn(40, 4096)))  # the fitted tile at once
     assert c.tried[2:] == [(64, 64, 3)]
     fd.seg_linear(x, [w])  # another variant (no prologue) starts from seg_config's tile again
