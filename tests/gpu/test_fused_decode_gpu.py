@@ -60,7 +60,8 @@ def test_seg_linear_matches_linear(dtype, tol, rows) -> None:
 def test_seg_linear_prologue_matches_separate_kernels(dtype, rows) -> None:
     """The norm / SiLU·up inside the GEMM (compiled) against triton_ops' kernels then seg_linear: the
     residual it writes bit for bit, the outputs within bf16's rounding (the norm's float32 sum runs tile by
-    tile in the GEMM) or 1e-5 in float32, with the expands inside too and its counters left at zero."""
+    tile in the GEMM) or 1e-5 in float32, with the expands inside too (the counter zeroed before each
+    launch)."""
     from lorafn.runtime.models import fused_decode as fd
     from lorafn.runtime.models import triton_ops
 
@@ -89,14 +90,19 @@ def test_seg_linear_prologue_matches_separate_kernels(dtype, rows) -> None:
             (fd.SiluMulPrologue(up), triton_ops.silu_mul(h, up)),
         ]
         for prologue, x in paths:
-            got = fd.seg_linear(h, ws, expands, None, fl, prologue)
-            want = fd.seg_linear(x, ws, expands, None, fl)
+            got = fd.seg_linear(h, ws, expands, None, _zeroed(fl), prologue)
+            if fl is not None:  # the launch counted its shrink programs
+                assert fl.item() == fd.shrink_programs(ws[0].shape[0])
+            want = fd.seg_linear(x, ws, expands, None, _zeroed(fl))
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 assert _rel(g, w) < tol, (type(prologue).__name__, k, i, _rel(g, w))
-            if fl is not None:
-                assert fl.tolist() == [0, 0]
         torch.cuda.synchronize()
         assert torch.equal(residual, res)
+
+
+def _zeroed(flags):
+    """A launch's counter zeroed first (seg_linear's contract with expands); None stays None."""
+    return flags.zero_() if flags is not None else None
 
 
 def _expand_reference(x, a_cat, weights, expands, row_slots):
@@ -120,7 +126,7 @@ def _expand_reference(x, a_cat, weights, expands, row_slots):
 def test_seg_linear_with_expands_matches_torch_also_in_a_graph(dtype, tol, rows, slots) -> None:
     """The q/k/v group of a 7B (r16 on q and v, none on k) with its expands inside the skinny GEMM
     (expand_in_gemm): as torch, eagerly and in a CUDA graph replayed on new inputs (the counters the
-    programs wait on reset themselves), with and without adapter slots."""
+    programs wait on zeroed in the graph before the launch), with and without adapter slots."""
     from lorafn.runtime.models import fused_decode as fd
 
     gen = torch.Generator(device="cuda").manual_seed(rows + slots)
@@ -139,13 +145,14 @@ def test_seg_linear_with_expands_matches_torch_also_in_a_graph(dtype, tol, rows,
     x = rand(rows, 4096)
 
     def launch():
+        flags.zero_()  # as the model zeroes its counters at a step's start (a node of the graph too)
         return fd.seg_linear(x, [a_cat, *weights], expands, row_slots, flags)[1:]
 
     def check(outs):
         want = _expand_reference(x, a_cat, weights, expands, row_slots)
         for got, ref in zip(outs, want, strict=True):
             assert _rel(got, ref) < tol
-        assert flags.tolist() == [0, 0]
+        assert flags.tolist() == [fd.shrink_programs(a_cat.shape[0])]
 
     check(launch())
     graph = torch.cuda.CUDAGraph()

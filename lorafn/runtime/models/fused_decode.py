@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 MAX_TOKENS = 16  # rows of a step whose LoRA expands the per-row kernels below add (a decode step)
 MAX_GEMM_ROWS = SKINNY_GEMM_MAX_ROWS  # rows `seg_linear` takes (its tile height: 16, 32 or 64)
 BLOCK_N = 32  # output rows (features) per program
+# rows of A_cat per shrink program of a skinny GEMM with its expands inside: half a tile, so that the shrink's
+# programs finish first and the others find t ready when their products end (`_seg_gemm_kernel`); on the H200
+# 16 was at least as fast as 32 at 1-64 rows and faster than 8 at 1-16 (bench/seg_expand_probe.py --shrink-n)
+SHRINK_N = 16
 MAX_SEGMENTS = 4
 # `_seg_gemm_kernel`'s PROLOGUE: what its input X becomes before the product (`seg_linear(..., prologue=)`)
 PRO_NONE, PRO_NORM, PRO_ADD_NORM, PRO_SILU_MUL = (tl.constexpr(code) for code in range(4))
@@ -139,6 +143,7 @@ def _seg_gemm_kernel(
     SLOTTED: tl.constexpr = False,
     RP: tl.constexpr = 16,
     PROLOGUE: tl.constexpr = 0,
+    SHRINK_N: tl.constexpr = 32,
 ):
     """Y_i = X·W_iᵀ for each segment i, one program per BLOCK_N output features of one segment.
 
@@ -148,13 +153,19 @@ def _seg_gemm_kernel(
     rounded first to Y's dtype as the per-row kernels get it, the sum rounded once (one adapter: t's tile
     times the B tile as one tl.dot, B read before the product's loop; slots: rank by rank).
 
-    The shrink's programs are the grid's first: each stores its tile of t, then counts itself into
-    FLAGS[0] (a release at GPU scope after a CTA barrier); the others compute their product, wait until
-    every shrink program has counted (acquire), read t from L2 and add the expand, then draw a ticket from
-    FLAGS[1]; the last resets both counters for the next launch. Programs are dispatched in grid order, so
-    the shrink's run first (or with) the waiting ones and the wait ends; each waiting program reads only
-    its BLOCK_N columns of B, so the expands are spread over the whole grid instead of one program per
-    row.
+    The shrink's programs are the grid's first, SHRINK_N rows of A_cat each (fewer than BLOCK_N, so that
+    they finish before the others): each stores its tile of t, then counts itself into FLAGS[0] (a release
+    at GPU scope after a CTA barrier); the others compute their product, wait until every shrink program
+    has counted (acquire), read t from L2 and add the expand. FLAGS[0] must be zero when the launch starts
+    and is left at the number of shrink programs: whoever launches again on it zeroes it first, in stream
+    order (the model zeroes all its counters at once at the start of a step, one fill). A counter left
+    stale makes the waits pass early (wrong t, never a hang); nothing in the launch resets it, so its
+    programs end as the base GEMM's do, with no ticket to draw at the end (the form before the
+    twenty-sixth session drew one to reset itself, a round trip to L2 at every waiting program's end:
+    +1.2-2.4 µs a launch over the base GEMM against +0.4-1.3 now, bench/seg_expand_probe.py). Programs
+    are dispatched in grid order, so the shrink's run first (or with) the waiting ones and the wait ends;
+    each waiting program reads only its BLOCK_N columns of B, so the expands are spread over the whole grid
+    instead of one program per row.
 
     PROLOGUE (`seg_linear(..., prologue=...)`, EngineConfig.gemm_prologue_rows): what X becomes before the
     product, computed by every program from X's tiles as triton_ops' kernels would have written it (same
@@ -162,7 +173,7 @@ def _seg_gemm_kernel(
     RMSNorm(X + X2)·NORM_W, the program of pid 0 also storing X + X2 (the residual) to H_OUT; PRO_SILU_MUL,
     SiLU(X)·X2. The norms read X (and X2) twice: once for the sum of squares, once in the product's loop."""
     pid = tl.program_id(0)
-    end0 = tl.cdiv(N0, BLOCK_N)
+    end0 = tl.cdiv(N0, SHRINK_N)  # SHRINK_N == BLOCK_N without expands
     end1 = end0 + tl.cdiv(N1, BLOCK_N)
     end2 = end1 + tl.cdiv(N2, BLOCK_N)
     w = W0
@@ -196,10 +207,13 @@ def _seg_gemm_kernel(
         bt = BT3
         off = OFF3
         rank = RANK3
-    rn = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # a shrink program takes SHRINK_N rows of A_cat, the rest of its BLOCK_N-row tile masked off (not read)
+    shrink = pid < end0
+    cols = tl.arange(0, BLOCK_N)
+    rn = tl.where(shrink, pid * SHRINK_N, (pid - first) * BLOCK_N) + cols
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < n
+    n_ok = (rn < n) & (cols < tl.where(shrink, SHRINK_N, BLOCK_N))
     m_ok = rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EXPAND and not SLOTTED:  # this program's columns of B, read while the product streams W
@@ -276,10 +290,6 @@ def _seg_gemm_kernel(
             )
             out += tl.dot(t_tile, b_tile, input_precision=PRECISION)
         tl.store(y + rm[:, None] * n + rn[None, :], out.to(dt), mask=out_mask)
-        ticket = tl.atomic_add(FLAGS + 1, 1, sem="relaxed", scope="gpu")
-        if ticket == tl.num_programs(0) - end0 - 1:  # the last: every program has passed its wait
-            tl.atomic_xchg(FLAGS, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(FLAGS + 1, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -321,12 +331,21 @@ def seg_config(m: int, k: int, element_size: int = 2) -> tuple[int, int, int] | 
     return block_m, bk, stages
 
 
-def seg_flags(device: torch.device | str) -> torch.Tensor:
-    """The two int32 counters `seg_linear(..., expands=...)` synchronizes its programs with (zero between
-    launches; each launch leaves them zero). Launches in stream order may share them; two launches that can
-    run at once may not. Made once per model, before any CUDA graph capture (their address is in the
-    graphs)."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
+def seg_flags(device: torch.device | str, sites: int = 1) -> torch.Tensor:
+    """[sites] int32 counters for `seg_linear(..., expands=...)`, one per launch between two zeroings: a
+    launch counts its shrink programs into its counter (`seg_linear`'s flags: one element of these), which
+    must be zero when it starts. The model keeps one per expand launch of a step (its layers' LoRA groups)
+    and zeroes them all at the start of each step (one memset, in stream order before the step's launches).
+    Made once per model, before any CUDA graph capture (their address is in the graphs)."""
+    if sites < 1:
+        raise ValueError(f"seg_flags: at least one counter, got {sites}")
+    return torch.zeros(sites, dtype=torch.int32, device=device)
+
+
+def shrink_programs(shrink_rows: int, shrink_n: int | None = None) -> int:
+    """The programs of `seg_linear`'s shrink (A_cat's rows / SHRINK_N): what a launch with expands leaves in
+    its counter."""
+    return triton.cdiv(shrink_rows, shrink_n or SHRINK_N)
 
 
 def seg_linear(
@@ -336,6 +355,7 @@ def seg_linear(
     row_slots: torch.Tensor | None = None,
     flags: torch.Tensor | None = None,
     prologue: Prologue | None = None,
+    shrink_n: int | None = None,
 ) -> list[torch.Tensor]:
     """[x·W_iᵀ for each W_i] in one launch; x [M, K] (rows may be strided, M <= MAX_GEMM_ROWS), each W_i
     [N_i, K] contiguous. Returns contiguous [M, N_i] tensors.
@@ -343,8 +363,10 @@ def seg_linear(
     `expands` (LoRA, one group): weights[0] is the group's A_cat (its output the shrink t), and each other
     weight's (offset, rank, b_t) or None: its expand t[:, offset:offset+rank]·b_t is added inside the same
     launch (the kernel's docstring), rounded as the per-row kernels add it. `row_slots` ([M] int64, adapter
-    slots): rank is one slot's, b_t holds every slot's rows, each row reads its own slot's. `flags`: the
-    model's `seg_flags`. `prologue`: what x becomes before the product (NormPrologue, SiluMulPrologue), each
+    slots): rank is one slot's, b_t holds every slot's rows, each row reads its own slot's. `flags`: one
+    int32 counter (an element of `seg_flags`), zero when the launch starts; the launch leaves it at
+    `shrink_programs(A_cat rows)`. `shrink_n`: A_cat rows per shrink program (default SHRINK_N; a bench
+    knob). `prologue`: what x becomes before the product (NormPrologue, SiluMulPrologue), each
     program computing it from x's tiles (the kernel's docstring)."""
     m, k = x.shape
     code, x2, norm_w, h_out, eps = _prologue_args(prologue, x)
@@ -355,6 +377,14 @@ def seg_linear(
             f"seg_linear: {len(weights)} weights take {len(weights) - 1} expands and the model's flags, "
             f"got {len(expands)} expands, flags {flags is not None}"
         )
+    if flags is not None and (flags.dtype != torch.int32 or flags.numel() < 1 or flags.device != x.device):
+        raise ValueError(
+            f"seg_linear: flags must be an int32 counter on {x.device}, got {flags.dtype} "
+            f"{tuple(flags.shape)} on {flags.device}"
+        )
+    shrink_n = (shrink_n or SHRINK_N) if expands is not None else BLOCK_N
+    if not 1 <= shrink_n <= BLOCK_N or shrink_n & (shrink_n - 1):
+        raise ValueError(f"seg_linear: shrink_n must be a power of two in 1..{BLOCK_N}, got {shrink_n}")
     config = seg_config(m, k, x.element_size())
     if m > MAX_GEMM_ROWS or config is None or x.stride(1) != 1:
         raise ValueError(f"seg_linear: x {tuple(x.shape)} stride {x.stride()} is not a supported shape")
@@ -362,7 +392,7 @@ def seg_linear(
     ws = list(weights) + [weights[0]] * (MAX_SEGMENTS - len(weights))
     ys = outs + [outs[0]] * (MAX_SEGMENTS - len(outs))
     ns = [w.shape[0] for w in weights] + [0] * (MAX_SEGMENTS - len(weights))
-    grid = (sum(triton.cdiv(n, BLOCK_N) for n in ns),)
+    grid = (triton.cdiv(ns[0], shrink_n) + sum(triton.cdiv(n, BLOCK_N) for n in ns[1:]),)
     spec = list(expands or ()) + [None] * (MAX_SEGMENTS - 1 - len(expands or ()))
     bts = [e[2] if e is not None else x for e in spec]
     offs = [e[0] if e is not None else 0 for e in spec]
@@ -399,9 +429,10 @@ def seg_linear(
             num_warps=4,
             num_stages=stages,
             PROLOGUE=code,
+            SHRINK_N=shrink_n,
         )
 
-    variant = (config, code, expands is not None, row_slots is not None, rp, x.dtype, x.device)
+    variant = (config, code, expands is not None, row_slots is not None, rp, x.dtype, x.device, shrink_n)
     config = _FITTED.get(variant, config)
     while True:
         try:
@@ -415,9 +446,9 @@ def seg_linear(
             _FITTED[variant] = config = smaller
 
 
-# (seg_config's tile, PROLOGUE, expands, slotted, RP, dtype, device) -> the tile that variant runs with
-# where seg_config's did not fit the GPU's shared memory (seg_config counts the product's tiles only; on the
-# H200 the SiLU prologue's (64, 256, 4) needed 262144 of 232448 bytes)
+# (seg_config's tile, PROLOGUE, expands, slotted, RP, dtype, device, SHRINK_N) -> the tile that variant runs
+# with where seg_config's did not fit the GPU's shared memory (seg_config counts the product's tiles only; on
+# the H200 the SiLU prologue's (64, 256, 4) needed 262144 of 232448 bytes)
 _FITTED: dict[tuple, tuple[int, int, int]] = {}
 
 

@@ -26,7 +26,7 @@ from lorafn.runtime.config import (
     ModelConfig,
     expand_modes,
 )
-from lorafn.runtime.lora import LoRAGroup, LoRAWeights, slot_masks
+from lorafn.runtime.lora import SHRINK_GROUPS, LoRAGroup, LoRAWeights, slot_masks
 from lorafn.runtime.weights import WeightSource
 
 
@@ -210,9 +210,12 @@ class LlamaModel:
             no_bias = all(v is None for layer in self.layers for k, v in layer.items() if k.endswith(".bias"))
             if no_bias and all(fd.block_k(w) is not None for w in widths) and dtype in fd.DOT_PRECISION:
                 self.fused = fd
-                # the counters of the skinny GEMMs that add their expands inside (made now: before any
-                # capture, in the arena's state pool when there is one; graphs hold their address)
-                self.seg_flags = fd.seg_flags(device) if expand_in_gemm else None
+                # the counters of the skinny GEMMs that add their expands inside, one per (layer, GEMM
+                # group) and zeroed at each step's start (made now: before any capture, in the arena's
+                # state pool when there is one; graphs hold their address)
+                self.seg_flags = (
+                    fd.seg_flags(device, len(self.layers) * len(SHRINK_GROUPS)) if expand_in_gemm else None
+                )
 
     def weight_bytes(self) -> int:
         """Bytes of backbone weights one decode step reads: every layer, the final norm and the LM head
@@ -363,6 +366,8 @@ class LlamaModel:
         # a step whose GEMMs are skinny ones adds its expands inside them (expand_in_gemm): the kernels
         # that follow get none, so `settle` and `mode` below change nothing for it
         in_gemm = self.expand_in_gemm and num_rows <= self.skinny_gemm_rows
+        if in_gemm and lora_layers is not None:
+            self.seg_flags.zero_()  # type: ignore[union-attr]  (each GEMM's counter: zero when it starts)
         # a large step keeps its expands out of the per-row decode kernels (each of their programs reads its
         # rank rows of B again: B's bytes x rows) unless the mode is in_kernels
         settle = num_rows > fd.MAX_TOKENS and mode != "in_kernels"
@@ -411,7 +416,7 @@ class LlamaModel:
             groups = lora_layers[i] if lora_layers is not None else {}
             h, x, norm = pre_norm(h, delta, layer["input_layernorm"], delta_lora)
             (q, k, v), qkv_lora = self._group_gemm(
-                x, layer, ("q_proj", "k_proj", "v_proj"), groups, masks, row_slots, in_gemm, norm
+                x, layer, SHRINK_GROUPS[0], groups, masks, row_slots, in_gemm, norm, site=(i, 0)
             )
             k_cache, v_cache = kv_caches[i]
             rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
@@ -432,12 +437,14 @@ class LlamaModel:
                 batch.slot_mapping,
             )
             attn = self._attend(q, k, v, batch, k_cache, v_cache)
-            (o,), o_lora = self._group_gemm(attn, layer, ("o_proj",), groups, masks, row_slots, in_gemm)
+            (o,), o_lora = self._group_gemm(
+                attn, layer, SHRINK_GROUPS[1], groups, masks, row_slots, in_gemm, site=(i, 1)
+            )
             if settle and not tiled:
                 o_lora = _settle_expands((o,), o_lora, expand_ops)
             h, x, norm = pre_norm(h, o, layer["post_attention_layernorm"], o_lora and o_lora[0])
             (gate, up), gu_lora = self._group_gemm(
-                x, layer, ("gate_proj", "up_proj"), groups, masks, row_slots, in_gemm, norm
+                x, layer, SHRINK_GROUPS[2], groups, masks, row_slots, in_gemm, norm, site=(i, 2)
             )
             silu = None
             if pro:  # the down GEMM computes SiLU(gate)·up itself
@@ -449,7 +456,7 @@ class LlamaModel:
                     gu_lora = _settle_expands((gate, up), gu_lora, expand_ops)
                 act = fd.silu_mul_lora(gate, up, gu_lora)
             (delta,), d_lora = self._group_gemm(
-                act, layer, ("down_proj",), groups, masks, row_slots, in_gemm, silu
+                act, layer, SHRINK_GROUPS[3], groups, masks, row_slots, in_gemm, silu, site=(i, 3)
             )
             if settle and not tiled:
                 d_lora = _settle_expands((delta,), d_lora, expand_ops)
@@ -470,6 +477,7 @@ class LlamaModel:
         row_slots: torch.Tensor | None = None,
         in_gemm: bool = False,
         prologue=None,
+        site: tuple[int, int] = (0, 0),
     ):
         """The projections `projs` of x and, when the adapter targets them, the group's shrink t = x·A_catᵀ
         (one launch for a small step), masked to each row's adapter slot (`masks`, `slot_masks`). Returns
@@ -477,7 +485,8 @@ class LlamaModel:
         step of the per-row kernels or `in_gemm`): Expands of one slot's rank that pick each row's slot.
         `in_gemm` (a skinny step, expand_in_gemm): the expands are added inside the same launch, and the
         outputs come with them (no Expands returned). `prologue` (gemm_prologue_rows: a skinny step): what x
-        becomes inside the launch first (fused_decode.NormPrologue, SiluMulPrologue)."""
+        becomes inside the launch first (fused_decode.NormPrologue, SiluMulPrologue). `site` (layer, index in
+        SHRINK_GROUPS): which of `seg_flags` an in_gemm launch counts into."""
         group = groups.get(projs[0])
         weights = [layer[p] for p in projs]
         if group is None:
@@ -486,9 +495,9 @@ class LlamaModel:
         if in_gemm:
             spec = {p: (off, rank // k, b_t) for p, off, rank, b_t in group.targets}
             expands = [spec.get(p) for p in projs]
-            _t, *outs = self.fused.seg_linear(
-                x, [group.a_cat, *weights], expands, row_slots, self.seg_flags, prologue
-            )
+            j = site[0] * len(SHRINK_GROUPS) + site[1]
+            flags = self.seg_flags[j : j + 1]  # type: ignore[index]
+            _t, *outs = self.fused.seg_linear(x, [group.a_cat, *weights], expands, row_slots, flags, prologue)
             return outs, None
         t, *outs = self._linear_many(x, [group.a_cat, *weights], prologue)
         mask = masks.get(projs[0])

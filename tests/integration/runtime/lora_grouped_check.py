@@ -164,12 +164,17 @@ def _check_skinny(
 ) -> None:
     """skinny_gemm_rows = 64: every step's GEMMs (up to `most_rows` rows) in the segmented skinny GEMM, the
     same output as the per-projection torch forward `ref`, with hybrid and with grouped expands, and with
-    the expands inside the segmented GEMMs (expand_in_gemm; then every group's launch carries them)."""
+    the expands inside the segmented GEMMs (expand_in_gemm; then every group's launch carries them, and its
+    counter holds just its own shrink programs after it: zeroed at each step's start)."""
     real_seg, seg_rows = fused_decode.seg_linear, []
 
-    def seg_counted(x, weights, expands=None, *rest, **kw):
+    def seg_counted(x, weights, expands=None, row_slots=None, flags=None, *rest, **kw):
         seg_rows.append((x.shape[0], expands is not None))
-        return real_seg(x, weights, expands, *rest, **kw)
+        outs = real_seg(x, weights, expands, row_slots, flags, *rest, **kw)
+        if expands is not None:  # its counter was zero when it started (the model zeroes them every step)
+            counted = fused_decode.shrink_programs(weights[0].shape[0])
+            assert flags.tolist() == [counted], (flags.tolist(), counted)
+        return outs
 
     groups = sum(len(layer) for layer in lora.layers)
     fused_decode.seg_linear = seg_counted

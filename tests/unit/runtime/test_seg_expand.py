@@ -1,8 +1,8 @@
 """The skinny GEMM with its group's LoRA expands inside (fused_decode.seg_linear(..., expands=...), what
 EngineConfig.expand_in_gemm runs): interpreted on CPU against torch (float32: the product rounded, the
 expand summed rank by rank and added, as the per-row kernels do), with several shrink programs, a member
-without LoRA, mixed ranks, adapter slots, the counters left at zero after each launch and a second launch
-on new inputs; and the kernel compiles for an H100 (sm_90) with every switch and every prologue
+without LoRA, mixed ranks, adapter slots, each launch's counter left at its shrink-program count and a
+second launch on new inputs; and the kernel compiles for an H100 (sm_90) with every switch and every prologue
 (tests/integration/runtime/test_seg_prologue.py checks their math), which the interpreter (numpy) never
 checks."""
 
@@ -41,12 +41,12 @@ def reference(x, a_cat, weights, expands, row_slots):
 gen = torch.Generator().manual_seed(0)
 flags = fd.seg_flags("cpu")
 K = 64
-# (rows, slots, ranks per member: 0 = no LoRA, widths per member); the shrink's programs take 32 columns:
-# 40 and 36 shrink columns are two programs
+# (rows, slots, ranks per member: 0 = no LoRA, widths per member); the shrink's programs take 16 rows of
+# A_cat: 40 and 36 of them are three programs, 16 and 4 one
 cases = [(3, 1, (16, 0, 24), (96, 40, 64)), (5, 3, (8, 4), (64, 32)), (1, 1, (16,), (96,)),
          (17, 2, (2,), (40,))]
 for rows, slots, ranks, widths in cases:
-    for trial in range(2):  # a second launch on new inputs: the counters were left at zero
+    for trial in range(2):  # a second launch on new inputs, its counter zeroed again
         x = torch.randn(rows, K, generator=gen)
         weights = [torch.randn(n, K, generator=gen) for n in widths]
         expands, off = [], 0
@@ -55,16 +55,18 @@ for rows, slots, ranks, widths in cases:
             off += slots * r
         a_cat = torch.randn(off, K, generator=gen)
         row_slots = torch.randint(0, slots, (rows,), generator=gen) if slots > 1 else None
+        flags.zero_()
         t, *outs = fd.seg_linear(x, [a_cat, *weights], expands, row_slots, flags)
         want_t, want = reference(x, a_cat, weights, expands, row_slots)
         torch.testing.assert_close(t, want_t, atol=1e-4, rtol=1e-5)
         for got, ref in zip(outs, want):
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
-        assert flags.tolist() == [0, 0], flags
+        # the launch counted its shrink programs (16 rows of A_cat each) into its counter
+        assert flags.tolist() == [fd.shrink_programs(off)] == [-(-off // 16)], (flags, off)
         plain = fd.seg_linear(x, weights)  # no expands: the products alone
         for got, w in zip(plain, weights):
             torch.testing.assert_close(got, x @ w.T, atol=1e-4, rtol=1e-5)
-for bad in ({"expands": [None]}, {"flags": None}):
+for bad in ({"expands": [None]}, {"flags": None}, {"flags": torch.zeros(1, dtype=torch.int64)}):
     kw = {"expands": [None, None], "flags": flags, **bad}
     try:
         fd.seg_linear(x, [a_cat, weights[0], weights[0]], kw["expands"], None, kw["flags"])
@@ -120,6 +122,7 @@ def test_seg_gemm_kernel_compiles_for_sm90(
         SLOTTED=slotted,
         RP=16,
         PROLOGUE=prologue,  # fd.PRO_NONE .. fd.PRO_SILU_MUL
+        SHRINK_N=fd.SHRINK_N if expand else fd.BLOCK_N,
     )
     pointers = {
         "X",
