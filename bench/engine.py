@@ -149,14 +149,25 @@ def measure_engine(
         engine.generate(random_prompts(1, prompt_len, vocab, 100 + i), greedy)
         sync(device)
         ttfts.append(time.perf_counter() - t0)
-    result = {"ttft_s": statistics.median(ttfts), "tpot_s": {}, "tokens_per_s": {}}
+    result = {
+        "ttft_s": statistics.median(ttfts),
+        "tpot_s": {},
+        "tokens_per_s": {},
+        "prefill_tokens_per_s": {},
+    }
     params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
     for batch in batches:
-        ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, batch)]
+        prompts = random_prompts(batch, prompt_len, vocab, batch)
+        sync(device)
+        t_prefill = time.perf_counter()
+        ids = [engine.add_request(p, params) for p in prompts]
         outs = [engine.get_output(i) for i in ids]
-        while any(not o.token_ids for o in outs):  # all prefills done
+        # all prefills done: the prompts in chunks of the step's token budget (max_num_batched_tokens), the
+        # first ones' decodes beside the later chunks, until every prompt has its first token
+        while any(not o.token_ids for o in outs):
             engine.step()
         sync(device)  # with overlapped steps a decode step is queued: it ran before t0, so it is not counted
+        result["prefill_tokens_per_s"][batch] = batch * prompt_len / (time.perf_counter() - t_prefill)
         t0 = time.perf_counter()
         # Timed until the first request ends: the prompts were prefilled over several steps, so the first ones
         # have more tokens and end first, and the steps after that no longer decode the whole batch. The steps
@@ -185,6 +196,11 @@ def median_result(results: list[dict]) -> dict:
     for b in first["tpot_s"]:
         out["tpot_s"][b] = statistics.median(r["tpot_s"][b] for r in results)
         out["tokens_per_s"][b] = b / out["tpot_s"][b]
+    if "prefill_tokens_per_s" in first:
+        out["prefill_tokens_per_s"] = {
+            b: statistics.median(r["prefill_tokens_per_s"][b] for r in results)
+            for b in first["prefill_tokens_per_s"]
+        }
     out["rounds"] = results
     return out
 
@@ -443,11 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     # every run once per round, rounds one after another: each figure is the median over the rounds, so a
     # drift of the machine during the run (the H100's figures moved ±5% between runs) reaches every run alike
     figures["repeats"] = args.repeats
+    figures["max_num_batched_tokens"] = max(2048, prompt_len)
 
     def engine_for(adapter_dir: Path | None, mode: str, rows: int, **overrides) -> Engine:
         settings = dict(
             max_num_seqs=max_seqs,
-            max_num_batched_tokens=max(2048, prompt_len),
+            max_num_batched_tokens=figures["max_num_batched_tokens"],
             num_kv_blocks=blocks,
             block_size=block_size,
         )
@@ -659,6 +676,24 @@ def print_prefill_graphs(f: dict) -> None:
     )
 
 
+def print_prefill_throughput(f: dict, batches: list[int], loras: list[tuple[str, dict]]) -> None:
+    """Chunked prefill: the batch's prompts' tokens over the time until every prompt had its first token
+    (chunks of max_num_batched_tokens a step, the first prompts' decodes beside the later chunks)."""
+    if "prefill_tokens_per_s" not in f["base"]:
+        return
+    budget = f.get("max_num_batched_tokens", "?")
+    print(f"chunked prefill, tokens/s (prompts of {f['prompt_len']}, a step's token budget {budget}):")
+    for b in batches:
+        base = f["base"]["prefill_tokens_per_s"][b]
+        line = f"  batch {b:>3}: base {base:8.0f}"
+        for name, r in loras:
+            if b in r.get("prefill_tokens_per_s", {}):
+                tps = r["prefill_tokens_per_s"][b]
+                line += f", {name} {tps:8.0f} (lora/base {tps / base:.3f})"
+        print(line)
+    print()
+
+
 def print_table(f: dict, batches: list[int], tiny: bool) -> None:
     ms = 1e3
     print(f"\nlorafn engine benchmark — {f['device']}, {f['dtype']}, model {f['model']}")
@@ -705,6 +740,7 @@ def print_table(f: dict, batches: list[int], tiny: bool) -> None:
                 f"{f['base']['tokens_per_s'][b]:10.0f} {f['lora']['tokens_per_s'][b]:10.0f} {hf_tps}"
             )
         print()
+    print_prefill_throughput(f, batches, loras)
     print(
         "ratios (issue 12 targets: TTFT lora/base <= 1.1; lora TPOT@1 / floor <= 1.25; "
         "LoRA overhead <= 5% at batch 1-8, <= 3% at 32-64; lora tok/s / hf >= 3 at batch 32)"
