@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -25,6 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graph_timing import capture, replay_ms  # a bench helper beside this file
 
 from lorafn.runtime.attention.reference import paged_decode_attention_ref
 from lorafn.runtime.attention.triton_decode import TARGET_PROGRAMS, num_splits, paged_decode_attention_triton
@@ -72,24 +74,12 @@ def copy_bandwidth(num_bytes: int = 4 << 30) -> float:
 
 def time_graph(fn, replays: int, rounds: int) -> float:
     """Median ms of one replay of a graph of `fn` (warmed up eagerly, then captured)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
+    graph, _ = capture(fn)
+    for _ in range(2):  # with capture's own: three replays before the timed ones
         graph.replay()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays)
+    ms = replay_ms(graph, replays, rounds)
     del graph
-    return statistics.median(times)
+    return ms
 
 
 def run_shape(

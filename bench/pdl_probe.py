@@ -19,11 +19,17 @@ ratios, beside the HBM floor of the weights (bytes / copy bandwidth).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graph_timing import capture, replay_ms  # a bench helper beside this file
 
 BLOCK_N, BLOCK_K, STAGES = 32, 256, 4  # fused_decode's skinny-GEMM tile at 16 rows
 
@@ -158,18 +164,6 @@ class Chain:
         return y
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -199,11 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (pdl, prefetch) in variants.items():
         eager = chain.run(pdl, prefetch)  # compiles, and the eager result
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain.run(pdl, prefetch)
-        graph.replay()
-        torch.cuda.synchronize()
+        graph, out = capture(lambda pdl=pdl, prefetch=prefetch: chain.run(pdl, prefetch))
         graphs[name], outs[name] = graph, out
         assert torch.equal(out, eager), f"{name}: the graph's output is not the eager one"
     for name, out in outs.items():

@@ -20,15 +20,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graph_timing import capture, replay_ms  # a bench helper beside this file
 
 HIDDEN, INTER, LAYERS, RANK = 4096, 11008, 32, 16
 GROUPS = (  # (input width, output widths) of each LoRA group of a layer
@@ -130,27 +131,6 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def time_graph(fn, step: Step, replays: int, rounds: int) -> tuple[float, list]:
-    """(median µs of one replay, the outputs of the first launch) of fn captured in a CUDA graph."""
-    fn(step)  # compile and warm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn(step)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / replays)
-    return statistics.median(times), outs
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,8,16,32,64")
@@ -180,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         fns = variants(fd, baseline, shrink_ns)
         timed = {}
         for name, fn in fns.items():
-            us, outs = time_graph(fn, step, args.replays, args.rounds)
+            graph, outs = capture(lambda fn=fn, step=step: fn(step))
+            us = replay_ms(graph, args.replays, args.rounds) * 1000
+            del graph
             if name != "base":  # layer 0's four groups against torch (the graph's last replay wrote them)
                 pairs = [p for g in range(len(GROUPS)) for p in zip(outs[g], step.reference(g), strict=True)]
                 worst = max(rel(o, r) for o, r in pairs)
