@@ -477,7 +477,7 @@ class LlamaModel:
         row_slots: torch.Tensor | None = None,
         in_gemm: bool = False,
         prologue=None,
-        site: tuple[int, int] = (0, 0),
+        site: tuple[int, int] | None = None,
     ):
         """The projections `projs` of x and, when the adapter targets them, the group's shrink t = x·A_catᵀ
         (one launch for a small step), masked to each row's adapter slot (`masks`, `slot_masks`). Returns
@@ -495,6 +495,8 @@ class LlamaModel:
         if in_gemm:
             spec = {p: (off, rank // k, b_t) for p, off, rank, b_t in group.targets}
             expands = [spec.get(p) for p in projs]
+            if site is None:  # a shared counter would let a later launch's waits pass early
+                raise ValueError(f"{projs}: a skinny GEMM with its expands inside needs its site's counter")
             j = site[0] * len(SHRINK_GROUPS) + site[1]
             flags = self.seg_flags[j : j + 1]  # type: ignore[index]
             _t, *outs = self.fused.seg_linear(x, [group.a_cat, *weights], expands, row_slots, flags, prologue)
