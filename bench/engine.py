@@ -226,6 +226,43 @@ def profile_prefill(engine: Engine, prompt_len: int, vocab: int) -> dict[str, tu
     return kernel_table(lambda: engine.generate(prompt, greedy), steps=3)
 
 
+def host_profile_prefill(engine: Engine, prompt_len: int, vocab: int, top: int = 16) -> list[dict]:
+    """The host's side of 5 prefills of `prompt_len` tokens (one warm-up first) under cProfile: the `top`
+    functions by own time, each with its calls and ms a prefill. The eager LoRA prefill is host-bound on
+    the device's CPU (issue 12: TTFT); this says in which Python functions its time goes."""
+    import cProfile
+    import pstats
+
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.generate(random_prompts(1, prompt_len, vocab, 11), greedy)
+    prompts = [random_prompts(1, prompt_len, vocab, 20 + i) for i in range(5)]
+    sync(engine.device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for prompt in prompts:
+        engine.generate(prompt, greedy)
+    sync(engine.device)
+    profiler.disable()
+    stats = pstats.Stats(
+        profiler
+    ).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, _)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {"function": f"{Path(file).name}:{line}({name})", "calls": calls / 5, "own_ms": own * 1e3 / 5}
+        for (file, line, name), (_prim, calls, own, _cum, _callers) in rows
+    ]
+
+
+def print_host_profiles(f: dict, names: list[str]) -> None:
+    for name in names:
+        rows = f.get(name, {}).get("prefill_host_profile")
+        if not rows:
+            continue
+        print(f"\nhost time of one prefill of {f['prompt_len']} tokens, {name} (cProfile, own ms, calls):")
+        for r in rows:
+            print(f"  {r['own_ms']:8.3f} ms {r['calls']:8.0f}  {r['function']}")
+
+
 def print_prefill_kernels(f: dict, names: list[str], top: int = 14) -> None:
     """Side by side: kernels and µs per prefill by family, the largest `top` families, then the totals."""
     runs = [(n, f[n]["prefill_kernels"]) for n in names if "prefill_kernels" in f.get(n, {})]
@@ -332,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-prefill",
         action="store_true",
         help="CUDA: a kernel table of one prefill per engine (torch.profiler, as bench/decode_profile.py)",
+    )
+    ap.add_argument(
+        "--host-profile-prefill",
+        action="store_true",
+        help="cProfile the host's side of a prefill per engine (base, lora, --expand-modes): where TTFT goes",
     )
     ap.add_argument(
         "--prefill-graphs",
@@ -529,6 +571,16 @@ def main(argv: list[str] | None = None) -> int:
             del engine
             gc.collect()
             torch.cuda.empty_cache()
+    if args.host_profile_prefill:  # after every timing: cProfile slows what it watches
+        for name, adapter_dir, mode, _batches, rows, overrides in runs:
+            if overrides:
+                continue
+            engine = engine_for(adapter_dir, mode, rows, max_num_seqs=1, num_kv_blocks=None)
+            figures[name]["prefill_host_profile"] = host_profile_prefill(engine, prompt_len, mc.vocab_size)
+            del engine
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     source.close()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -556,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     print_prologue(figures, batches)
     print_overlap(figures, batches)
     print_prefill_kernels(figures, [name for name, *_rest in runs])
+    print_host_profiles(figures, [name for name, *_rest in runs])
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
     return 0
