@@ -208,11 +208,10 @@ def median_result(results: list[dict]) -> dict:
     for b in first["tpot_s"]:
         out["tpot_s"][b] = statistics.median(r["tpot_s"][b] for r in results)
         out["tokens_per_s"][b] = b / out["tpot_s"][b]
-    if "prefill_tokens_per_s" in first:
-        out["prefill_tokens_per_s"] = {
-            b: statistics.median(r["prefill_tokens_per_s"][b] for r in results)
-            for b in first["prefill_tokens_per_s"]
-        }
+    out["prefill_tokens_per_s"] = {
+        b: statistics.median(r["prefill_tokens_per_s"][b] for r in results)
+        for b in first["prefill_tokens_per_s"]
+    }
     out["rounds"] = results
     return out
 
@@ -243,9 +242,8 @@ def host_profile_prefill(engine: Engine, prompt_len: int, vocab: int, top: int =
         engine.generate(prompt, greedy)
     sync(engine.device)
     profiler.disable()
-    stats = pstats.Stats(
-        profiler
-    ).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, _)
+    # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    stats = pstats.Stats(profiler).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [
         {"function": f"{Path(file).name}:{line}({name})", "calls": calls / 5, "own_ms": own * 1e3 / 5}
@@ -561,22 +559,22 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     for name, results in rounds.items():
         figures[name] = median_result(results)
-    if args.profile_prefill and device.type == "cuda":  # after every timing: CUPTI slowed what ran after it
+    # after every timing (CUPTI slowed what ran after it; cProfile slows what it watches), each profile in an
+    # engine of its own: (figures key, profile, engine settings)
+    profiles = []
+    if args.profile_prefill and device.type == "cuda":
+        one = {"max_num_seqs": 1, "num_kv_blocks": None, "use_cuda_graphs": False}
+        profiles.append(("prefill_kernels", profile_prefill, one))
+    if args.host_profile_prefill:
+        profiles.append(
+            ("prefill_host_profile", host_profile_prefill, {"max_num_seqs": 1, "num_kv_blocks": None})
+        )
+    for key, profile, settings in profiles:  # every kernel table first, then every host profile
         for name, adapter_dir, mode, _batches, rows, overrides in runs:
-            if overrides:  # prefill-graph, attention, expand-place runs: nothing new for the prefill profile
+            if overrides:  # prefill-graph, attention, expand-place runs: nothing new for a prefill profile
                 continue
-            one = {"max_num_seqs": 1, "num_kv_blocks": None, "use_cuda_graphs": False}
-            engine = engine_for(adapter_dir, mode, rows, **one)
-            figures[name]["prefill_kernels"] = profile_prefill(engine, prompt_len, mc.vocab_size)
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache()
-    if args.host_profile_prefill:  # after every timing: cProfile slows what it watches
-        for name, adapter_dir, mode, _batches, rows, overrides in runs:
-            if overrides:
-                continue
-            engine = engine_for(adapter_dir, mode, rows, max_num_seqs=1, num_kv_blocks=None)
-            figures[name]["prefill_host_profile"] = host_profile_prefill(engine, prompt_len, mc.vocab_size)
+            engine = engine_for(adapter_dir, mode, rows, **settings)
+            figures[name][key] = profile(engine, prompt_len, mc.vocab_size)
             del engine
             gc.collect()
             if device.type == "cuda":
@@ -744,15 +742,13 @@ def print_prefill_graphs(f: dict) -> None:
 def print_prefill_throughput(f: dict, batches: list[int], loras: list[tuple[str, dict]]) -> None:
     """Chunked prefill (`chunked_prefill_rate`): a batch of prompts, one token each, in chunks of
     max_num_batched_tokens a step; prompt tokens a second."""
-    if "prefill_tokens_per_s" not in f["base"]:
-        return
-    budget = f.get("max_num_batched_tokens", "?")
+    budget = f["max_num_batched_tokens"]
     print(f"chunked prefill, tokens/s (prompts of {f['prompt_len']}, a step's token budget {budget}):")
     for b in batches:
         base = f["base"]["prefill_tokens_per_s"][b]
         line = f"  batch {b:>3}: base {base:8.0f}"
         for name, r in loras:
-            if b in r.get("prefill_tokens_per_s", {}):
+            if b in r["prefill_tokens_per_s"]:  # the other modes run the large batches only
                 tps = r["prefill_tokens_per_s"][b]
                 line += f", {name} {tps:8.0f} (lora/base {tps / base:.3f})"
         print(line)

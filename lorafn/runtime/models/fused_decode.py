@@ -335,7 +335,7 @@ def seg_flags(device: torch.device | str, sites: int = 1) -> torch.Tensor:
     """[sites] int32 counters for `seg_linear(..., expands=...)`, one per launch between two zeroings: a
     launch counts its shrink programs into its counter (`seg_linear`'s flags: one element of these), which
     must be zero when it starts. The model keeps one per expand launch of a step (its layers' LoRA groups)
-    and zeroes them all at the start of each step (one memset, in stream order before the step's launches).
+    and zeroes them all at the start of each step (one fill, in stream order before the step's launches).
     Made once per model, before any CUDA graph capture (their address is in the graphs)."""
     if sites < 1:
         raise ValueError(f"seg_flags: at least one counter, got {sites}")
