@@ -23,6 +23,9 @@ engine once per round, N rounds, and prints medians (single runs on the H100 mov
 round from its default: a skinny-GEMM step's expands inside the GEMMs, or in the per-row kernels after them.
 `--gemm-prologue-rows 64` measures base and LoRA again at every batch with `EngineConfig.gemm_prologue_rows` =
 64: steps of up to that many rows compute the residual add + RMSNorm and SiLU·up inside the skinny GEMMs.
+`--lora-shrinks triton` measures LoRA again (the default mode and each of `--expand-modes`, eager and with
+`--prefill-graphs`) with that `EngineConfig.lora_shrink`: how steps above skinny_gemm_rows rows (prefill
+chunks) compute the shrinks; TTFT and chunked-prefill throughput side by side with the default's.
 
 The backbone is loaded onto the device once and shared by every engine of the run (a resident
 WeightSource, as the backbone server shares it with workers); transformers loads its own copy.
@@ -51,8 +54,10 @@ from lorafn.runtime.config import (
     DEFAULT_EXPAND_IN_GEMM,
     DEFAULT_GEMM_PROLOGUE_ROWS,
     DEFAULT_LORA_EXPAND,
+    DEFAULT_LORA_SHRINK,
     DEFAULT_SKINNY_GEMM_ROWS,
     LORA_EXPANDS,
+    LORA_SHRINKS,
     SKINNY_GEMM_MAX_ROWS,
     ModelConfig,
     expand_modes,
@@ -405,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
         "(CUDA: steps one at a time; CPU: overlapped), beside it",
     )
     ap.add_argument(
+        "--lora-shrinks",
+        default="",
+        help=f"CUDA: EngineConfig.lora_shrink values measured beside the default {DEFAULT_LORA_SHRINK!r} "
+        f"(comma-separated, of {', '.join(LORA_SHRINKS)}): LoRA again, each lora_expand mode, TTFT (with "
+        "--prefill-graphs too) and chunked prefill",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=1, help="rounds of every run (figures: the median over the rounds)"
     )
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -503,6 +515,19 @@ def main(argv: list[str] | None = None) -> int:
         pro = {"gemm_prologue_rows": pro_rows}
         runs += [("base_prologue", None, DEFAULT_LORA_EXPAND, batches, d_rows, pro)]
         runs += [("lora_prologue", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, pro)]
+    shrinks = [k for k in args.lora_shrinks.split(",") if k and k != DEFAULT_LORA_SHRINK]
+    if any(k not in LORA_SHRINKS for k in shrinks):
+        ap.error(f"--lora-shrinks: each of {LORA_SHRINKS}, got {args.lora_shrinks!r}")
+    figures["lora_shrink"] = DEFAULT_LORA_SHRINK
+    figures["shrink_variants"] = shrinks if device.type == "cuda" else []
+    for k in figures["shrink_variants"]:
+        sh = {"lora_shrink": k}
+        runs += [(f"lora_shrink_{k}", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, sh)]
+        runs += [(f"lora_{m}_shrink_{k}", adapter, m, large, d_rows, sh) for m in modes]
+        if prefill_buckets:
+            pgs = {"prefill_graph_tokens": prefill_buckets, **sh}
+            runs += [(f"lora_pg_shrink_{k}", adapter, DEFAULT_LORA_EXPAND, [], d_rows, pgs)]
+            runs += [(f"lora_pg_{m}_shrink_{k}", adapter, m, [], d_rows, pgs) for m in modes]
     figures["overlap_steps"] = device.type == "cuda"  # EngineConfig.overlap_steps' default on the device
     if args.other_overlap:
         other = {"overlap_steps": not figures["overlap_steps"]}
@@ -571,9 +596,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     for key, profile, settings in profiles:  # every kernel table first, then every host profile
         for name, adapter_dir, mode, _batches, rows, overrides in runs:
-            if overrides:  # prefill-graph, attention, expand-place runs: nothing new for a prefill profile
+            if set(overrides) - {"lora_shrink"}:  # prefill graphs, attention, expand place: no new prefill
                 continue
-            engine = engine_for(adapter_dir, mode, rows, **settings)
+            engine = engine_for(adapter_dir, mode, rows, **{**overrides, **settings})
             figures[name][key] = profile(engine, prompt_len, mc.vocab_size)
             del engine
             gc.collect()
@@ -601,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(figures, batches, tiny)
     print_skinny(figures, large)
     print_prefill_graphs(figures)
+    print_shrinks(figures, batches)
     print_attention(figures, batches)
     print_expand_places(figures, batches)
     print_prologue(figures, batches)
@@ -737,6 +763,34 @@ def print_prefill_graphs(f: dict) -> None:
         f"  capture {capture:.2f} s (lora); torch reserved against lora eager: {start / 2**20:+.0f} MiB at "
         f"start, {after / 2**20:+.0f} MiB after the TTFT prefills (eager: their cached activations)"
     )
+
+
+def print_shrinks(f: dict, batches: list[int]) -> None:
+    """The LoRA shrink variants (--lora-shrinks) beside the default's: TTFT eager (and with prefill graphs),
+    chunked-prefill tokens/s, each against the base's."""
+    ms = 1e3
+    base = f["base"]
+    for k in f["shrink_variants"]:
+        print(f"\nlora_shrink {k} beside {f['lora_shrink']} (lora/base in brackets):")
+        for mode in [None, *f["expand_modes"]]:
+            ref = "lora" if mode is None else f"lora_{mode}"
+            var = f"lora_shrink_{k}" if mode is None else f"lora_{mode}_shrink_{k}"
+            label = f["lora_expand"] if mode is None else mode
+            a, b = f[ref]["ttft_s"], f[var]["ttft_s"]
+            line = f"  {label}: TTFT eager {a * ms:.1f} -> {b * ms:.1f} ms ({a / base['ttft_s']:.3f} -> "
+            line += f"{b / base['ttft_s']:.3f})"
+            ref_pg = "lora_pg" if mode is None else f"lora_pg_{mode}"
+            var_pg = f"lora_pg_shrink_{k}" if mode is None else f"lora_pg_{mode}_shrink_{k}"
+            if var_pg in f:
+                a, b, bpg = f[ref_pg]["ttft_s"], f[var_pg]["ttft_s"], f["base_pg"]["ttft_s"]
+                line += f"; graph {a * ms:.1f} -> {b * ms:.1f} ms ({a / bpg:.3f} -> {b / bpg:.3f})"
+            print(line)
+            for bt in batches:
+                if bt in f[var]["prefill_tokens_per_s"]:
+                    a, b = f[ref]["prefill_tokens_per_s"][bt], f[var]["prefill_tokens_per_s"][bt]
+                    bb = base["prefill_tokens_per_s"][bt]
+                    rates = f"{a:8.0f} -> {b:8.0f} tokens/s ({a / bb:.3f} -> {b / bb:.3f})"
+                    print(f"    chunked prefill batch {bt:>3}: {rates}")
 
 
 def print_prefill_throughput(f: dict, batches: list[int], loras: list[tuple[str, dict]]) -> None:

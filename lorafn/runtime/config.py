@@ -25,13 +25,16 @@ LORA_EXPANDS = ("per_projection", "grouped", "in_kernels")
 # figures above: per_projection where a prompt is prefilled (TTFT), in_kernels for decode-only steps (above
 # 16 rows their expands run in the per-row kernels that a decode step of <= 16 rows uses: no launch).
 LORA_EXPAND_ALIASES = {"hybrid": ("per_projection", "in_kernels")}
-# The default of EngineConfig.lora_expand: "hybrid", from the H100 (e7c913f, bench/engine.py --expand-modes
-# grouped,in_kernels,hybrid): TTFT at prompt 512 base 13.0 ms, per_projection 19.0, grouped 16.1, in_kernels
-# 17.3, hybrid 18.7; TPOT at batch 32 base 12.73, per_projection 14.02, grouped 13.59, in_kernels 13.95,
-# hybrid 13.71; at 64 17.95, 19.29, 18.78, 19.04, 18.86. Its GPU tests pass (test_fused_decode_gpu.py with
-# hybrid, test_engine_gpu.py's mode tests); grouped is faster still but its bf16 all-linear fused forward is
-# further from float32 than the unfused one (test_fused_decode_gpu.py, xfail).
-DEFAULT_LORA_EXPAND = "hybrid"
+# The default of EngineConfig.lora_expand: "grouped" since the twenty-seventh session (H200,
+# docs/benchmarks.md "Grouped prefill expands by default"): a 512-token LoRA prefill ran 715 kernels and 12.7
+# ms of GPU time against hybrid's 875 and 13.2 ms (base 395, 11.1), its eager TTFT read 26.5 / 32.1 ms against
+# hybrid's 38.6 / 41.2 in two calls (base 23.8 / 15.3: the eager prefill is bound by the host's Python-level
+# ops, fewer with grouped) and 13.7 ms against 14.5 with prefill graphs (base 11.8); decode steps of at most
+# skinny_gemm_rows rows are the same in every mode. Until then "hybrid" (H100, e7c913f: TTFT base 13.0 ms,
+# per_projection 19.0, grouped 16.1, in_kernels 17.3, hybrid 18.7), kept off grouped by a test's
+# bf16 criterion, which the fourteenth session traced to rounding luck of the unfused grouped forward it holds
+# it to, not to the kernels (fused grouped is no further from float32 than fused hybrid).
+DEFAULT_LORA_EXPAND = "grouped"
 # Steps of at most this many rows run their GEMMs as fused_decode's segmented skinny GEMM (one launch per
 # projection group, the LoRA shrink as extra output rows) instead of cuBLAS (EngineConfig.skinny_gemm_rows).
 # H100, llama-2-7b groups (bench/gemv_probe.py --rows 16,32,64): the segmented GEMM took 0.77-0.92 of the time
@@ -65,6 +68,11 @@ DEFAULT_EXPAND_IN_GEMM = True
 # registers a thread, spills), far more than the 145 + 48 µs the norm and SiLU kernels took of a 4.15 ms
 # replay.
 DEFAULT_GEMM_PROLOGUE_ROWS = 0
+# How a step above skinny_gemm_rows rows computes each LoRA group's shrink t = x·A_catᵀ
+# (EngineConfig.lora_shrink): "cublas" (F.linear: on Hopper a split-K GEMM + a reduce kernel) or "triton"
+# (triton_ops.lora_shrink: one launch, its K splits summed by the last to arrive).
+LORA_SHRINKS = ("cublas", "triton")
+DEFAULT_LORA_SHRINK = "cublas"
 
 
 def expand_modes(lora_expand: str) -> tuple[str, str]:
@@ -167,7 +175,7 @@ class EngineConfig:
     # Chosen per step by its kind (`expand_modes`): "hybrid" is per_projection for a step with a prefill
     # chunk (a mixed step of chunked prefill + decodes too) and in_kernels for a step of decodes only (so
     # every decode CUDA graph: its mode is fixed when it is captured); "PREFILL/DECODE" names the two
-    # modes; one mode alone is used for every step.
+    # modes; one mode alone is used for every step (the default, DEFAULT_LORA_EXPAND: grouped).
     lora_expand: str = DEFAULT_LORA_EXPAND
     # CUDA: the paged decode attention kernel, one of DECODE_ATTENTION_KERNELS (attention/triton_decode.py)
     decode_attention: str = DEFAULT_DECODE_ATTENTION
@@ -183,6 +191,9 @@ class EngineConfig:
     # with an adapter only where its expands are inside the GEMMs too, expand_in_gemm). Roundings as the
     # separate kernels' (up to the norm's float32 summation order). 0: never.
     gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS
+    # CUDA, fused path: how a step above skinny_gemm_rows rows (prefill chunks) computes the LoRA shrinks, one
+    # of LORA_SHRINKS (DEFAULT_LORA_SHRINK). Roundings alike (float32 sums, rounded once; in another order).
+    lora_shrink: str = DEFAULT_LORA_SHRINK
     # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an
     # execution plan per exact shape, and on the H100 the first prefill of each new chunk length paid
     # ~65 ms of host time for it (a standby's first request prefilled in 110 ms, the next one in 28 ms;
@@ -236,6 +247,8 @@ class EngineConfig:
             raise ValueError(
                 f"decode_attention: {self.decode_attention!r} is not one of {DECODE_ATTENTION_KERNELS}"
             )
+        if self.lora_shrink not in LORA_SHRINKS:
+            raise ValueError(f"lora_shrink: {self.lora_shrink!r} is not one of {LORA_SHRINKS}")
         if not 0 <= self.gemm_prologue_rows <= SKINNY_GEMM_MAX_ROWS:
             raise ValueError(
                 f"gemm_prologue_rows: must be in [0, {SKINNY_GEMM_MAX_ROWS}], got {self.gemm_prologue_rows}"

@@ -64,6 +64,7 @@ KEY_FIELDS: tuple[str, ...] = (
     "decode_attention",  # EngineConfig.decode_attention: the attention kernel's form
     "expand_in_gemm",  # EngineConfig.expand_in_gemm
     "gemm_prologue_rows",  # EngineConfig.gemm_prologue_rows
+    "lora_shrink",  # EngineConfig.lora_shrink
     "buckets",
     "max_blocks_per_seq",
     "block_size",

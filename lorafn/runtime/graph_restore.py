@@ -42,6 +42,7 @@ from lorafn.runtime.config import (
     DEFAULT_DECODE_ATTENTION,
     DEFAULT_EXPAND_IN_GEMM,
     DEFAULT_GEMM_PROLOGUE_ROWS,
+    DEFAULT_LORA_SHRINK,
     DEFAULT_SKINNY_GEMM_ROWS,
 )
 from lorafn.runtime.graph_archive import (
@@ -144,6 +145,7 @@ class DecodeStateSpec:
     decode_attention: str = DEFAULT_DECODE_ATTENTION
     expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM
     gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS
+    lora_shrink: str = DEFAULT_LORA_SHRINK
     # the backbone server's socket: weights are its read-only mapping W at its fixed address (the worker's
     # real set-up); None: weights loaded from model_dir into the arena's state pool
     backbone_socket: str | None = None
@@ -210,6 +212,7 @@ def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
                 decode_attention=spec.decode_attention,
                 expand_in_gemm=spec.expand_in_gemm,
                 gemm_prologue_rows=spec.gemm_prologue_rows,
+                lora_shrink=spec.lora_shrink,
             )
             kv = KVCache(mc, spec.num_kv_blocks, spec.block_size, device, dtype)
             runner = DecodeGraphRunner(
@@ -245,6 +248,7 @@ def state_key(state: DecodeState, arena: Arena) -> dict[str, Any]:
         decode_attention=spec.decode_attention,
         expand_in_gemm=spec.expand_in_gemm,
         gemm_prologue_rows=spec.gemm_prologue_rows,
+        lora_shrink=spec.lora_shrink,
         buckets=state.runner.buckets,
         max_blocks_per_seq=state.runner.max_blocks,
         block_size=spec.block_size,
@@ -269,6 +273,7 @@ def current_key(
     decode_attention: str = DEFAULT_DECODE_ATTENTION,
     expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
     gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS,
+    lora_shrink: str = DEFAULT_LORA_SHRINK,
     max_blocks_per_seq: int,
     block_size: int,
     num_kv_blocks: int,
@@ -299,6 +304,7 @@ def current_key(
         "decode_attention": decode_attention,
         "expand_in_gemm": bool(expand_in_gemm),
         "gemm_prologue_rows": int(gemm_prologue_rows),
+        "lora_shrink": lora_shrink,
         "buckets": sorted(int(b) for b in buckets),
         "max_blocks_per_seq": int(max_blocks_per_seq),
         "block_size": int(block_size),

@@ -213,6 +213,7 @@ class ModelRunner:
                     decode_attention=config.decode_attention,
                     expand_in_gemm=config.expand_in_gemm,
                     gemm_prologue_rows=config.gemm_prologue_rows,
+                    lora_shrink=config.lora_shrink,
                 )
             clock.lap("backbone")  # the weight views (the shared backbone mapped, or loaded)
             self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
@@ -299,6 +300,7 @@ class ModelRunner:
                 decode_attention=cfg.decode_attention,
                 expand_in_gemm=cfg.expand_in_gemm,
                 gemm_prologue_rows=cfg.gemm_prologue_rows,
+                lora_shrink=cfg.lora_shrink,
                 buckets=self.graphs.buckets,
                 max_blocks_per_seq=max_blocks,
                 block_size=cfg.block_size,

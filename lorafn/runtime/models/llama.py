@@ -22,6 +22,7 @@ from lorafn.runtime.config import (
     DEFAULT_EXPAND_IN_GEMM,
     DEFAULT_GEMM_PROLOGUE_ROWS,
     DEFAULT_LORA_EXPAND,
+    DEFAULT_LORA_SHRINK,
     DEFAULT_SKINNY_GEMM_ROWS,
     ModelConfig,
     expand_modes,
@@ -151,12 +152,14 @@ class LlamaModel:
         decode_attention: str = DEFAULT_DECODE_ATTENTION,
         expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
         gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS,
+        lora_shrink: str = DEFAULT_LORA_SHRINK,
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
         self.decode_attention = decode_attention  # EngineConfig.decode_attention
         self.expand_in_gemm = expand_in_gemm  # EngineConfig.expand_in_gemm
         self.gemm_prologue_rows = gemm_prologue_rows  # EngineConfig.gemm_prologue_rows
         self.lora_expand = lora_expand  # EngineConfig.lora_expand
+        self.lora_shrink = lora_shrink  # EngineConfig.lora_shrink
         self.skinny_gemm_rows = skinny_gemm_rows  # EngineConfig.skinny_gemm_rows
         # the mode of a step with a prefill chunk, of a step of decodes only (config.expand_modes)
         self.prefill_expand, self.decode_expand = expand_modes(lora_expand)
@@ -203,6 +206,7 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         # small steps through models/fused_decode.py: CUDA + Triton, no biases, widths it can tile
         self.fused = None
+        self.shrink_tickets: torch.Tensor | None = None
         if fused_decode and self.ops is not None:
             from lorafn.runtime.models import fused_decode as fd
 
@@ -215,6 +219,12 @@ class LlamaModel:
                 # state pool when there is one; graphs hold their address)
                 self.seg_flags = (
                     fd.seg_flags(device, len(self.layers) * len(SHRINK_GROUPS)) if expand_in_gemm else None
+                )
+                # lora_shrink "triton": the tickets of its launches (zero between them), made now as above
+                self.shrink_tickets = (
+                    self.ops.shrink_tickets(device, self.ops.SHRINK_MAX_ROWS)
+                    if lora_shrink == "triton" and lora is not None
+                    else None
                 )
 
     def weight_bytes(self) -> int:
@@ -501,7 +511,11 @@ class LlamaModel:
             flags = self.seg_flags[j : j + 1]  # type: ignore[index]
             _t, *outs = self.fused.seg_linear(x, [group.a_cat, *weights], expands, row_slots, flags, prologue)
             return outs, None
-        t, *outs = self._linear_many(x, [group.a_cat, *weights], prologue)
+        if self._triton_shrink(x, group):
+            t = self.ops.lora_shrink(x, group.a_cat, self.shrink_tickets)  # (a cuBLAS step: no prologue)
+            outs = self._linear_many(x, weights)
+        else:
+            t, *outs = self._linear_many(x, [group.a_cat, *weights], prologue)
         mask = masks.get(projs[0])
         if mask is not None:
             t.mul_(mask)
@@ -509,6 +523,17 @@ class LlamaModel:
             p: self.fused.Expand(t, off, rank // k, b_t, row_slots) for p, off, rank, b_t in group.targets
         }
         return outs, tuple(by_proj.get(p) for p in projs)
+
+    def _triton_shrink(self, x: torch.Tensor, group: LoRAGroup) -> bool:
+        """Whether this group's shrink runs as triton_ops.lora_shrink (EngineConfig.lora_shrink "triton"): a
+        step above skinny_gemm_rows rows (below: inside the skinny GEMM) that its tickets cover, of at most
+        SHRINK_MAX_RANKS ranks summed."""
+        ops = self.ops
+        return (
+            self.shrink_tickets is not None
+            and self.skinny_gemm_rows < x.shape[0] <= ops.SHRINK_MAX_ROWS
+            and group.a_cat.shape[0] <= ops.SHRINK_MAX_RANKS
+        )
 
     def _linear_many(self, x: torch.Tensor, weights: list[torch.Tensor], prologue=None) -> list[torch.Tensor]:
         """[x·Wᵀ for each W]: one segmented skinny-GEMM launch for at most `skinny_gemm_rows` rows (with its

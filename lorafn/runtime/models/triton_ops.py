@@ -398,13 +398,18 @@ def _silu_mul_expand_kernel(
 
 
 def silu_mul_expand(
-    gate: torch.Tensor, up: torch.Tensor, lora: tuple[Expand | None, Expand | None]
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    lora: tuple[Expand | None, Expand | None],
+    block_m: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """silu(gate + t·B_gateᵀ) * (up + t·B_upᵀ) for a large step: the gate/up group's expands on the tensor
     cores, inside the SiLU·up kernel (no extra launch, and gate/up are not written back and read again as
     after `lora_expand`); the same roundings as `lora_expand` + `silu_mul` and as
     fused_decode.silu_mul_lora, whose per-row programs re-read B for every row (fine for a decode step of
-    <= 16 rows, not for a prefill). gate, up [M, N] (rows may be strided); [M, N] contiguous."""
+    <= 16 rows, not for a prefill). gate, up [M, N] (rows may be strided); [M, N] contiguous. `block_m`,
+    `num_warps`: the tile's rows (default by M) and its warps (bench/prefill_lora_probe.py sweeps them)."""
     m, n = gate.shape
     present = [e for e in lora if e is not None]
     if (
@@ -417,7 +422,9 @@ def silu_mul_expand(
     t = present[0].t
     out = torch.empty(m, n, device=gate.device, dtype=gate.dtype)
     eg, eu = lora
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    # 32-row tiles: with 64 rows and 4 warps a thread held four 64-value float32 tiles (the two expands, gate,
+    # up): 23.9 µs a launch at 512 rows on the H200 against 16.3 (bench/prefill_lora_probe.py)
+    block_m = block_m or (16 if m <= 16 else 32)
     block_n = 128
     widest = max(e.rank for e in present)
     block_r = 16 if widest <= 16 else 32 if widest <= 32 else 64
@@ -441,7 +448,7 @@ def silu_mul_expand(
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         PRECISION=DOT_PRECISION[t.dtype],
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out
 
@@ -717,3 +724,146 @@ def add_rms_norm_expand(
         num_warps=4,
     )
     return res, out
+
+
+# A large step's LoRA shrink t = x·A_catᵀ ([M, K] x [R, K] -> [M, R], R the group's ranks summed: 16-64 for
+# r16) through cuBLAS is two kernels on Hopper: a GEMM split over K (its output has too few tiles for the
+# SMs) and a reduce (`cublasLt::splitKreduce_kernel`), ~5 + 1.7 µs at 512 rows on the H200, 4 a layer.
+# `lora_shrink` is one launch: programs over (row tile, K split); each split's float32 partial goes to a
+# workspace and the split that arrives last for its row tile sums them in split order (so the result does
+# not depend on which finished first) and stores t rounded once. One int32 ticket per row tile counts the
+# arrivals; the last resets it, so the tickets are zero between launches (eager or replayed).
+SHRINK_BLOCK_M = 32
+SHRINK_BLOCK_K = 128
+SHRINK_MAX_SPLITS = 8
+SHRINK_TARGET_PROGRAMS = 256  # ~2 per SM on an H100 / H200 (132 SMs)
+SHRINK_MAX_RANKS = 128  # a group's ranks summed past this (r64 on q/k/v: 192): cuBLAS (llama.py)
+SHRINK_MAX_ROWS = 65536  # the rows the model's tickets cover (one per SHRINK_BLOCK_M); a larger step: cuBLAS
+
+
+def shrink_tickets(device: torch.device, rows: int) -> torch.Tensor:
+    """The zeroed int32 tickets `lora_shrink` needs for steps of up to `rows` rows (one per row tile): made
+    once per model, before any capture (graphs hold their address)."""
+    return torch.zeros(max(1, -(-rows // SHRINK_BLOCK_M)), dtype=torch.int32, device=device)
+
+
+def shrink_splits(m: int, k: int) -> int:
+    """How many K splits `lora_shrink` runs for [m, k]: enough programs for the SMs (SHRINK_TARGET_PROGRAMS),
+    at most SHRINK_MAX_SPLITS, and at least one SHRINK_BLOCK_K block of K each."""
+    tiles = -(-m // SHRINK_BLOCK_M)
+    want = max(1, -(-SHRINK_TARGET_PROGRAMS // tiles))
+    return max(1, min(want, SHRINK_MAX_SPLITS, -(-k // SHRINK_BLOCK_K)))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _lora_shrink_kernel(
+    X,
+    A,
+    T,
+    PART,
+    TICKETS,
+    M,
+    K,
+    R,
+    stride_x,
+    K_PER_SPLIT,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rr = tl.arange(0, BLOCK_R)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    r_ok = rr < R
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):  # K_PER_SPLIT: a multiple of BLOCK_K
+        k_ok = (k0 + rk) < K
+        x = tl.load(
+            X + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        a = tl.load(A + rr[None, :] * K + (k0 + rk)[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc += tl.dot(x, a, input_precision=PRECISION)
+    out = T + rm[:, None] * R + rr[None, :]
+    out_mask = m_ok[:, None] & r_ok[None, :]
+    if SPLITS == 1:
+        tl.store(out, acc.to(T.dtype.element_ty), mask=out_mask)
+    else:
+        # PART [SPLITS, row tiles, BLOCK_M, BLOCK_R] float32: this program's partial, then its arrival
+        tiles = tl.num_programs(0)
+        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + rr[None, :]  # [BLOCK_M, BLOCK_R]
+        tl.store(PART + (pid_k * tiles + pid_m) * (BLOCK_M * BLOCK_R) + tile, acc)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(TICKETS + pid_m, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:  # the last of this row tile: sum the partials in split order
+            tl.debug_barrier()
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                total += tl.load(
+                    PART + (s * tiles + pid_m) * (BLOCK_M * BLOCK_R) + tile, cache_modifier=".cg"
+                )
+            tl.store(out, total.to(T.dtype.element_ty), mask=out_mask)
+            tl.store(TICKETS + pid_m, 0)  # zero for the next launch (stream order makes it visible)
+
+
+def lora_shrink(x: torch.Tensor, a_cat: torch.Tensor, tickets: torch.Tensor) -> torch.Tensor:
+    """t = x·a_catᵀ for a large step in one launch: x [M, K] (rows may be strided, columns contiguous), a_cat
+    [R, K] contiguous (LoRAGroup.a_cat, R <= SHRINK_MAX_RANKS), tickets from `shrink_tickets` (zero, at least
+    one per SHRINK_BLOCK_M rows) -> t [M, R] contiguous in x's dtype: products accumulated in float32 (the
+    tensor cores for bf16/fp16, IEEE FMAs for float32), rounded once, as cuBLAS's GEMM + split-K reduce do
+    (in another order of the sums)."""
+    m, k = x.shape
+    r = a_cat.shape[0]
+    if (
+        x.stride(1) != 1
+        or not a_cat.is_contiguous()
+        or a_cat.shape[1] != k
+        or a_cat.dtype != x.dtype
+        or not 1 <= r <= SHRINK_MAX_RANKS
+    ):
+        raise ValueError(
+            f"lora_shrink: x {tuple(x.shape)} stride {x.stride()} (columns contiguous) and a_cat "
+            f"{tuple(a_cat.shape)} {a_cat.dtype}: a_cat contiguous, 1..{SHRINK_MAX_RANKS} rows of x's width "
+            "and dtype"
+        )
+    tiles = -(-m // SHRINK_BLOCK_M)
+    if tickets.dtype != torch.int32 or tickets.device != x.device or tickets.numel() < tiles:
+        raise ValueError(
+            f"lora_shrink: {m} rows need {tiles} int32 tickets on {x.device}, got {tickets.numel()} "
+            f"{tickets.dtype} on {tickets.device}"
+        )
+    splits = shrink_splits(m, k)
+    block_r = max(16, _next_pow2(r))  # tl.dot needs N >= 16
+    block_k = SHRINK_BLOCK_K if block_r <= 64 else SHRINK_BLOCK_K // 2  # A's tile [block_k, block_r]
+    blocks = -(-k // block_k)
+    k_per_split = -(-blocks // splits) * block_k
+    splits = -(-k // k_per_split)  # no split without a block of K
+    t = torch.empty(m, r, device=x.device, dtype=x.dtype)
+    # the splits' float32 partials (none for one split: then t is passed in its place and not read)
+    part = t
+    if splits > 1:
+        part = torch.empty(splits * tiles * SHRINK_BLOCK_M * block_r, device=x.device, dtype=torch.float32)
+    _lora_shrink_kernel[(tiles, splits)](
+        x,
+        a_cat,
+        t,
+        part,
+        tickets,
+        m,
+        k,
+        r,
+        x.stride(0),
+        k_per_split,
+        BLOCK_M=SHRINK_BLOCK_M,
+        BLOCK_K=block_k,
+        BLOCK_R=block_r,
+        SPLITS=splits,
+        PRECISION=DOT_PRECISION[x.dtype],
+        num_warps=4,
+    )
+    return t

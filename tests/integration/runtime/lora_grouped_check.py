@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 
-from lorafn.runtime.config import DEFAULT_EXPAND_IN_GEMM, LORA_EXPANDS, ModelConfig, expand_modes
+from lorafn.runtime.config import (
+    DEFAULT_EXPAND_IN_GEMM,
+    DEFAULT_LORA_SHRINK,
+    LORA_EXPANDS,
+    ModelConfig,
+    expand_modes,
+)
 from lorafn.runtime.kv_cache import KVCache
 from lorafn.runtime.local_weights import SafetensorsWeightSource
 from lorafn.runtime.lora import LoRAWeights, clear_lora, copy_lora, copy_lora_slot, load_lora, zero_lora
@@ -102,6 +108,7 @@ def _forward(
     skinny: int = 16,
     in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
     prologue_rows: int = 0,
+    shrink: str = DEFAULT_LORA_SHRINK,
 ) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
     """(logits of every step, the KV cache after them, grouped expand launches: lora_expand, and on the
     fused path the kernels with a group's expand inside; q/k/v expands of steps above 16 rows inside the
@@ -109,11 +116,12 @@ def _forward(
     here (not the default 64) so that the steps above 16 rows take cuBLAS + a shrink GEMM per group, the path
     of every step above skinny_gemm_rows; `_check_skinny` runs them through the segmented GEMM. `in_gemm`:
     EngineConfig.expand_in_gemm (the steps of the segmented GEMM add their expands inside it);
-    `prologue_rows`: EngineConfig.gemm_prologue_rows (gemm_prologue_check.py)."""
+    `prologue_rows`: EngineConfig.gemm_prologue_rows (gemm_prologue_check.py); `shrink`:
+    EngineConfig.lora_shrink."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
         use_triton_attention=triton, fused_decode=fused, lora_expand=mode, skinny_gemm_rows=skinny,
-        expand_in_gemm=in_gemm, gemm_prologue_rows=prologue_rows,
+        expand_in_gemm=in_gemm, gemm_prologue_rows=prologue_rows, lora_shrink=shrink,
     )  # fmt: skip
     assert (model.fused is not None) == fused, "the fused path did not turn on"
     kv = KVCache(cfg, 8, 16, DEV, torch.float32)
@@ -266,6 +274,27 @@ def main(argv: list[str]) -> None:
                     f"{name} fused={fused} {mode}: same as per-projection torch ({got[2]} grouped launches,"
                     f" {got[3]} in-kernel large-step q/k/v expands)"
                 )
+        # EngineConfig.lora_shrink "triton": each group's shrink of a step above 16 rows (skinny_gemm_rows
+        # here) in one triton_ops.lora_shrink launch (K splits summed by the last to arrive); every adapter
+        real_shrink, shrinks = triton_ops.lora_shrink, []
+
+        def shrink_counted(x, a_cat, tickets, real=real_shrink, seen=shrinks):
+            seen.append(x.shape[0])
+            return real(x, a_cat, tickets)
+
+        triton_ops.lora_shrink = shrink_counted
+        try:
+            got = _forward(model_dir, cfg, lora, triton=True, fused=True, mode="hybrid", shrink="triton")
+        finally:
+            triton_ops.lora_shrink = real_shrink
+        _same(f"{name} lora_shrink triton", got, ref)
+        rows = [s.input_ids.shape[0] for s in steps]
+        # (a group of more than SHRINK_MAX_RANKS ranks summed, r80 on q/k/v: cuBLAS)
+        narrow = sum(
+            g.a_cat.shape[0] <= triton_ops.SHRINK_MAX_RANKS for layer in lora.layers for g in layer.values()
+        )
+        assert sorted(shrinks) == sorted(r for r in rows for _ in range(narrow) if r > 16), (shrinks, rows)
+        print(f"{name} lora_shrink triton: same as per-projection torch ({len(shrinks)} shrink launches)")
         if n == 0:  # every step's GEMMs in the segmented skinny GEMM (EngineConfig.skinny_gemm_rows = 64)
             _check_skinny(model_dir, cfg, lora, ref, name, max(s.input_ids.shape[0] for s in steps))
         if n == 0:  # o/down expands inside add + RMSNorm: only from TILED_NORM_MIN_ROWS rows (2048) otherwise

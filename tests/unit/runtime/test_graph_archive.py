@@ -31,6 +31,7 @@ def _key(**changes: object) -> dict:
         "decode_attention": "simt",
         "expand_in_gemm": True,
         "gemm_prologue_rows": 0,
+        "lora_shrink": "cublas",
         "buckets": [1, 2, 4],
         "max_blocks_per_seq": 64,
         "block_size": 16,
