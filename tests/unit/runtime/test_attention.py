@@ -3,15 +3,11 @@ Triton kernel (interpreted on CPU when TRITON_INTERPRET=1 works) against the ref
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from lorafn.runtime.attention.reference import paged_decode_attention_ref, prefill_attention, write_kv
+from tests.unit.runtime.interpreted import run_interpreted
 
 
 def _dense(q, k, v, scale):
@@ -116,17 +112,4 @@ print("ok")
 
 
 def test_triton_kernel_interpreted_matches_reference() -> None:
-    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
-        pytest.skip("Triton wheels exist for Linux x86-64 only")
-    import triton  # noqa: F401  (a dev dependency on Linux x86-64: its absence is a failure there)
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _TRITON_CHECK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(_TRITON_CHECK, timeout=300)

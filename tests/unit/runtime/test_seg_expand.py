@@ -8,15 +8,9 @@ checks."""
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.unit.runtime.interpreted import require_triton, run_interpreted
 
 _CHECK = """
 import torch
@@ -78,24 +72,8 @@ print("ok")
 """
 
 
-def _linux_x86() -> None:
-    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
-        pytest.skip("Triton wheels exist for Linux x86-64 only")
-
-
 def test_seg_linear_with_expands_interpreted_matches_torch() -> None:
-    _linux_x86()
-    import triton  # noqa: F401  (a dev dependency on Linux x86-64: its absence is a failure there)
-
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHECK],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(_CHECK)
 
 
 @pytest.mark.parametrize("expand,slotted", [(False, False), (True, False), (True, True)])
@@ -104,7 +82,7 @@ def test_seg_linear_with_expands_interpreted_matches_torch() -> None:
 def test_seg_gemm_kernel_compiles_for_sm90(
     expand: bool, slotted: bool, dtype: str, precision: str, prologue: int
 ) -> None:
-    _linux_x86()
+    require_triton()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
