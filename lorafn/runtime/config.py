@@ -25,15 +25,14 @@ LORA_EXPANDS = ("per_projection", "grouped", "in_kernels")
 # figures above: per_projection where a prompt is prefilled (TTFT), in_kernels for decode-only steps (above
 # 16 rows their expands run in the per-row kernels that a decode step of <= 16 rows uses: no launch).
 LORA_EXPAND_ALIASES = {"hybrid": ("per_projection", "in_kernels")}
-# The default of EngineConfig.lora_expand: "grouped" since the twenty-seventh session (H200,
-# docs/benchmarks.md "Grouped prefill expands by default"): a 512-token LoRA prefill ran 715 kernels and 12.7
-# ms of GPU time against hybrid's 875 and 13.2 ms (base 395, 11.1), its eager TTFT read 26.5 / 32.1 ms against
-# hybrid's 38.6 / 41.2 in two calls (base 23.8 / 15.3: the eager prefill is bound by the host's Python-level
-# ops, fewer with grouped) and 13.7 ms against 14.5 with prefill graphs (base 11.8); decode steps of at most
-# skinny_gemm_rows rows are the same in every mode. Until then "hybrid" (H100, e7c913f: TTFT base 13.0 ms,
-# per_projection 19.0, grouped 16.1, in_kernels 17.3, hybrid 18.7), kept off grouped by a test's
-# bf16 criterion, which the fourteenth session traced to rounding luck of the unfused grouped forward it holds
-# it to, not to the kernels (fused grouped is no further from float32 than fused hybrid).
+# The default of EngineConfig.lora_expand: "grouped" since the twenty-seventh session (H200 at b54daca,
+# docs/benchmarks.md "Grouped prefill expands by default"): a 512-token LoRA prefill of the 7B ran 715 kernels
+# and 12.2 ms of GPU time against hybrid's 875 and 13.1 ms (base 395, 10.9); TTFT with prefill graphs 13.5 ms
+# against 14.5 (base 12.3: 1.099x against 1.186x), eager (host-bound, medians of two rounds) 38.9 against 41.0
+# (base 25.2); decode steps of at most skinny_gemm_rows rows are the same in every mode. Until then "hybrid"
+# (H100, e7c913f: TTFT base 13.0 ms, per_projection 19.0, grouped 16.1, in_kernels 17.3, hybrid 18.7), kept
+# off grouped by a test's bf16 criterion, which the fourteenth session traced to rounding luck of the unfused
+# grouped forward it holds it to, not to the kernels (fused grouped is no further from float32 than hybrid).
 DEFAULT_LORA_EXPAND = "grouped"
 # Steps of at most this many rows run their GEMMs as fused_decode's segmented skinny GEMM (one launch per
 # projection group, the LoRA shrink as extra output rows) instead of cuBLAS (EngineConfig.skinny_gemm_rows).

@@ -867,3 +867,111 @@ def lora_shrink(x: torch.Tensor, a_cat: torch.Tensor, tickets: torch.Tensor) -> 
         num_warps=4,
     )
     return t
+
+
+@triton.jit(do_not_specialize=["M", "R"])
+def _add_rms_norm_shrink_kernel(
+    H,
+    D,
+    W,
+    OUT,
+    RES_OUT,
+    A,
+    T,
+    R,
+    eps,
+    M,
+    N: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # two passes over the row tile's columns, as _add_rms_norm_expand_kernel: (1) h (+ delta, rounded) stored
+    # as the residual, its sum of squares; (2) the residual read back, normalized and weighted as
+    # _add_rms_norm_kernel rounds it, stored, and multiplied into t = x·A_catᵀ tile by tile (float32 sums)
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok = rm < M
+    r_ok = rr < R
+    dt = OUT.dtype.element_ty
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        mask = m_ok[:, None] & (rn < N)[None, :]
+        at = rm[:, None] * N + rn[None, :]
+        x = tl.load(H + at, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(D + at, mask=mask, other=0.0).to(tl.float32)).to(dt)
+            tl.store(RES_OUT + at, x, mask=mask)
+        xf = x.to(tl.float32)
+        sumsq += tl.sum(xf * xf, axis=1)
+    tl.debug_barrier()  # pass 2 reads what other threads of this program stored in pass 1
+    inv = tl.rsqrt(sumsq / N + eps)
+    res = RES_OUT if HAS_RES else H
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        mask = m_ok[:, None] & n_ok[None, :]
+        at = rm[:, None] * N + rn[None, :]
+        xf = tl.load(res + at, mask=mask, other=0.0).to(tl.float32)
+        normed = (xf * inv[:, None]).to(dt).to(tl.float32)
+        w = tl.load(W + rn, mask=n_ok, other=0.0).to(tl.float32)
+        y = (w[None, :] * normed).to(dt)
+        tl.store(OUT + at, y, mask=mask)
+        a = tl.load(A + rr[None, :] * N + rn[:, None], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        acc += tl.dot(y, a, input_precision=PRECISION)
+    tl.store(
+        T + rm[:, None] * R + rr[None, :], acc.to(T.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :]
+    )
+
+
+def add_rms_norm_shrink(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, a_cat: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h + delta, x = rms_norm(h + delta), t = x·a_catᵀ) in one launch for a large step: the residual add and
+    RMSNorm before q/k/v or gate/up with their group's LoRA shrink (one program per 16 rows, two passes over
+    its rows' columns, as `add_rms_norm_expand`); `delta` None: the first layer's norm (h is the residual).
+    Roundings as add_rms_norm + F.linear (t's float32 sums in another order). h, delta [M, N] contiguous;
+    a_cat [R, N] contiguous, R <= SHRINK_MAX_RANKS. A candidate for the prefill's shrinks, measured by
+    bench/prefill_lora_probe.py; not used by the model yet."""
+    m, n = h.shape
+    r = a_cat.shape[0]
+    if (
+        not h.is_contiguous()
+        or (delta is not None and (delta.shape != h.shape or not delta.is_contiguous()))
+        or not a_cat.is_contiguous()
+        or a_cat.shape[1] != n
+        or not 1 <= r <= SHRINK_MAX_RANKS
+    ):
+        raise ValueError(
+            f"add_rms_norm_shrink: h {tuple(h.shape)}, delta {None if delta is None else tuple(delta.shape)} "
+            f"(contiguous, alike) and a_cat {tuple(a_cat.shape)} (contiguous, 1..{SHRINK_MAX_RANKS} rows of "
+            "their width)"
+        )
+    res = torch.empty_like(h) if delta is not None else h
+    out = torch.empty_like(h)
+    t = torch.empty(m, r, device=h.device, dtype=h.dtype)
+    block_m = 16  # the most programs tl.dot allows (a row's norm needs all its columns)
+    _add_rms_norm_shrink_kernel[(-(-m // block_m),)](
+        h,
+        delta if delta is not None else h,
+        weight,
+        out,
+        res,
+        a_cat,
+        t,
+        r,
+        eps,
+        m,
+        N=n,
+        HAS_RES=delta is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=128 if r <= 64 else 64,
+        BLOCK_R=max(16, _next_pow2(r)),
+        PRECISION=DOT_PRECISION[h.dtype],
+        num_warps=4,
+    )
+    return res, out, t
