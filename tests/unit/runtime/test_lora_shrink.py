@@ -14,6 +14,7 @@ from tests.unit.runtime.interpreted import require_triton, run_interpreted
 
 _CHECK = """
 import torch
+import tests.integration.runtime.triton_bf16  # GPU-like bf16 under the interpreter
 from lorafn.runtime.models import triton_ops as ops
 
 gen = torch.Generator().manual_seed(0)
@@ -34,6 +35,14 @@ for rows, k, r in cases:
         torch.testing.assert_close(t, x @ a.T, atol=1e-3, rtol=1e-4)
         assert int(tickets.abs().sum()) == 0, (rows, k, r, tickets.nonzero())
 assert seen == {False, True}, seen
+# bf16: products exact, float32 sums rounded once, as cuBLAS's F.linear (in another order of the sums)
+for rows, k, r in [(40, 1000, 48), (65, 300, 16)]:
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    a = (torch.randn(r, k, generator=gen) / 16).to(torch.bfloat16)
+    t = ops.lora_shrink(x, a, tickets)
+    want = (x.float() @ a.float().T).to(torch.bfloat16)
+    assert t.dtype == torch.bfloat16
+    torch.testing.assert_close(t.float(), want.float(), rtol=2**-7, atol=1e-3)  # within a bf16 step
 x, a = torch.randn(8, 64), torch.randn(16, 64)
 for bad in (
     (x.T.contiguous().T, a, tickets),  # columns strided
@@ -59,6 +68,8 @@ def test_lora_shrink_interpreted_matches_torch() -> None:
 
 _NORM_CHECK = """
 import torch
+import torch.nn.functional as F
+import tests.integration.runtime.triton_bf16  # GPU-like bf16 under the interpreter
 from lorafn.runtime.models import triton_ops as ops
 
 gen = torch.Generator().manual_seed(1)
@@ -77,6 +88,15 @@ for rows, n, r, add in [(1, 64, 16, True), (40, 200, 48, True), (33, 384, 96, Fa
     torch.testing.assert_close(t, want_x @ a.T, atol=1e-3, rtol=1e-4)
     if not add:
         assert res is h  # no residual to write: h is it
+# bf16: the residual and x exactly as add_rms_norm rounds them, t as F.linear of that x (to sum order)
+bf = torch.bfloat16
+h, delta = torch.randn(40, 256, generator=gen).to(bf), torch.randn(40, 256, generator=gen).to(bf)
+w, a = (torch.rand(256, generator=gen) + 0.5).to(bf), (torch.randn(48, 256, generator=gen) / 16).to(bf)
+res, x, t = ops.add_rms_norm_shrink(h, delta, w, eps, a)
+want_res, want_x = ops.add_rms_norm(h, delta, w, eps)
+assert torch.equal(res, want_res) and torch.equal(x, want_x)
+want_t = F.linear(x.float(), a.float()).to(bf)
+torch.testing.assert_close(t.float(), want_t.float(), rtol=2**-7, atol=1e-3)  # within a bf16 step
 for bad in ((torch.randn(4, 64).T, None), (torch.randn(4, 64), torch.randn(4, 32))):
     try:
         ops.add_rms_norm_shrink(bad[0], bad[1], torch.ones(64), eps, torch.randn(16, 64))
