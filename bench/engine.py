@@ -8,10 +8,10 @@ On a CPU it runs a tiny version (random `tiny` preset, short prompts) that print
     python bench/engine.py --tiny
 
 The LoRA engine runs with each `EngineConfig.lora_expand` (how a step above 16 rows adds the expands:
-`per_projection`, the default, one addmm_ each; `grouped`, one launch per projection group; `in_kernels`,
-inside the elementwise kernels; `hybrid`, per_projection for steps with a prefill chunk and in_kernels for
-decode-only steps; or any "PREFILL/DECODE" pair): they differ only in TTFT and in decode batches above 16,
-so the modes other than the default measure those only (`--expand-modes` picks them).
+`grouped`, the default, inside the kernels that read the projections' outputs; `per_projection`, one addmm_
+each; `in_kernels`, inside the per-row elementwise kernels; `hybrid`, per_projection for steps with a prefill
+chunk and in_kernels for decode-only steps; or any "PREFILL/DECODE" pair): they differ only in TTFT and in
+decode batches above 16, so the modes other than the default measure those only (`--expand-modes` picks them).
 
 `--skinny-rows 16` measures the batches above 16 again with `EngineConfig.skinny_gemm_rows` = 16 (their GEMMs
 through cuBLAS + a shrink GEMM per group, the path before the default became 64); `--repeats N` runs every
