@@ -743,7 +743,8 @@ SHRINK_MAX_ROWS = 65536  # the rows the model's tickets cover (one per SHRINK_BL
 
 def shrink_tickets(device: torch.device, rows: int) -> torch.Tensor:
     """The zeroed int32 tickets `lora_shrink` needs for steps of up to `rows` rows (one per row tile): made
-    once per model, before any capture (graphs hold their address)."""
+    once per model, before any capture (graphs hold their address). Launches that share them must run in
+    stream order, as one model's do (two at once on two streams would count into the same tickets)."""
     return torch.zeros(max(1, -(-rows // SHRINK_BLOCK_M)), dtype=torch.int32, device=device)
 
 
