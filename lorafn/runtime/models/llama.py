@@ -159,7 +159,6 @@ class LlamaModel:
         self.expand_in_gemm = expand_in_gemm  # EngineConfig.expand_in_gemm
         self.gemm_prologue_rows = gemm_prologue_rows  # EngineConfig.gemm_prologue_rows
         self.lora_expand = lora_expand  # EngineConfig.lora_expand
-        self.lora_shrink = lora_shrink  # EngineConfig.lora_shrink
         self.skinny_gemm_rows = skinny_gemm_rows  # EngineConfig.skinny_gemm_rows
         # the mode of a step with a prefill chunk, of a step of decodes only (config.expand_modes)
         self.prefill_expand, self.decode_expand = expand_modes(lora_expand)

@@ -748,12 +748,16 @@ def shrink_tickets(device: torch.device, rows: int) -> torch.Tensor:
     return torch.zeros(max(1, -(-rows // SHRINK_BLOCK_M)), dtype=torch.int32, device=device)
 
 
-def shrink_splits(m: int, k: int) -> int:
-    """How many K splits `lora_shrink` runs for [m, k]: enough programs for the SMs (SHRINK_TARGET_PROGRAMS),
-    at most SHRINK_MAX_SPLITS, and at least one SHRINK_BLOCK_K block of K each."""
-    tiles = -(-m // SHRINK_BLOCK_M)
-    want = max(1, -(-SHRINK_TARGET_PROGRAMS // tiles))
-    return max(1, min(want, SHRINK_MAX_SPLITS, -(-k // SHRINK_BLOCK_K)))
+def shrink_plan(m: int, k: int, r: int) -> tuple[int, int, int, int]:
+    """(splits, K per split, BLOCK_K, BLOCK_R) of `lora_shrink` for x [m, k], a_cat [r, k]: enough programs
+    for the SMs (SHRINK_TARGET_PROGRAMS), at most SHRINK_MAX_SPLITS splits and one per SHRINK_BLOCK_K of K,
+    each a whole number of BLOCK_K blocks; A's tile [BLOCK_K, BLOCK_R] halves its K for ranks above 64."""
+    block_r = max(16, _next_pow2(r))  # tl.dot needs N >= 16
+    block_k = SHRINK_BLOCK_K if block_r <= 64 else SHRINK_BLOCK_K // 2
+    blocks = -(-k // block_k)
+    want = max(1, -(-SHRINK_TARGET_PROGRAMS // -(-m // SHRINK_BLOCK_M)))
+    per_split = -(-blocks // min(want, SHRINK_MAX_SPLITS, -(-k // SHRINK_BLOCK_K))) * block_k
+    return -(-k // per_split), per_split, block_k, block_r
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -838,12 +842,7 @@ def lora_shrink(x: torch.Tensor, a_cat: torch.Tensor, tickets: torch.Tensor) -> 
             f"lora_shrink: {m} rows need {tiles} int32 tickets on {x.device}, got {tickets.numel()} "
             f"{tickets.dtype} on {tickets.device}"
         )
-    splits = shrink_splits(m, k)
-    block_r = max(16, _next_pow2(r))  # tl.dot needs N >= 16
-    block_k = SHRINK_BLOCK_K if block_r <= 64 else SHRINK_BLOCK_K // 2  # A's tile [block_k, block_r]
-    blocks = -(-k // block_k)
-    k_per_split = -(-blocks // splits) * block_k
-    splits = -(-k // k_per_split)  # no split without a block of K
+    splits, k_per_split, block_k, block_r = shrink_plan(m, k, r)
     t = torch.empty(m, r, device=x.device, dtype=x.dtype)
     # the splits' float32 partials (none for one split: then t is passed in its place and not read)
     part = t

@@ -24,7 +24,7 @@ seen = set()
 # whole tile, the qkv group of r16 (48), ranks above 64 (A's tile halved), the widest taken (128)
 cases = [(1, 64, 16), (40, 200, 48), (100, 1000, 24), (513, 384, 16), (70, 2000, 96), (33, 300, 128)]
 for rows, k, r in cases:
-    splits = ops.shrink_splits(rows, k)
+    splits, _per_split, _block_k, _block_r = ops.shrink_plan(rows, k, r)
     seen.add(splits > 1)
     for trial in range(2):  # a second launch: the first must have left its tickets at zero
         base = torch.randn(rows, k + 8, generator=gen)
