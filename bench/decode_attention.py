@@ -1,13 +1,13 @@
-"""Decode attention (issue 12): the engine's split kernel (SIMT: float32 products and sums) against the
-same kernel on tensor cores (`kernel="dot"`) and other launch settings, as the engine runs them: one call
-per layer, a CUDA graph of all layers, each layer its own paged KV cache (so nothing stays in L2 from one
-layer to the next), block tables shuffled like a long-lived cache's; and against the floor, the K and V
-bytes read over the device's measured copy bandwidth.
+"""Decode attention (issue 12): the split kernel's SIMT form (float32 products and sums) against the same
+kernel on tensor cores (`kernel="dot"`, the engine's) and other launch settings, as the engine runs them:
+one call per layer, a CUDA graph of all layers, each layer its own paged KV cache (so nothing stays in L2
+from one layer to the next), block tables shuffled like a long-lived cache's; and against the floor, the K
+and V bytes read over the device's measured copy bandwidth.
 
     python bench/decode_attention.py                     # llama-2-7b (32/32 heads) and llama-3-8b (32/8)
     python bench/decode_attention.py --batches 1,8 --contexts 512 --json out.json
 
-Prints µs per layer of each variant and its ratio to the engine's kernel ("simt"), the floor, and the best
+Prints µs per layer of each variant and its ratio to the first (`--variants`; "simt"), the floor, the best
 variant's share of the copy bandwidth. Every variant's output is checked against the torch reference before
 it is timed (bf16 tolerance); one that does not build or does not match is shown FAILED, not timed, listed
 at the end, and the exit status is 1. Needs CUDA and Triton.
@@ -37,7 +37,8 @@ VARIANTS = {
     "simt": {"kernel": "simt"},
     "simt 4x programs": {"kernel": "simt", "target_programs": 4 * TARGET_PROGRAMS, "max_splits": 64},
     "simt 8 warps": {"kernel": "simt", "num_warps": 8},
-    "dot": {"kernel": "dot"},
+    "dot": {"kernel": "dot"},  # the engine's: 8 warps on a small grid (triton_decode.SMALL_GRID_DOT_WARPS)
+    "dot 4 warps": {"kernel": "dot", "num_warps": 4},  # the engine's before SMALL_GRID_DOT_WARPS
     "dot 4x programs": {"kernel": "dot", "target_programs": 4 * TARGET_PROGRAMS, "max_splits": 64},
     "dot n128 8 warps": {"kernel": "dot", "block_n": 128, "num_warps": 8},
     "dot 8 warps": {"kernel": "dot", "num_warps": 8},
@@ -47,6 +48,14 @@ VARIANTS = {
     # of one 64-token block each read 8 MB in ~8.8 µs a layer against a ~2 µs floor (latency, not bandwidth)
     "dot 1 split": {"kernel": "dot", "max_splits": 1},
     "dot 2 splits n128 8 warps": {"kernel": "dot", "max_splits": 2, "block_n": 128, "num_warps": 8},
+    # 8 warps with the other split counts (at batch 1: 128 programs, one wave; 1024 programs of 16 tokens)
+    "dot 4 splits 8 warps": {"kernel": "dot", "max_splits": 4, "num_warps": 8},
+    "dot 4x programs 8 warps": {
+        "kernel": "dot",
+        "target_programs": 4 * TARGET_PROGRAMS,
+        "max_splits": 64,
+        "num_warps": 8,
+    },
 }
 
 
@@ -90,6 +99,8 @@ def run_shape(
     name: str, args: argparse.Namespace, rows: list[dict], bandwidth: float, problems: list[str]
 ) -> None:
     heads, kv_heads, dim = SHAPES[name]
+    variants = {label: VARIANTS[label] for label in args.variants}
+    first = args.variants[0]  # the ratios' baseline
     page, layers = args.page, args.layers
     dtype = torch.bfloat16
     max_tokens = args.max_tokens
@@ -110,7 +121,7 @@ def run_shape(
             qs = [torch.randn(batch, heads, dim, device="cuda", dtype=dtype, generator=gen) for _ in caches]
             ref = paged_decode_attention_ref(qs[0], *caches[0], tables, lens, dim**-0.5).float()
             row = {"shape": name, "batch": batch, "context": ctx, "splits": num_splits(batch, kv_heads)}
-            for label, kw in VARIANTS.items():
+            for label, kw in variants.items():
                 row[label] = None  # a variant that fails to build or to match the reference is not timed
                 try:
                     out = paged_decode_attention_triton(qs[0], *caches[0], tables, lens, dim**-0.5, **kw)
@@ -125,12 +136,12 @@ def run_shape(
                 row[label] = time_graph(step, args.replays, args.rounds) * 1000 / layers  # µs per layer
             kv_bytes = batch * ctx * kv_heads * dim * 2 * dtype.itemsize
             row["floor"] = kv_bytes / bandwidth * 1e6  # µs per layer
-            timed = [label for label in VARIANTS if row[label] is not None]
+            timed = [label for label in variants if row[label] is not None]
             best = min(timed, key=lambda label: row[label]) if timed else None
             row["best"] = best
             row["best_share_of_copy_bw"] = row["floor"] / row[best] if best else None
             rows.append(row)
-            base = row["simt"]
+            base = row[first]
 
             def cell(label: str, base: float | None = base, row: dict = row) -> str:
                 if row[label] is None:
@@ -142,10 +153,10 @@ def run_shape(
             if best:
                 share, step_ms = row["best_share_of_copy_bw"], row[best] * layers / 1000
                 summary = f"best {best}: {share:.0%} of copy bw, {step_ms:.2f} ms a {layers}-layer step"
-                summary += f" (simt {base * layers / 1000:.2f})" if base else ""
+                summary += f" ({first} {base * layers / 1000:.2f})" if base else ""
             print(
                 f"{name} b{batch:<3d} ctx {ctx:5d} splits {row['splits']:2d}  "
-                + "  ".join(cell(label) for label in VARIANTS)
+                + "  ".join(cell(label) for label in variants)
                 + f"  floor {row['floor']:6.1f}  {summary}",
                 flush=True,
             )
@@ -164,14 +175,23 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated names of VARIANTS; the first is the baseline",
+    )
     args = ap.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        raise SystemExit(f"--variants: unknown {unknown or 'none given'}; known: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_attention.py needs CUDA (its kernels are Triton's)")
     bandwidth = copy_bandwidth()
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
         f"{bandwidth / 1e12:.2f} TB/s;"
-        " µs per layer (ratio to simt, the engine's kernel)"
+        f" µs per layer (ratio to {args.variants[0]}; the engine runs dot)"
     )
     rows: list[dict] = []
     problems: list[str] = []  # variants that failed: printed at the end, and the exit status is 1

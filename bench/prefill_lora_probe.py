@@ -7,9 +7,10 @@ add to or replace (issue 12: the LoRA prefill's TTFT over the base's):
 - SiLU·up with the gate/up expands inside (triton_ops.silu_mul_expand, the prefill's `grouped` mode) at each
   tile shape / warps, against the plain SiLU·up kernel (fused_decode.silu_mul_lora without LoRA) and against
   the plain kernel after two addmm_ expands (`per_projection`);
-- the o / down expand alone: triton_ops.lora_expand against addmm_;
-- the residual add + RMSNorm before q/k/v and gate/up with the group's shrink: add_rms_norm + cuBLAS's shrink
-  (what a prefill runs) against triton_ops.add_rms_norm_shrink (one launch, a candidate).
+- the o / down expand alone: triton_ops.lora_expand against addmm_.
+
+(A fourth probe, the residual add + RMSNorm with its group's shrink in one launch, measured 2.3-4.6x the
+separate kernels on an H200 and was removed with its kernel: docs/benchmarks.md, twenty-eighth session.)
 
 Every variant is checked against torch in float32 first. µs a launch, median of `--rounds` rounds of
 `--replays` replays:
@@ -125,38 +126,6 @@ def probe_expand(rows: int, gen: torch.Generator, replays: int, rounds: int) -> 
     return [("addmm_", addmm), ("lora_expand", expand)]
 
 
-def probe_norm_shrink(
-    rows: int, gen: torch.Generator, replays: int, rounds: int
-) -> list[tuple[str, float, float]]:
-    """(group, add_rms_norm + F.linear µs, add_rms_norm_shrink µs) for the q/k/v and gate/up shrinks."""
-    hs = [_rand(gen, rows, HIDDEN) for _ in range(LAYERS)]
-    deltas = [_rand(gen, rows, HIDDEN) for _ in range(LAYERS)]
-    ws = [torch.rand(HIDDEN, device="cuda", generator=gen).to(torch.bfloat16) + 0.5 for _ in range(LAYERS)]
-    out = []
-    for name, r in (("q/k/v", 3 * RANK), ("gate/up", 2 * RANK)):
-        a_cats = [_rand(gen, r, HIDDEN, scale=HIDDEN**-0.5) for _ in range(LAYERS)]
-
-        def separate(h, d, w, a):
-            res, x = ops.add_rms_norm(h, d, w, 1e-5)
-            return res, x, F.linear(x, a)
-
-        def fused(h, d, w, a):
-            return ops.add_rms_norm_shrink(h, d, w, 1e-5, a)
-
-        want, got = separate(hs[0], deltas[0], ws[0], a_cats[0]), fused(hs[0], deltas[0], ws[0], a_cats[0])
-        assert torch.equal(got[0], want[0]), f"add_rms_norm_shrink {name}: residual"
-        assert _rel(got[1], want[1]) < 1e-2 and _rel(got[2], want[2]) < 1e-2, f"add_rms_norm_shrink {name}"
-        args = (hs, deltas, ws, a_cats)
-        out.append(
-            (
-                name,
-                _time(_layers(separate, *args), replays, rounds),
-                _time(_layers(fused, *args), replays, rounds),
-            )
-        )
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="512,2048", help="comma-separated step rows (prefill chunk tokens)")
@@ -177,9 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         print("  SiLU·up with gate/up expands")
         for name, us in probe_silu(rows, gen, args.replays, args.rounds):
             print(f"    {name:<44} {us:7.2f}")
-        print("  add + RMSNorm + shrink: add_rms_norm + cuBLAS -> add_rms_norm_shrink")
-        for name, separate, fused in probe_norm_shrink(rows, gen, args.replays, args.rounds):
-            print(f"    {name:<8} {separate:7.2f} -> {fused:7.2f} ({fused / separate:.2f}x)")
         print("  o/down expand alone")
         for name, us in probe_expand(rows, gen, args.replays, args.rounds):
             print(f"    {name:<44} {us:7.2f}")

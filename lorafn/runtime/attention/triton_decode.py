@@ -31,6 +31,13 @@ from lorafn.runtime.config import DEFAULT_DECODE_ATTENTION
 TARGET_PROGRAMS = 264  # about two waves on an H100 (132 SMs)
 MAX_SPLITS = 16
 DOT_ROWS = 16  # tl.dot's smallest M: the dot kernel pads a KV head's query heads to this many rows
+# Warps a program of the dot kernel when the grid is small (at most target_programs programs: batch x KV
+# heads x splits, i.e. every batch that splits its context, and batch 8 of llama-2-7b), else Triton's 4.
+# H200, bench/decode_attention.py --variants "dot 4 warps,dot", µs a layer 4 -> 8 warps: llama-2-7b batch 1
+# 8.1 -> 7.6 (512 tokens), 17.8 -> 16.3 (2048); batch 8 27.7 -> 27.2, 91.7 -> 86.8; llama-3-8b batch 1
+# 7.1 -> 6.8, 10.1 -> 9.8; batch 16 17.1 -> 16.7, 49.2 -> 47.1. On large grids 8 warps lose (batch 64, 512
+# tokens: 133.5 -> 150.1 and 39.3 -> 50.1 µs), so they keep 4.
+SMALL_GRID_DOT_WARPS = 8
 # tl.dot's precision per cache dtype: float32 engines (the exactness tests) get IEEE float32, not tf32
 DOT_PRECISION = {torch.bfloat16: "tf32", torch.float16: "tf32", torch.float32: "ieee"}
 
@@ -193,7 +200,8 @@ def paged_decode_attention_triton(
 
     `kernel`: "simt" or "dot" (EngineConfig.decode_attention); the other keywords are those of
     bench/decode_attention.py (module doc): the split heuristic's `target_programs` / `max_splits`, the
-    tokens a block (`block_n`), and Triton's launch options for the split kernel."""
+    tokens a block (`block_n`), and Triton's launch options for the split kernel (the dot kernel's warps:
+    SMALL_GRID_DOT_WARPS on a small grid unless given)."""
     if kernel not in KERNELS:
         raise ValueError(f"paged decode attention: kernel {kernel!r}, not one of {KERNELS}")
     bsz, num_heads, head_dim = q.shape
@@ -218,6 +226,8 @@ def paged_decode_attention_triton(
         pad_g = max(pad_g, DOT_ROWS)
         options.update(USE_DOT=True, PRECISION=DOT_PRECISION[k_cache.dtype])
         block_n = block_n or 64
+        if num_warps is None and bsz * num_kv_heads * splits <= target_programs:
+            options["num_warps"] = SMALL_GRID_DOT_WARPS
     else:
         block_n = block_n or max(16, min(64, 8192 // (pad_g * block_d)))
     _decode_split_kernel[(bsz, num_kv_heads, splits)](
