@@ -48,6 +48,12 @@ def num_splits(
     return max(1, min(max_splits, target_programs // max(1, batch * num_kv_heads)))
 
 
+def dot_launch_warps(programs: int, target_programs: int = TARGET_PROGRAMS) -> dict[str, int]:
+    """The dot kernel's launch option for a grid of `programs` split programs: SMALL_GRID_DOT_WARPS on a
+    small grid, nothing (Triton's 4 warps) on a larger one."""
+    return {"num_warps": SMALL_GRID_DOT_WARPS} if programs <= target_programs else {}
+
+
 @triton.jit
 def _decode_split_kernel(
     Q,
@@ -226,8 +232,8 @@ def paged_decode_attention_triton(
         pad_g = max(pad_g, DOT_ROWS)
         options.update(USE_DOT=True, PRECISION=DOT_PRECISION[k_cache.dtype])
         block_n = block_n or 64
-        if num_warps is None and bsz * num_kv_heads * splits <= target_programs:
-            options["num_warps"] = SMALL_GRID_DOT_WARPS
+        if num_warps is None:
+            options.update(dot_launch_warps(bsz * num_kv_heads * splits, target_programs))
     else:
         block_n = block_n or max(16, min(64, 8192 // (pad_g * block_d)))
     _decode_split_kernel[(bsz, num_kv_heads, splits)](

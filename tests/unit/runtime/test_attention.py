@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lorafn.runtime.attention.reference import paged_decode_attention_ref, prefill_attention, write_kv
-from tests.unit.runtime.interpreted import run_interpreted
+from tests.unit.runtime.interpreted import require_triton, run_interpreted
 
 
 def _dense(q, k, v, scale):
@@ -113,3 +113,17 @@ print("ok")
 
 def test_triton_kernel_interpreted_matches_reference() -> None:
     run_interpreted(_TRITON_CHECK, timeout=300)
+
+
+def test_dot_kernel_takes_more_warps_only_on_small_grids() -> None:
+    """8 warps a program where the grid has at most TARGET_PROGRAMS programs (every batch that splits its
+    context); larger grids keep Triton's default, where 8 warps measured slower (triton_decode's comment)."""
+    require_triton()
+    from lorafn.runtime.attention import triton_decode as td
+
+    # (batch, KV heads) -> 8 warps?: llama-2-7b (32 KV heads) up to batch 8, llama-3-8b (8) up to 32
+    cases = {(1, 32): True, (8, 32): True, (16, 32): False, (1, 8): True, (32, 8): True, (64, 8): False}
+    for (batch, kv_heads), small in cases.items():
+        programs = batch * kv_heads * td.num_splits(batch, kv_heads)
+        assert td.dot_launch_warps(programs) == ({"num_warps": 8} if small else {}), (batch, kv_heads)
+    assert td.dot_launch_warps(2048) == {}  # batch 64 of llama-2-7b: 32 KV heads, one split
