@@ -55,6 +55,15 @@ def dot_launch_warps(programs: int, target_programs: int = TARGET_PROGRAMS) -> d
 
 
 @triton.jit
+def _rotated(x, x_other, c, sn, sign, dt: tl.constexpr):
+    """RoPE of head rows x [G, D] (float32) given rotate_half's source columns x_other and the position's
+    cos / sin [D]: each product and the sum rounded to dt, as fused_decode._rope_half_pair does."""
+    return (
+        (x * c[None, :]).to(dt).to(tl.float32) + (sign[None, :] * x_other * sn[None, :]).to(dt).to(tl.float32)
+    ).to(dt)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q,
     K,
@@ -74,6 +83,14 @@ def _decode_split_kernel(
     stride_vt,
     stride_vh,
     stride_btb,
+    KNEW,
+    VNEW,
+    COS,
+    SIN,
+    POS,
+    SLOTS,
+    stride_knb,
+    stride_vnb,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     PAD_G: tl.constexpr,
@@ -83,6 +100,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr = False,  # kernel "dot": PAD_G ≥ DOT_ROWS query rows a tl.dot
     PRECISION: tl.constexpr = "ieee",  # the dots' (DOT_PRECISION)
+    ROPE: tl.constexpr = False,  # paged_decode_attention_rope: Q, KNEW, VNEW are the projections' raw rows
 ):
     """Per BLOCK_N tokens: scores s = q·kᵀ [G, N] and acc += p·v [G, D], in float32 elementwise products
     and sums ("simt"), or as two tl.dot ("dot"; p rounded to the cache's dtype for the second, as flash
@@ -106,6 +124,35 @@ def _decode_split_kernel(
         mask=gmask[:, None] & dmask[None, :],
         other=0.0,
     )  # [G, D]
+    if ROPE:
+        # this row's new token at position new_pos: q and its KV head's new k rotated (as fused_decode's
+        # _rope_half_pair rounds them), v as it is; the program whose share of the context holds it stores k
+        # and v at the row's slot, and every program reads them from registers, never from the cache
+        dt = K.dtype.element_ty
+        new_pos = tl.load(POS + b).to(tl.int64)
+        half = HEAD_DIM // 2
+        low = offs_d < half
+        partner = tl.where(low, offs_d + half, offs_d - half)  # rotate_half's source column
+        sign = tl.where(low, -1.0, 1.0)
+        c = tl.load(COS + new_pos * HEAD_DIM + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + new_pos * HEAD_DIM + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        q_other = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + partner[None, :],
+            mask=gmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        q = _rotated(q.to(tl.float32), q_other.to(tl.float32), c, sn, sign, dt)
+        k_row = KNEW + b * stride_knb + kvh * HEAD_DIM
+        k_new = tl.load(k_row + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        k_other = tl.load(k_row + partner, mask=dmask, other=0.0).to(tl.float32)
+        k_new = _rotated(k_new[None, :], k_other[None, :], c, sn, sign, dt)  # [1, D]
+        v_new = tl.load(VNEW + b * stride_vnb + kvh * HEAD_DIM + offs_d, mask=dmask, other=0.0)[None, :]
+        if (new_pos >= begin) & (new_pos < end):
+            slot = tl.load(SLOTS + b).to(tl.int64)
+            at = (slot // PAGE) * stride_kn + (slot % PAGE) * stride_kt + kvh * stride_kh
+            tl.store(K + at + offs_d[None, :], k_new, mask=dmask[None, :])
+            at = (slot // PAGE) * stride_vn + (slot % PAGE) * stride_vt + kvh * stride_vh
+            tl.store(V + at + offs_d[None, :], v_new.to(dt), mask=dmask[None, :])
     if not USE_DOT:
         q = q.to(tl.float32)
 
@@ -128,6 +175,10 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if ROPE:  # the new token's k and v from registers (its cache slot may be stored just now)
+            new = (pos == new_pos)[:, None]
+            k = tl.where(new, k_new, k)
+            v = tl.where(new, v_new, v)
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
         else:
@@ -208,15 +259,102 @@ def paged_decode_attention_triton(
     bench/decode_attention.py (module doc): the split heuristic's `target_programs` / `max_splits`, the
     tokens a block (`block_n`), and Triton's launch options for the split kernel (the dot kernel's warps:
     SMALL_GRID_DOT_WARPS on a small grid unless given)."""
+    if q.dim() != 3:
+        raise ValueError(f"paged decode attention: q [B, H, D], got {tuple(q.shape)}")
+    q = q.contiguous()
+    bsz, num_heads, head_dim = q.shape
+    launch = dict(target_programs=target_programs, max_splits=max_splits, block_n=block_n)
+    launch.update(num_warps=num_warps, num_stages=num_stages)
+    return _split_attention(
+        q, q.stride(0), q.stride(1), bsz, num_heads, head_dim, k_cache, v_cache, block_tables,
+        context_lens, scale, kernel, None, **launch,
+    )  # fmt: skip
+
+
+def paged_decode_attention_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kernel: str = DEFAULT_DECODE_ATTENTION,
+    **launch: int | None,
+) -> torch.Tensor:
+    """A decode step's RoPE, K/V cache writes and attention in one split launch (+ the reduce), for
+    EngineConfig.rope_in_attention: what fused_decode.rope_lora_kv without expands and then
+    paged_decode_attention_triton compute, with the same roundings (the scores' float32 sums aside).
+
+    q [B, H·D], k, v [B, Hkv·D]: the q/k/v projections' outputs for one new token a row (rows may be
+    strided: views of one GEMM output); cos, sin [max_position, D]; positions, slot_mapping [B] (each row's
+    new token: its position, which must be context_lens - 1, and its cache slot); caches [blocks, page, Hkv,
+    D]. Stores every row's rotated k and its v at its slot; returns [B, H, D]. No row's slot may lie in
+    another row's context (each sequence owns its blocks; the decode graphs' padding rows share the scratch
+    slot, which no real row reads): a row reads its own new token from registers, the others' from the
+    cache, whenever their programs have stored them. `launch`: paged_decode_attention_triton's keywords
+    after `kernel`."""
+    bsz = q.shape[0]
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    if (
+        q.dim() != 2
+        or q.shape[1] % head_dim
+        or k.shape != (bsz, num_kv_heads * head_dim)
+        or v.shape != k.shape
+        or any(t.stride(-1) != 1 for t in (q, k, v))
+    ):
+        raise ValueError(
+            f"paged decode attention with RoPE: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+            f"(rows of whole heads of {head_dim}, {num_kv_heads} KV heads, columns contiguous)"
+        )
+    if head_dim % 2 or cos.shape[-1] != head_dim or sin.shape != cos.shape:
+        raise ValueError(f"paged decode attention with RoPE: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    if positions.shape != (bsz,) or slot_mapping.shape != (bsz,):
+        raise ValueError(
+            f"paged decode attention with RoPE: positions {tuple(positions.shape)}, slot_mapping "
+            f"{tuple(slot_mapping.shape)} (one new token a row: {bsz})"
+        )
+    rope = (k, v, cos.contiguous(), sin.contiguous(), positions, slot_mapping, k.stride(0), v.stride(0))
+    return _split_attention(
+        q, q.stride(0), head_dim, bsz, q.shape[1] // head_dim, head_dim, k_cache, v_cache, block_tables,
+        context_lens, scale, kernel, rope, **launch,
+    )  # fmt: skip
+
+
+def _split_attention(
+    q: torch.Tensor,
+    stride_qb: int,
+    stride_qh: int,
+    bsz: int,
+    num_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kernel: str,
+    rope: tuple | None,
+    target_programs: int = TARGET_PROGRAMS,
+    max_splits: int = MAX_SPLITS,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """The split and reduce launches of both entry points; `rope`: (k, v, cos, sin, positions, slots, k's
+    and v's row strides) of paged_decode_attention_rope, or None (q already rotated, k and v cached)."""
     if kernel not in KERNELS:
         raise ValueError(f"paged decode attention: kernel {kernel!r}, not one of {KERNELS}")
-    bsz, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged decode attention: the KV cache's last dimension must be contiguous")
     if num_heads % num_kv_heads:
         raise ValueError(f"paged decode attention: {num_heads} query heads over {num_kv_heads} KV heads")
-    q = q.contiguous()
     group = num_heads // num_kv_heads
     splits = num_splits(bsz, num_kv_heads, target_programs, max_splits)
     m = torch.empty(bsz, num_heads, splits, device=q.device, dtype=torch.float32)
@@ -236,6 +374,10 @@ def paged_decode_attention_triton(
             options.update(dot_launch_warps(bsz * num_kv_heads * splits, target_programs))
     else:
         block_n = block_n or max(16, min(64, 8192 // (pad_g * block_d)))
+    if rope is not None:
+        options["ROPE"] = True
+    else:  # unused pointers (the kernel's ROPE branch is compiled out)
+        rope = (q, q, q, q, q, q, 0, 0)
     _decode_split_kernel[(bsz, num_kv_heads, splits)](
         q,
         k_cache,
@@ -246,8 +388,8 @@ def paged_decode_attention_triton(
         lse,
         acc,
         scale,
-        q.stride(0),
-        q.stride(1),
+        stride_qb,
+        stride_qh,
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -255,6 +397,7 @@ def paged_decode_attention_triton(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
+        *rope,
         NUM_SPLITS=splits,
         GROUP=group,
         PAD_G=pad_g,
@@ -264,7 +407,7 @@ def paged_decode_attention_triton(
         BLOCK_N=block_n,
         **options,
     )
-    out = torch.empty_like(q)
+    out = torch.empty(bsz, num_heads, head_dim, device=q.device, dtype=q.dtype)
     _decode_reduce_kernel[(bsz, num_heads)](
         m,
         lse,
