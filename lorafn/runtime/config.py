@@ -72,6 +72,11 @@ DEFAULT_GEMM_PROLOGUE_ROWS = 0
 # (triton_ops.lora_shrink: one launch, its K splits summed by the last to arrive).
 LORA_SHRINKS = ("cublas", "triton")
 DEFAULT_LORA_SHRINK = "cublas"
+# A step of decodes only runs RoPE and its K/V cache writes inside the decode attention launch
+# (EngineConfig.rope_in_attention; triton_decode.paged_decode_attention_rope) instead of fused_decode's RoPE
+# kernel before it: one launch a layer fewer. Off until it is timed on a GPU (built in the twenty-eighth
+# session after the device budget was spent; exact against the two kernels under the interpreter).
+DEFAULT_ROPE_IN_ATTENTION = False
 
 
 def expand_modes(lora_expand: str) -> tuple[str, str]:
@@ -193,6 +198,10 @@ class EngineConfig:
     # CUDA, fused path: how a step above skinny_gemm_rows rows (prefill chunks) computes the LoRA shrinks, one
     # of LORA_SHRINKS (DEFAULT_LORA_SHRINK). Roundings alike (float32 sums, rounded once; in another order).
     lora_shrink: str = DEFAULT_LORA_SHRINK
+    # CUDA, fused path: a step of decodes only whose q/k/v expands are done before RoPE (inside the skinny
+    # GEMM, expand_in_gemm, or no adapter) rotates q and k and writes K/V inside the decode attention launch
+    # (DEFAULT_ROPE_IN_ATTENTION). The same roundings and outputs as the two launches.
+    rope_in_attention: bool = DEFAULT_ROPE_IN_ATTENTION
     # CUDA: let torch's SDPA pick cuDNN attention for prefill chunks. Off by default: cuDNN builds an
     # execution plan per exact shape, and on the H100 the first prefill of each new chunk length paid
     # ~65 ms of host time for it (a standby's first request prefilled in 110 ms, the next one in 28 ms;
@@ -246,6 +255,8 @@ class EngineConfig:
             raise ValueError(
                 f"decode_attention: {self.decode_attention!r} is not one of {DECODE_ATTENTION_KERNELS}"
             )
+        if not isinstance(self.rope_in_attention, bool):
+            raise ValueError(f"rope_in_attention: must be true or false, got {self.rope_in_attention!r}")
         if self.lora_shrink not in LORA_SHRINKS:
             raise ValueError(f"lora_shrink: {self.lora_shrink!r} is not one of {LORA_SHRINKS}")
         if not 0 <= self.gemm_prologue_rows <= SKINNY_GEMM_MAX_ROWS:

@@ -65,6 +65,7 @@ KEY_FIELDS: tuple[str, ...] = (
     "expand_in_gemm",  # EngineConfig.expand_in_gemm
     "gemm_prologue_rows",  # EngineConfig.gemm_prologue_rows
     "lora_shrink",  # EngineConfig.lora_shrink
+    "rope_in_attention",  # EngineConfig.rope_in_attention
     "buckets",
     "max_blocks_per_seq",
     "block_size",

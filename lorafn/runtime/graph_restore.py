@@ -43,6 +43,7 @@ from lorafn.runtime.config import (
     DEFAULT_EXPAND_IN_GEMM,
     DEFAULT_GEMM_PROLOGUE_ROWS,
     DEFAULT_LORA_SHRINK,
+    DEFAULT_ROPE_IN_ATTENTION,
     DEFAULT_SKINNY_GEMM_ROWS,
 )
 from lorafn.runtime.graph_archive import (
@@ -146,6 +147,7 @@ class DecodeStateSpec:
     expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM
     gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS
     lora_shrink: str = DEFAULT_LORA_SHRINK
+    rope_in_attention: bool = DEFAULT_ROPE_IN_ATTENTION
     # the backbone server's socket: weights are its read-only mapping W at its fixed address (the worker's
     # real set-up); None: weights loaded from model_dir into the arena's state pool
     backbone_socket: str | None = None
@@ -213,6 +215,7 @@ def build_decode_state(spec: DecodeStateSpec, arena: Arena) -> DecodeState:
                 expand_in_gemm=spec.expand_in_gemm,
                 gemm_prologue_rows=spec.gemm_prologue_rows,
                 lora_shrink=spec.lora_shrink,
+                rope_in_attention=spec.rope_in_attention,
             )
             kv = KVCache(mc, spec.num_kv_blocks, spec.block_size, device, dtype)
             runner = DecodeGraphRunner(
@@ -249,6 +252,7 @@ def state_key(state: DecodeState, arena: Arena) -> dict[str, Any]:
         expand_in_gemm=spec.expand_in_gemm,
         gemm_prologue_rows=spec.gemm_prologue_rows,
         lora_shrink=spec.lora_shrink,
+        rope_in_attention=spec.rope_in_attention,
         buckets=state.runner.buckets,
         max_blocks_per_seq=state.runner.max_blocks,
         block_size=spec.block_size,
@@ -274,6 +278,7 @@ def current_key(
     expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
     gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS,
     lora_shrink: str = DEFAULT_LORA_SHRINK,
+    rope_in_attention: bool = DEFAULT_ROPE_IN_ATTENTION,
     max_blocks_per_seq: int,
     block_size: int,
     num_kv_blocks: int,
@@ -305,6 +310,7 @@ def current_key(
         "expand_in_gemm": bool(expand_in_gemm),
         "gemm_prologue_rows": int(gemm_prologue_rows),
         "lora_shrink": lora_shrink,
+        "rope_in_attention": bool(rope_in_attention),
         "buckets": sorted(int(b) for b in buckets),
         "max_blocks_per_seq": int(max_blocks_per_seq),
         "block_size": int(block_size),

@@ -214,6 +214,7 @@ class ModelRunner:
                     expand_in_gemm=config.expand_in_gemm,
                     gemm_prologue_rows=config.gemm_prologue_rows,
                     lora_shrink=config.lora_shrink,
+                    rope_in_attention=config.rope_in_attention,
                 )
             clock.lap("backbone")  # the weight views (the shared backbone mapped, or loaded)
             self.kv_blocks_from = ""  # how the KV cache size was decided (see _num_kv_blocks)
@@ -301,6 +302,7 @@ class ModelRunner:
                 expand_in_gemm=cfg.expand_in_gemm,
                 gemm_prologue_rows=cfg.gemm_prologue_rows,
                 lora_shrink=cfg.lora_shrink,
+                rope_in_attention=cfg.rope_in_attention,
                 buckets=self.graphs.buckets,
                 max_blocks_per_seq=max_blocks,
                 block_size=cfg.block_size,

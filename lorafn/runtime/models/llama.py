@@ -23,6 +23,7 @@ from lorafn.runtime.config import (
     DEFAULT_GEMM_PROLOGUE_ROWS,
     DEFAULT_LORA_EXPAND,
     DEFAULT_LORA_SHRINK,
+    DEFAULT_ROPE_IN_ATTENTION,
     DEFAULT_SKINNY_GEMM_ROWS,
     ModelConfig,
     expand_modes,
@@ -153,12 +154,14 @@ class LlamaModel:
         expand_in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
         gemm_prologue_rows: int = DEFAULT_GEMM_PROLOGUE_ROWS,
         lora_shrink: str = DEFAULT_LORA_SHRINK,
+        rope_in_attention: bool = DEFAULT_ROPE_IN_ATTENTION,
     ) -> None:
         self.cfg, self.device, self.dtype, self.lora = cfg, device, dtype, lora
         self.decode_attention = decode_attention  # EngineConfig.decode_attention
         self.expand_in_gemm = expand_in_gemm  # EngineConfig.expand_in_gemm
         self.gemm_prologue_rows = gemm_prologue_rows  # EngineConfig.gemm_prologue_rows
         self.lora_expand = lora_expand  # EngineConfig.lora_expand
+        self.rope_in_attention = rope_in_attention  # EngineConfig.rope_in_attention
         self.skinny_gemm_rows = skinny_gemm_rows  # EngineConfig.skinny_gemm_rows
         # the mode of a step with a prefill chunk, of a step of decodes only (config.expand_modes)
         self.prefill_expand, self.decode_expand = expand_modes(lora_expand)
@@ -280,6 +283,19 @@ class LlamaModel:
         attn = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return attn.reshape(q.shape[0], -1)
 
+    def _attend_rope(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, k_cache, v_cache
+    ) -> torch.Tensor:
+        """A step of decodes only (rope_in_attention): q [B, H·D], k, v [B, Hkv·D] as the q/k/v projections
+        wrote them -> attention [B, H·D], with RoPE and the K/V cache writes inside the same launch."""
+        from lorafn.runtime.attention.triton_decode import paged_decode_attention_rope
+
+        attn = paged_decode_attention_rope(
+            q, k, v, self.cos, self.sin, batch.positions, batch.slot_mapping, k_cache, v_cache,
+            batch.block_tables, batch.context_lens, self.scale, kernel=self.decode_attention,
+        )  # fmt: skip
+        return attn.reshape(q.shape[0], -1)
+
     def _row_slots(self, batch: ForwardBatch) -> torch.Tensor | None:
         """The step's [T] row slots on a model with adapter slots (a step that names none is refused); None
         with one adapter slot."""
@@ -393,6 +409,8 @@ class LlamaModel:
         masks = self.slot_masks(batch) if rows is not None and settle and not in_gemm else {}
         row_slots = rows if in_gemm or not settle else None
         expand_ops = ops if mode == "grouped" else None
+        # rope_in_attention: a step of decodes only rotates q, k and writes K/V inside its attention launch
+        rope_in_attn = self.rope_in_attention and batch.num_decodes == num_rows and not batch.prefills
         # grouped, large step: every expand inside the kernel that reads its projection's output anyway, on
         # the tensor cores over tiles of rows (q/k/v: RoPE + cache writes; o, down: add + RMSNorm; gate/up:
         # SiLU·up)
@@ -428,24 +446,27 @@ class LlamaModel:
                 x, layer, SHRINK_GROUPS[0], groups, masks, row_slots, in_gemm, norm, site=(i, 0)
             )
             k_cache, v_cache = kv_caches[i]
-            rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
-            if settle and not tiled:
-                qkv_lora = _settle_expands((q, k, v), qkv_lora, expand_ops)
-            q, k, v = rope(
-                q,
-                k,
-                v,
-                qkv_lora,
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                self.cos,
-                self.sin,
-                batch.positions,
-                k_cache,
-                v_cache,
-                batch.slot_mapping,
-            )
-            attn = self._attend(q, k, v, batch, k_cache, v_cache)
+            if rope_in_attn and qkv_lora is None:  # decodes only, nothing left to add to q/k/v
+                attn = self._attend_rope(q, k, v, batch, k_cache, v_cache)
+            else:
+                rope = ops.rope_expand_kv if tiled and qkv_lora else fd.rope_lora_kv
+                if settle and not tiled:
+                    qkv_lora = _settle_expands((q, k, v), qkv_lora, expand_ops)
+                q, k, v = rope(
+                    q,
+                    k,
+                    v,
+                    qkv_lora,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    self.cos,
+                    self.sin,
+                    batch.positions,
+                    k_cache,
+                    v_cache,
+                    batch.slot_mapping,
+                )
+                attn = self._attend(q, k, v, batch, k_cache, v_cache)
             (o,), o_lora = self._group_gemm(
                 attn, layer, SHRINK_GROUPS[1], groups, masks, row_slots, in_gemm, site=(i, 1)
             )

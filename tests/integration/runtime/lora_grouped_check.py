@@ -109,6 +109,8 @@ def _forward(
     in_gemm: bool = DEFAULT_EXPAND_IN_GEMM,
     prologue_rows: int = 0,
     shrink: str = DEFAULT_LORA_SHRINK,
+    rope_in_attention: bool = False,
+    steps: list[ForwardBatch] | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
     """(logits of every step, the KV cache after them, grouped expand launches: lora_expand, and on the
     fused path the kernels with a group's expand inside; q/k/v expands of steps above 16 rows inside the
@@ -117,11 +119,13 @@ def _forward(
     of every step above skinny_gemm_rows; `_check_skinny` runs them through the segmented GEMM. `in_gemm`:
     EngineConfig.expand_in_gemm (the steps of the segmented GEMM add their expands inside it);
     `prologue_rows`: EngineConfig.gemm_prologue_rows (gemm_prologue_check.py); `shrink`:
-    EngineConfig.lora_shrink."""
+    EngineConfig.lora_shrink; `rope_in_attention`: EngineConfig.rope_in_attention (rope_attention_check.py);
+    `steps`: other steps than `_steps`'."""
     model = LlamaModel(
         cfg, SafetensorsWeightSource(model_dir), DEV, torch.float32, lora, max_position=128,
         use_triton_attention=triton, fused_decode=fused, lora_expand=mode, skinny_gemm_rows=skinny,
         expand_in_gemm=in_gemm, gemm_prologue_rows=prologue_rows, lora_shrink=shrink,
+        rope_in_attention=rope_in_attention,
     )  # fmt: skip
     assert (model.fused is not None) == fused, "the fused path did not turn on"
     kv = KVCache(cfg, 8, 16, DEV, torch.float32)
@@ -147,7 +151,8 @@ def _forward(
         setattr(triton_ops, name, counting(fn))
     fused_decode.rope_lora_kv = rope_counted
     try:
-        logits = [model.forward(step, kv.layers) for step in _steps(cfg, lora.num_slots if lora else 1)]
+        steps = steps if steps is not None else _steps(cfg, lora.num_slots if lora else 1)
+        logits = [model.forward(step, kv.layers) for step in steps]
     finally:
         for name, fn in real.items():
             setattr(triton_ops, name, fn)

@@ -32,6 +32,7 @@ def _key(**changes: object) -> dict:
         "expand_in_gemm": True,
         "gemm_prologue_rows": 0,
         "lora_shrink": "cublas",
+        "rope_in_attention": False,
         "buckets": [1, 2, 4],
         "max_blocks_per_seq": 64,
         "block_size": 16,

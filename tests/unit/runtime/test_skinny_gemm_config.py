@@ -1,5 +1,5 @@
-"""EngineConfig.skinny_gemm_rows, gemm_prologue_rows and decode_attention; the segmented GEMM tiles
-(fused_decode.seg_config)."""
+"""EngineConfig.skinny_gemm_rows, gemm_prologue_rows, decode_attention and rope_in_attention; the segmented
+GEMM tiles (fused_decode.seg_config)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from lorafn.runtime.config import (
     DECODE_ATTENTION_KERNELS,
     DEFAULT_DECODE_ATTENTION,
     DEFAULT_GEMM_PROLOGUE_ROWS,
+    DEFAULT_ROPE_IN_ATTENTION,
     DEFAULT_SKINNY_GEMM_ROWS,
     SKINNY_GEMM_MAX_ROWS,
 )
@@ -68,3 +69,10 @@ def test_decode_attention_kernel_is_checked_naming_the_field() -> None:
         assert EngineConfig(model="m", decode_attention=kernel).decode_attention == kernel
     with pytest.raises(ValueError, match=r"decode_attention: 'mma' is not one of \('simt', 'dot'\)"):
         EngineConfig(model="m", decode_attention="mma")
+
+
+def test_rope_in_attention_is_a_bool_naming_the_field() -> None:
+    assert EngineConfig(model="m").rope_in_attention is DEFAULT_ROPE_IN_ATTENTION
+    assert EngineConfig(model="m", rope_in_attention=True).rope_in_attention is True
+    with pytest.raises(ValueError, match=r"rope_in_attention: must be true or false, got 'yes'"):
+        EngineConfig(model="m", rope_in_attention="yes")  # type: ignore[arg-type]
