@@ -6,6 +6,7 @@ and V bytes read over the device's measured copy bandwidth.
 
     python bench/decode_attention.py                     # llama-2-7b (32/32 heads) and llama-3-8b (32/8)
     python bench/decode_attention.py --batches 1,8 --contexts 512 --json out.json
+    python bench/decode_attention.py --rope --batches 1,8,64   # RoPE + K/V writes inside the launch or not
 
 Prints µs per layer of each variant and its ratio to the first (`--variants`; "simt"), the floor, the best
 variant's share of the copy bandwidth. Every variant's output is checked against the torch reference before
@@ -29,7 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from graph_timing import capture, replay_ms  # a bench helper beside this file
 
 from lorafn.runtime.attention.reference import paged_decode_attention_ref
-from lorafn.runtime.attention.triton_decode import TARGET_PROGRAMS, num_splits, paged_decode_attention_triton
+from lorafn.runtime.attention.triton_decode import (
+    TARGET_PROGRAMS,
+    num_splits,
+    paged_decode_attention_rope,
+    paged_decode_attention_triton,
+)
 
 SHAPES = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128)}  # heads, KV heads, head dim
 # name -> keyword arguments of paged_decode_attention_triton; the first is the baseline
@@ -67,6 +73,89 @@ def all_layers(qs, caches, tables, lens, scale, kw: dict) -> None:
     """One decode step's attention: every layer's queries against its own cache."""
     for q, (k, v) in zip(qs, caches, strict=True):
         paged_decode_attention_triton(q, k, v, tables, lens, scale, **kw)
+
+
+def rope_layers(fused: bool, qkv, caches, heads: int, kv_heads: int, cos, sin, step: tuple) -> list:
+    """One decode step's RoPE + K/V writes + attention over every layer: the engine's two launches
+    (fused_decode.rope_lora_kv, then the split attention) or one (paged_decode_attention_rope).
+    step = (positions, slots, tables, lens, scale)."""
+    from lorafn.runtime.models import fused_decode as fd
+
+    positions, slots, tables, lens, scale = step
+    outs = []
+    for (q, k, v), (kc, vc) in zip(qkv, caches, strict=True):
+        if fused:
+            outs.append(
+                paged_decode_attention_rope(q, k, v, cos, sin, positions, slots, kc, vc, tables, lens, scale)
+            )
+        else:
+            qr, _k, _v = fd.rope_lora_kv(q, k, v, None, heads, kv_heads, cos, sin, positions, kc, vc, slots)
+            outs.append(paged_decode_attention_triton(qr, kc, vc, tables, lens, scale))
+    return outs
+
+
+def run_rope(name: str, args: argparse.Namespace, rows: list[dict], problems: list[str]) -> None:
+    """`--rope`: a decode step's RoPE + K/V writes and attention as the engine runs them by default (two
+    launches + the reduce a layer) against one launch + the reduce (EngineConfig.rope_in_attention), on each
+    layer's own q/k/v projection rows and cache; the first layer's outputs and new K/V compared first (they
+    must be equal bit for bit)."""
+    heads, kv_heads, dim = SHAPES[name]
+    page, layers, dtype = args.page, args.layers, torch.bfloat16
+    blocks = args.max_tokens // page + 1
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def cache() -> torch.Tensor:
+        return torch.empty(blocks, page, kv_heads, dim, device="cuda", dtype=dtype).normal_(generator=gen)
+
+    caches = [(cache(), cache()) for _ in range(layers)]
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+    emb = torch.cat([torch.outer(torch.arange(max(args.contexts) + 1, device="cuda").float(), inv)] * 2, -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cut = (heads * dim, (heads + kv_heads) * dim)
+    for ctx in args.contexts:
+        for batch in args.batches:
+            if batch * ctx > args.max_tokens:
+                continue
+            per_seq = -(-ctx // page)
+            perm = torch.randperm(blocks - 1, device="cuda", generator=gen)[: batch * per_seq] + 1
+            tables = perm.view(batch, per_seq).int().contiguous()
+            lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+            positions = (lens - 1).long()
+            blk = tables[torch.arange(batch, device="cuda"), positions // page].long()
+            slots = blk * page + positions % page
+            outs = [torch.randn(batch, cut[1] + kv_heads * dim, device="cuda", dtype=dtype, generator=gen)]
+            outs += [torch.randn_like(outs[0]) for _ in caches[1:]]
+            qkv = [(o[:, : cut[0]], o[:, cut[0] : cut[1]], o[:, cut[1] :]) for o in outs]
+            step = (positions, slots, tables, lens, dim**-0.5)
+            want = rope_layers(False, qkv[:1], caches[:1], heads, kv_heads, cos, sin, step)[0]
+            new_kv = [c[blk, positions % page].clone() for c in caches[0]]
+            for c in caches[0]:  # written again by the fused form only
+                c[blk, positions % page] = 0
+            got = rope_layers(True, qkv[:1], caches[:1], heads, kv_heads, cos, sin, step)[0]
+            same_kv = all(
+                torch.equal(c[blk, positions % page], w) for c, w in zip(caches[0], new_kv, strict=True)
+            )
+            if not (torch.equal(got, want) and same_kv):
+                problems.append(
+                    f"{name} batch {batch} context {ctx} rope: output or K/V differ from two launches"
+                )
+                continue
+            timed = {}
+            for fused in (False, True):
+                fn = partial(rope_layers, fused, qkv, caches, heads, kv_heads, cos, sin, step)
+                timed[fused] = time_graph(fn, args.replays, args.rounds) * 1000 / layers  # µs a layer
+            two, one = timed[False], timed[True]
+            rows.append(
+                {"shape": name, "batch": batch, "context": ctx, "two_launches": two, "rope_inside": one}
+            )
+            print(
+                f"{name} b{batch:<3d} ctx {ctx:5d}  RoPE kernel + attention {two:6.1f}, RoPE inside "
+                f"{one:6.1f} µs a layer ({one / two:.2f}x; a {layers}-layer step"
+                f" {(one - two) * layers:+5.0f} µs)",
+                flush=True,
+            )
+    caches.clear()
+    torch.cuda.empty_cache()
 
 
 def copy_bandwidth(num_bytes: int = 4 << 30) -> float:
@@ -180,6 +269,12 @@ def main() -> None:
         default=",".join(VARIANTS),
         help="comma-separated names of VARIANTS; the first is the baseline",
     )
+    ap.add_argument(
+        "--rope",
+        action="store_true",
+        help="instead of the variants: the engine's RoPE kernel + attention against RoPE inside the attention"
+        " launch (EngineConfig.rope_in_attention), each layer's q/k/v rows raw",
+    )
     args = ap.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in args.variants if v not in VARIANTS]
@@ -198,7 +293,10 @@ def main() -> None:
     for name in args.shapes.split(","):
         if name not in SHAPES:
             raise SystemExit(f"--shapes: unknown {name!r}; known: {', '.join(SHAPES)}")
-        run_shape(name, args, rows, bandwidth, problems)
+        if args.rope:
+            run_rope(name, args, rows, problems)
+        else:
+            run_shape(name, args, rows, bandwidth, problems)
     if args.json:
         report = {"device": torch.cuda.get_device_name(), "copy_bytes_s": bandwidth, "rows": rows}
         args.json.write_text(json.dumps({**report, "problems": problems}, indent=1))

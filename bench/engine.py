@@ -23,6 +23,8 @@ engine once per round, N rounds, and prints medians (single runs on the H100 mov
 round from its default: a skinny-GEMM step's expands inside the GEMMs, or in the per-row kernels after them.
 `--gemm-prologue-rows 64` measures base and LoRA again at every batch with `EngineConfig.gemm_prologue_rows` =
 64: steps of up to that many rows compute the residual add + RMSNorm and SiLU·up inside the skinny GEMMs.
+`--rope-in-attention` measures base and LoRA again at every batch with `EngineConfig.rope_in_attention` the
+other way round: a decode-only step's RoPE and K/V cache writes inside its attention launch, or before it.
 `--lora-shrinks triton` measures LoRA again (the default mode and each of `--expand-modes`, eager and with
 `--prefill-graphs`) with that `EngineConfig.lora_shrink`: how steps above skinny_gemm_rows rows (prefill
 chunks) compute the shrinks; TTFT and chunked-prefill throughput side by side with the default's.
@@ -55,6 +57,7 @@ from lorafn.runtime.config import (
     DEFAULT_GEMM_PROLOGUE_ROWS,
     DEFAULT_LORA_EXPAND,
     DEFAULT_LORA_SHRINK,
+    DEFAULT_ROPE_IN_ATTENTION,
     DEFAULT_SKINNY_GEMM_ROWS,
     LORA_EXPANDS,
     LORA_SHRINKS,
@@ -404,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{DEFAULT_GEMM_PROLOGUE_ROWS}: each step's norms and SiLU·up inside the skinny GEMMs up to N rows)",
     )
     ap.add_argument(
+        "--rope-in-attention",
+        action="store_true",
+        help="CUDA: base and LoRA again at every batch with EngineConfig.rope_in_attention not its default "
+        f"({DEFAULT_ROPE_IN_ATTENTION}: a decode step's RoPE + K/V writes inside its attention launch)",
+    )
+    ap.add_argument(
         "--other-overlap",
         action="store_true",
         help="base and LoRA again at every batch with EngineConfig.overlap_steps not the device's default "
@@ -515,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
         pro = {"gemm_prologue_rows": pro_rows}
         runs += [("base_prologue", None, DEFAULT_LORA_EXPAND, batches, d_rows, pro)]
         runs += [("lora_prologue", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, pro)]
+    figures["rope_in_attention"] = DEFAULT_ROPE_IN_ATTENTION
+    figures["rope_variant"] = bool(args.rope_in_attention and device.type == "cuda")
+    if figures["rope_variant"]:
+        rope = {"rope_in_attention": not DEFAULT_ROPE_IN_ATTENTION}
+        runs += [("base_rope_attn", None, DEFAULT_LORA_EXPAND, batches, d_rows, rope)]
+        runs += [("lora_rope_attn", adapter, DEFAULT_LORA_EXPAND, batches, d_rows, rope)]
     shrinks = [k for k in args.lora_shrinks.split(",") if k and k != DEFAULT_LORA_SHRINK]
     if any(k not in LORA_SHRINKS for k in shrinks):
         ap.error(f"--lora-shrinks: each of {LORA_SHRINKS}, got {args.lora_shrinks!r}")
@@ -630,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     print_attention(figures, batches)
     print_expand_places(figures, batches)
     print_prologue(figures, batches)
+    print_rope_in_attention(figures, batches)
     print_overlap(figures, batches)
     print_prefill_kernels(figures, [name for name, *_rest in runs])
     print_host_profiles(figures, [name for name, *_rest in runs])
@@ -698,19 +714,33 @@ def print_expand_places(f: dict, batches: list[int]) -> None:
 def print_prologue(f: dict, batches: list[int]) -> None:
     """TPOT with the GEMM inputs computed inside the skinny GEMMs (gemm_prologue_rows) beside the default."""
     rows = f["prologue_variant_rows"]
-    if rows is None:
-        return
+    if rows is not None:
+        title = f"norms and SiLU·up inside the skinny GEMMs up to {rows} rows (gemm_prologue_rows; default"
+        title += f" {f['gemm_prologue_rows']})"
+        print_variant(f, batches, "prologue", title)
+
+
+def print_rope_in_attention(f: dict, batches: list[int]) -> None:
+    """TPOT with a decode step's RoPE + K/V writes inside its attention launch beside the default."""
+    if f["rope_variant"]:
+        title = "RoPE + K/V writes inside the decode attention launch (rope_in_attention; default"
+        title += f" {f['rope_in_attention']})"
+        print_variant(f, batches, "rope_attn", title)
+
+
+def print_variant(f: dict, batches: list[int], variant: str, title: str) -> None:
+    """TPOT of base and LoRA run again with an override (runs base_VARIANT, lora_VARIANT) beside the
+    default's, over the HBM floor, with the LoRA overhead of each."""
     ms, floor = 1e3, f["hbm_floor_tpot_s"]
-    default = f["gemm_prologue_rows"]
-    print(f"\nnorms and SiLU·up inside the skinny GEMMs up to {rows} rows (gemm_prologue_rows; default")
-    print(f"{default}): TPOT ms (over the HBM floor), the LoRA overhead, base / LoRA over the default's")
+    print(f"\n{title}:")
+    print("TPOT ms (over the HBM floor), the LoRA overhead, base / LoRA over the default's")
     for b in batches:
         base, lora = f["base"]["tpot_s"][b], f["lora"]["tpot_s"][b]
-        pb, pl = f["base_prologue"]["tpot_s"][b], f["lora_prologue"]["tpot_s"][b]
+        vb, vl = f[f"base_{variant}"]["tpot_s"][b], f[f"lora_{variant}"]["tpot_s"][b]
         line = f"  batch {b:>3}: default base {base * ms:6.2f} ({base / floor:.2f}) lora {lora * ms:6.2f}"
-        line += f" {100 * (lora / base - 1):+5.1f}% | prologue base {pb * ms:6.2f} ({pb / floor:.2f})"
-        line += f" lora {pl * ms:6.2f} ({pl / floor:.2f}) {100 * (pl / pb - 1):+5.1f}%"
-        print(line + f" | x{pb / base:.3f} / x{pl / lora:.3f}")
+        line += f" {100 * (lora / base - 1):+5.1f}% | {variant} base {vb * ms:6.2f} ({vb / floor:.2f})"
+        line += f" lora {vl * ms:6.2f} ({vl / floor:.2f}) {100 * (vl / vb - 1):+5.1f}%"
+        print(line + f" | x{vb / base:.3f} / x{vl / lora:.3f}")
 
 
 def print_overlap(f: dict, batches: list[int]) -> None:
