@@ -69,6 +69,83 @@ def test_triton_decode_matches_reference(batch, heads, kv_heads, head_dim, page,
         torch.testing.assert_close(static_out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(32, 32), (32, 8)])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_rope_in_attention_matches_rope_kernel_then_attention(heads: int, kv_heads: int, batch: int) -> None:
+    """triton_decode.paged_decode_attention_rope on 7B / 8B head shapes, bf16, against what it replaces
+    (fused_decode.rope_lora_kv, then the split attention): the same output and new K/V bit for bit, eagerly
+    and replayed in a CUDA graph with new projection rows (on the GPU the programs run concurrently: a row
+    reads its own new token from registers while another program stores it)."""
+    from lorafn.runtime.attention.triton_decode import (
+        paged_decode_attention_rope,
+        paged_decode_attention_triton,
+    )
+    from lorafn.runtime.models import fused_decode as fd
+
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    dim, page, per_seq = 128, 16, 40
+    blocks = batch * per_seq + 1
+    k_cache = torch.randn(blocks, page, kv_heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(blocks - 1, device="cuda", generator=gen)[: batch * per_seq] + 1
+    tables = perm.view(batch, per_seq).int().contiguous()  # each sequence owns its blocks
+    lens = torch.randint(1, per_seq * page + 1, (batch,), device="cuda", generator=gen).int()
+    lens[0], lens[-1] = 1, per_seq * page
+    positions = (lens - 1).long()
+    slots = tables[torch.arange(batch, device="cuda"), positions // page].long() * page + positions % page
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+    emb = torch.cat([torch.outer(torch.arange(per_seq * page, device="cuda").float(), inv)] * 2, dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    cut = (heads * dim, (heads + kv_heads) * dim)
+    out = torch.randn(batch, cut[1] + kv_heads * dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q, k, v = out[:, : cut[0]], out[:, cut[0] : cut[1]], out[:, cut[1] :]
+
+    def two_launches(kc, vc):
+        qr, _k, _v = fd.rope_lora_kv(q, k, v, None, heads, kv_heads, cos, sin, positions, kc, vc, slots)
+        return paged_decode_attention_triton(qr, kc, vc, tables, lens, dim**-0.5)
+
+    def one_launch(kc, vc):
+        return paged_decode_attention_rope(
+            q, k, v, cos, sin, positions, slots, kc, vc, tables, lens, dim**-0.5
+        )
+
+    caches = {name: (k_cache.clone(), v_cache.clone()) for name in ("two", "one")}
+    want, got = two_launches(*caches["two"]), one_launch(*caches["one"])
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(caches["one"], caches["two"], strict=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = one_launch(*caches["one"])
+    for _ in range(3):  # new projection rows: the graph stores and reads the new tokens anew
+        out.copy_(torch.randn(out.shape, device="cuda", generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        want = two_launches(*caches["two"])
+        assert torch.equal(static, want)
+        assert all(torch.equal(a, b) for a, b in zip(caches["one"], caches["two"], strict=True))
+
+
+def test_tiny_rope_in_attention_same_tokens_fp32(tiny_model_dir: Path, tiny_gpu_adapter: Path) -> None:
+    """fp32 tiny engine, base and LoRA, graphs on and off: rope_in_attention gives the greedy tokens of the
+    default, over decode batches of 1-40 sequences (graph buckets up to 64)."""
+    prompts = mixed_prompts(seed=11, lengths=tuple(3 + (5 * i) % 40 for i in range(40)), vocab=1000)
+    for adapter in (None, tiny_gpu_adapter):
+        outs = {}
+        for on in (False, True):
+            for graphs in (True, False):
+                engine = Engine(
+                    EngineConfig(
+                        model=tiny_model_dir, adapter=adapter, device="cuda", dtype="float32",
+                        use_cuda_graphs=graphs, max_num_seqs=48, num_kv_blocks=512, rope_in_attention=on,
+                    )
+                )  # fmt: skip
+                model = engine.runner.model
+                assert model.rope_in_attention is on and model.fused is not None  # the path that uses it
+                outs[(on, graphs)] = engine_greedy(engine, prompts, 12)
+                del engine
+                _free()
+        assert all(o == outs[(False, False)] for o in outs.values()), adapter
+
+
 @pytest.fixture(scope="module")
 def tiny_gpu_adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_adapter(
@@ -300,6 +377,7 @@ def _engine7b(
     prefill_graph_tokens: tuple = (),
     decode_attention: str = DEFAULT_DECODE_ATTENTION,
     overlap_steps: bool | None = None,
+    **overrides,
 ) -> Engine:
     return Engine(
         EngineConfig(
@@ -314,6 +392,7 @@ def _engine7b(
             prefill_graph_tokens=prefill_graph_tokens,
             decode_attention=decode_attention,
             overlap_steps=overlap_steps,
+            **overrides,
         )
     )
 
@@ -339,6 +418,27 @@ def test_llama7b_lora_fp32_matches_transformers_peft(
     del engine
     _free()
     assert (alone, replays) == (reference, len(prompts7b))
+
+
+def test_llama7b_rope_in_attention_fp32_matches_transformers_peft_and_bf16_its_own_tokens(
+    llama7b_dir, adapter7b, prompts7b, hf_reference7b
+) -> None:
+    """EngineConfig.rope_in_attention: fp32 greedy tokens equal transformers + peft (graphs on), and bf16
+    tokens equal those of the same engine without it (the same roundings: every token, not up to a tie)."""
+    reference, _ = _hf7b(hf_reference7b, llama7b_dir, adapter7b, prompts7b, torch.float32)
+    engine = _engine7b(llama7b_dir, adapter7b, graphs=True, dtype="float32", rope_in_attention=True)
+    assert engine.runner.model.rope_in_attention
+    got = engine_greedy(engine, prompts7b, 32)
+    del engine
+    _free()
+    assert got == reference
+    bf16 = {}
+    for on in (False, True):
+        engine = _engine7b(llama7b_dir, adapter7b, graphs=True, rope_in_attention=on)
+        bf16[on] = engine_greedy(engine, prompts7b, 32)
+        del engine
+        _free()
+    assert bf16[True] == bf16[False]
 
 
 # bf16 keeps 8 bits of mantissa: on random weights the top two logits are often a few ulps apart
