@@ -19,12 +19,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from lorafn.runtime.config import ModelConfig
-from lorafn.runtime.lora import LoRAWeights, load_lora
+from lorafn.runtime.lora import LoRAWeights
 from lorafn.runtime.models import fused_decode
-from tests.integration.runtime.lora_grouped_check import DEV, _forward, _same, _steps
+from tests.integration.runtime.lora_grouped_check import _forward, _same, _steps, check_base_and_adapters
 
 PER_LAYER = 3  # prologue launches a layer: q/k/v (norm), gate/up (add + norm), down (SiLU·up)
 
@@ -71,12 +69,7 @@ def _check(model_dir: Path, cfg: ModelConfig, name: str, lora: LoRAWeights | Non
 
 
 def main(argv: list[str]) -> None:
-    model_dir = Path(argv[0])
-    cfg = ModelConfig.from_dir(model_dir)
-    _check(model_dir, cfg, "base", None)
-    for name, path in (a.split("=", 1) for a in argv[1:]):
-        _check(model_dir, cfg, name, load_lora(Path(path), cfg, DEV, torch.float32))
-    print("ok")
+    check_base_and_adapters(argv, _check)
 
 
 if __name__ == "__main__":

@@ -160,6 +160,17 @@ def _forward(
     return logits, kv.data.clone(), launches, in_kernels
 
 
+def check_base_and_adapters(argv: list[str], check) -> None:
+    """`MODEL_DIR NAME=ADAPTER_DIR ...`: check(model_dir, cfg, name, lora) for the base model, then each
+    adapter (float32), then "ok" (the model checks' common main)."""
+    model_dir = Path(argv[0])
+    cfg = ModelConfig.from_dir(model_dir)
+    check(model_dir, cfg, "base", None)
+    for name, path in (a.split("=", 1) for a in argv[1:]):
+        check(model_dir, cfg, name, load_lora(Path(path), cfg, DEV, torch.float32))
+    print("ok")
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 

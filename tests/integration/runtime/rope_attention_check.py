@@ -22,9 +22,9 @@ import torch
 
 from lorafn.runtime.attention import triton_decode
 from lorafn.runtime.config import ModelConfig
-from lorafn.runtime.lora import LoRAWeights, load_lora
+from lorafn.runtime.lora import LoRAWeights
 from lorafn.runtime.models.llama import ForwardBatch, PrefillSpan
-from tests.integration.runtime.lora_grouped_check import DEV, _forward
+from tests.integration.runtime.lora_grouped_check import _forward, check_base_and_adapters
 
 DECODE_STEPS = 3
 
@@ -112,12 +112,7 @@ def _check(model_dir: Path, cfg: ModelConfig, name: str, lora: LoRAWeights | Non
 
 
 def main(argv: list[str]) -> None:
-    model_dir = Path(argv[0])
-    cfg = ModelConfig.from_dir(model_dir)
-    _check(model_dir, cfg, "base", None)
-    for name, path in (a.split("=", 1) for a in argv[1:]):
-        _check(model_dir, cfg, name, load_lora(Path(path), cfg, DEV, torch.float32))
-    print("ok")
+    check_base_and_adapters(argv, _check)
 
 
 if __name__ == "__main__":
