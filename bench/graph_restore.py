@@ -249,6 +249,7 @@ def child(role: str, cfg: dict, mode: str | None = None) -> int:
             num_kv_blocks=cfg["num_kv_blocks"],
             block_size=cfg["block_size"],
             max_model_len=cfg["max_model_len"],
+            rope_in_attention=cfg.get("rope_in_attention", False),
             backbone_socket=cfg.get("backbone_socket"),
         )
         with st("state"):
@@ -652,6 +653,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--child", choices=("capture", "restore", "restore_alt", "fallback"), help=argparse.SUPPRESS
     )
+    ap.add_argument(
+        "--rope-in-attention",
+        action="store_true",
+        help="the decode state with EngineConfig.rope_in_attention (RoPE + K/V writes inside attention)",
+    )
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -685,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         "instantiate_threads": args.instantiate_threads,
         "arena_base": args.arena_base,
         "arena_bytes": args.arena_gib << 30,
+        "rope_in_attention": args.rope_in_attention,
     }
     server = None
     if args.backbone:

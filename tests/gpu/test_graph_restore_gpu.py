@@ -19,7 +19,10 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_restored_decode_graphs_replay_like_captured_ones(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rope_in_attention", [False, True])
+def test_restored_decode_graphs_replay_like_captured_ones(tmp_path: Path, rope_in_attention: bool) -> None:
+    """(rope_in_attention: the decode graphs' attention launches rotate q, k and write K/V themselves: another
+    variant of the split kernel, under the same function name, to restore.)"""
     pytest.importorskip("cuda.bindings", reason="graph materialization uses cuda-bindings (the gpu extra)")
     out = tmp_path / "summary.json"
     cmd = [
@@ -41,6 +44,7 @@ def test_restored_decode_graphs_replay_like_captured_ones(tmp_path: Path) -> Non
         str(tmp_path / "work"),
         "--out",
         str(out),
+        *(["--rope-in-attention"] if rope_in_attention else []),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
     log = proc.stdout[-6000:] + proc.stderr[-3000:]
