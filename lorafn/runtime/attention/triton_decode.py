@@ -17,6 +17,11 @@ Measured on an H200 (bench/decode_attention.py, docs/benchmarks.md): simt read t
 0.18-0.83x its time everywhere, up to 95% of the copy bandwidth (batch 64, 512 tokens: 133.6 vs 311.5 µs a
 layer). A reduce fused into the split kernel (the last split combines) gained at most 2% (18% lost on GQA
 at batch 1), so it was not kept.
+
+`paged_decode_attention_rope` (EngineConfig.rope_in_attention) runs the same split kernel on a decode step's
+raw q/k/v projection rows: each program rotates its query heads and its KV head's new k itself, takes the new
+k and v from registers for the token's position, and the program whose share of the context holds that
+position stores them in the cache; the RoPE + K/V-write kernel before attention is then not launched.
 """
 
 from __future__ import annotations
