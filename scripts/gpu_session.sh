@@ -17,11 +17,11 @@ for step in ${STEPS:-tests}; do
       --out "$OUT/graph_restore_tiny.json" ${GRAPHS_ARGS:-} 2>&1 | tee "$OUT/graph_restore_tiny.log" | tail -40 ;;
     graphs7b) python3 bench/graph_restore.py --model "$LORAFN_LLAMA2_7B_DIR" --device cuda --workdir /tmp/gr_7b \
       --out "$OUT/graph_restore_7b.json" ${GRAPHS_ARGS:-} 2>&1 | tee "$OUT/graph_restore_7b.log" | tail -40 ;;
-    rope) # EngineConfig.rope_in_attention (built untimed in the twenty-eighth session): kernel A/B and its GPU
-      # tests; then STEPS=rope-engine: TPOT beside the default
+    rope) # EngineConfig.rope_in_attention (off: timed slower from batch 8 on, twenty-ninth session): kernel A/B,
+      # its GPU tests and the RoPE kernels against torch's roundings; then STEPS=rope-engine: TPOT beside the default
       python3 bench/decode_attention.py --rope --batches 1,8,16,64 --contexts 512,2048 --json "$OUT/rope_attn.json" \
         2>&1 | tee "$OUT/rope_attn.log" | tail -20
-      python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_engine_gpu.py -k "rope_in or restored_decode_graphs" \
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_engine_gpu.py -k "rope_in or rope_kernels_round or restored_decode_graphs" \
         tests/gpu/test_graph_restore_gpu.py 2>&1 | tee "$OUT/rope_tests.log" | tail -20 ;;
     rope-engine) # (its own call: with the 7B engines above it passes one call's 600 s)
       python3 bench/engine.py --model "$LORAFN_LLAMA2_7B_DIR" --skip-hf --batches 1,8,64 --expand-modes '' \

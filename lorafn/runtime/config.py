@@ -74,8 +74,10 @@ LORA_SHRINKS = ("cublas", "triton")
 DEFAULT_LORA_SHRINK = "cublas"
 # A step of decodes only runs RoPE and its K/V cache writes inside the decode attention launch
 # (EngineConfig.rope_in_attention; triton_decode.paged_decode_attention_rope) instead of fused_decode's RoPE
-# kernel before it: one launch a layer fewer. Off until it is timed on a GPU (built in the twenty-eighth
-# session after the device budget was spent; exact against the two kernels under the interpreter).
+# kernel before it: one launch a layer fewer, and bit for bit the same outputs and K/V. Off: timed on the
+# H200 (twenty-ninth session) it saves nothing measurable at batch 1 (TPOT x0.998 on llama-2-7b) and costs
+# +2.4% at batch 8 and +37% at batch 64 (its in-loop substitution of the new k / v keeps the attention's
+# cache loads from being pipelined; docs/benchmarks.md).
 DEFAULT_ROPE_IN_ATTENTION = False
 
 

@@ -124,6 +124,47 @@ def test_rope_in_attention_matches_rope_kernel_then_attention(heads: int, kv_hea
         assert all(torch.equal(a, b) for a, b in zip(caches["one"], caches["two"], strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_kernels_round_as_the_torch_ops(dtype: torch.dtype) -> None:
+    """The decode RoPE kernels (fused_decode.rope_lora_kv without expands, and the RoPE form of the split
+    attention) against the torch ops they replace, `x * cos + rotate_half(x) * sin` in the activation
+    dtype, bit for bit. Compiled with Triton's FMA contraction, `round(x·c) + round(y·s)` had become one
+    fma: on an H200 21% of the bf16 q elements differed, and the two kernels from each other
+    (triton_rounding's module doc)."""
+    from lorafn.runtime.attention.triton_decode import paged_decode_attention_rope
+    from lorafn.runtime.models import fused_decode as fd
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    heads, kv_heads, batch, dim, page, per_seq = 32, 8, 7, 128, 16, 40
+    k_cache = torch.zeros(batch * per_seq + 1, page, kv_heads, dim, device="cuda", dtype=dtype)
+    caches = [(k_cache.clone(), k_cache.clone()) for _ in range(2)]
+    tables = (torch.arange(batch * per_seq, device="cuda").view(batch, per_seq) + 1).int()
+    lens = torch.randint(1, per_seq * page + 1, (batch,), device="cuda", generator=gen).int()
+    positions = (lens - 1).long()
+    block = tables[torch.arange(batch, device="cuda"), positions // page].long()
+    slots = block * page + positions % page
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+    emb = torch.cat([torch.outer(torch.arange(per_seq * page, device="cuda").float(), inv)] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    out = torch.randn(batch, (heads + 2 * kv_heads) * dim, device="cuda", generator=gen).mul(4).to(dtype)
+    q, k, v = out.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+
+    def torch_rope(x: torch.Tensor, n: int) -> torch.Tensor:
+        x = x.reshape(batch, n, dim)
+        rotated = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], dim=-1)
+        return x * cos[positions][:, None] + rotated * sin[positions][:, None]
+
+    q_want, k_want = torch_rope(q, heads), torch_rope(k, kv_heads)
+    step = (cos, sin, positions, *caches[0], slots)
+    q_got, k_got, v_got = fd.rope_lora_kv(q, k, v, None, heads, kv_heads, *step)
+    assert torch.equal(q_got, q_want)
+    assert torch.equal(k_got, k_want)
+    assert torch.equal(caches[0][0][block, positions % page], k_want)
+    paged_decode_attention_rope(q, k, v, cos, sin, positions, slots, *caches[1], tables, lens, dim**-0.5)
+    assert torch.equal(caches[1][0][block, positions % page], k_want)
+    assert torch.equal(caches[1][1][block, positions % page], v_got)
+
+
 def test_tiny_rope_in_attention_same_tokens_fp32(tiny_model_dir: Path, tiny_gpu_adapter: Path) -> None:
     """fp32 tiny engine, base and LoRA, graphs on and off: rope_in_attention gives the greedy tokens of the
     default, over decode batches of 1-40 sequences (graph buckets up to 64)."""

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from lorafn.runtime.config import DECODE_ATTENTION_KERNELS as KERNELS
 from lorafn.runtime.config import DEFAULT_DECODE_ATTENTION
+from lorafn.runtime.triton_rounding import rope_sum
 
 TARGET_PROGRAMS = 264  # about two waves on an H100 (132 SMs)
 MAX_SPLITS = 16
@@ -62,10 +63,9 @@ def dot_launch_warps(programs: int, target_programs: int = TARGET_PROGRAMS) -> d
 @triton.jit
 def _rotated(x, x_other, c, sn, sign, dt: tl.constexpr):
     """RoPE of head rows x [G, D] (float32) given rotate_half's source columns x_other and the position's
-    cos / sin [D]: each product and the sum rounded to dt, as fused_decode._rope_half_pair does."""
-    return (
-        (x * c[None, :]).to(dt).to(tl.float32) + (sign[None, :] * x_other * sn[None, :]).to(dt).to(tl.float32)
-    ).to(dt)
+    cos / sin [D]: each product and the sum rounded to dt, as fused_decode._rope_half_pair does (the same
+    rope_sum)."""
+    return rope_sum(x, c[None, :], sign[None, :] * x_other, sn[None, :], dt)
 
 
 @triton.jit

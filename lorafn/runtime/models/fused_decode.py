@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from lorafn.runtime.config import SKINNY_GEMM_MAX_ROWS
+from lorafn.runtime.triton_rounding import rope_sum
 
 log = logging.getLogger(__name__)
 
@@ -571,10 +572,9 @@ def _head_with_lora(
 
 @triton.jit
 def _rope_half_pair(x1, x2, c1, c2, s1, s2, dt: tl.constexpr):
-    """RoPE of one head's two halves, each product and the sum rounded like the torch ops."""
-    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    return o1, o2
+    """RoPE of one head's two halves, each product and the sum rounded like the torch ops (rope_sum: no
+    product fused into an FMA on the GPU)."""
+    return rope_sum(x1, c1, -x2, s1, dt), rope_sum(x2, c2, x1, s2, dt)
 
 
 @triton.jit
