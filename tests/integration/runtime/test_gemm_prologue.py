@@ -6,11 +6,9 @@ work in a child (TRITON_INTERPRET must be set before triton is imported); ~3-5 m
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.integration.runtime.interpreted import run_model_check
+from tests.integration.runtime.interpreted import ModelCheck, ModelChecks
 
 pytestmark = pytest.mark.timeout(1200)  # interpreted Triton, CPU-bound (as test_lora_grouped.py)
 
@@ -20,9 +18,15 @@ ADAPTERS = {
 }
 
 
-def test_gemm_prologue_equals_torch(tiny_model_dir: Path, tmp_path: Path) -> None:
-    module = "tests.integration.runtime.gemm_prologue_check"
-    stdout = run_model_check(module, tiny_model_dir, tmp_path, ADAPTERS, [], seed=31)
+MODEL_CHECKS = {
+    "test_gemm_prologue_equals_torch": ModelCheck(
+        "tests.integration.runtime.gemm_prologue_check", ADAPTERS, seed=31, cost_s=105
+    ),
+}
+
+
+def test_gemm_prologue_equals_torch(model_checks: ModelChecks) -> None:
+    stdout = model_checks.stdout("test_gemm_prologue_equals_torch")
     for name in ("base", *ADAPTERS):
         assert f"{name} gemm_prologue_rows=64: as the torch forward" in stdout, stdout
         assert f"{name} gemm_prologue_rows=1: as the torch forward (the one-row step alone" in stdout

@@ -12,11 +12,10 @@ and a few more for the slots."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
-from tests.integration.runtime.interpreted import run_model_check
+from tests.integration.runtime.interpreted import ModelCheck, ModelChecks
 
 # The interpreted check is CPU-bound (each Triton kernel run by numpy): on a loaded 2-core machine it ran past
 # its old 580 s once (a CI run here, 2026-12-01, beside other tests), so it gets a bound of its own.
@@ -37,14 +36,23 @@ ADAPTERS = {
 }
 
 
-def _check(tiny_model_dir: Path, tmp_path: Path, adapters: dict, flags: list[str]) -> str:
-    """Runs lora_grouped_check in a child with Triton's interpreter; its stdout (ending in "ok")."""
-    module = "tests.integration.runtime.lora_grouped_check"
-    return run_model_check(module, tiny_model_dir, tmp_path, adapters, flags, seed=11)
+SLOTS = ("r16-all-linear", "r8-qv", "mixed-ranks")
+MODEL_CHECKS = {
+    "test_grouped_expands_equal_per_projection": ModelCheck(
+        "tests.integration.runtime.lora_grouped_check", ADAPTERS, seed=11, cost_s=320
+    ),
+    "test_adapter_slots_on_the_cuda_code": ModelCheck(
+        "tests.integration.runtime.lora_grouped_check",
+        {n: ADAPTERS[n] for n in SLOTS},
+        ("--slots",),
+        seed=11,
+        cost_s=135,
+    ),
+}
 
 
-def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Path) -> None:
-    stdout = _check(tiny_model_dir, tmp_path, ADAPTERS, [])
+def test_grouped_expands_equal_per_projection(model_checks: ModelChecks) -> None:
+    stdout = model_checks.stdout("test_grouped_expands_equal_per_projection")
     for i, name in enumerate(ADAPTERS):  # the first adapter in every mode, each in one, fused and not
         assert stdout.count(f"{name} fused=") == (10 if i == 0 else 2), stdout
     # hybrid (fused): the two prefill-bearing large steps per projection, the 18-decode step in_kernels (its
@@ -66,13 +74,12 @@ def test_grouped_expands_equal_per_projection(tiny_model_dir: Path, tmp_path: Pa
     assert "clear_lora: the base model's output" in stdout
 
 
-def test_adapter_slots_on_the_cuda_code(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_adapter_slots_on_the_cuda_code(model_checks: ModelChecks) -> None:
     """Adapter slots (r16 all-linear slots: r16, q/v r8 and mixed ranks in three, the fourth empty): the
     per-row kernels reading each row's slot and the masked settled steps, every lora_expand mode and the
     skinny GEMM (its expands in the per-row kernels, and inside the GEMMs), against the torch forward of the
     same slots."""
-    names = ("r16-all-linear", "r8-qv", "mixed-ranks")
-    stdout = _check(tiny_model_dir, tmp_path, {n: ADAPTERS[n] for n in names}, ["--slots"])
+    stdout = model_checks.stdout("test_adapter_slots_on_the_cuda_code")
     for mode in ("hybrid", "grouped", "in_kernels"):
         assert f"adapter slots, {mode}: as the torch forward of the same slots" in stdout, stdout
     for in_gemm in (False, True):  # the skinny GEMM's steps, expands in the per-row kernels / in the GEMMs

@@ -6,20 +6,24 @@ child (TRITON_INTERPRET must be set before triton is imported)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.integration.runtime.interpreted import run_model_check
+from tests.integration.runtime.interpreted import ModelCheck, ModelChecks
 
 pytestmark = pytest.mark.timeout(1200)  # interpreted Triton, CPU-bound (as test_lora_grouped.py)
 
 ADAPTERS = {"r16-all-linear": dict(r=16, lora_alpha=32, target_modules="all-linear")}
 
 
-def test_rope_in_attention_equals_rope_kernel_then_attention(tiny_model_dir: Path, tmp_path: Path) -> None:
-    module = "tests.integration.runtime.rope_attention_check"
-    stdout = run_model_check(module, tiny_model_dir, tmp_path, ADAPTERS, [], seed=41)
+MODEL_CHECKS = {
+    "test_rope_in_attention_equals_rope_kernel_then_attention": ModelCheck(
+        "tests.integration.runtime.rope_attention_check", ADAPTERS, seed=41, cost_s=47
+    ),
+}
+
+
+def test_rope_in_attention_equals_rope_kernel_then_attention(model_checks: ModelChecks) -> None:
+    stdout = model_checks.stdout("test_rope_in_attention_equals_rope_kernel_then_attention")
     for name in ("base", *ADAPTERS):
         assert f"{name} rope_in_attention: the same logits and KV cache, bit for bit" in stdout, stdout
     assert "r16-all-linear rope_in_attention, expands in the per-row kernels: the RoPE kernel" in stdout
