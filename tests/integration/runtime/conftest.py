@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.runtime.engine_helpers import write_hf_model
-from tests.integration.runtime.interpreted import ModelChecks, require_triton, selected_model_checks
+from tests.integration.runtime.interpreted import ModelChecks, selected_model_checks
+from tests.unit.runtime.interpreted import require_triton
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ the checks are next to one another in the session, and each waits for its child.
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -23,19 +22,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.runtime.engine_helpers import write_hf_model, write_peft_adapter
-
-ROOT = Path(__file__).resolve().parents[3]
-
+from tests.unit.runtime.interpreted import ROOT
 
 CHECK_TIMEOUT_S = 1150  # below the owning tests' pytest timeout (1200 s)
 PARALLEL_CHECKS = 2  # CI's cores
-
-
-def require_triton() -> None:
-    """Skips off Linux x86-64 (no Triton wheels there)."""
-    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
-        pytest.skip("Triton wheels exist for Linux x86-64 only")
-    import triton  # noqa: F401  (a dev dependency on Linux x86-64: its absence is a failure there)
 
 
 @dataclass(frozen=True)
